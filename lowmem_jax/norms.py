@@ -1,0 +1,168 @@
+"""Normalisation layers: the standard ones (baseline) and MS-BP's memory-sharing ones.
+
+MS-LayerNorm / MS-RMSNorm (LowMemoryBP, ICML 2024) have no affine parameters and write
+their backward in terms of their *output* ``y``, which the next linear layer saves
+anyway: the norm's only residuals are that same array ``y`` and an fp32 ``rstd`` per
+row. The affine is folded into the following linear once, by :func:`merge_norm_affine`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _check_input(x, name):
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise TypeError(f"{name} expects a floating-point array, got {jnp.result_type(x)}")
+  if jnp.ndim(x) < 1:
+    raise ValueError(f"{name} expects at least one axis (the normalised one), got a scalar")
+
+
+def _layer_norm_stats(x, eps):
+  xf = x.astype(jnp.float32)
+  mean = jnp.mean(xf, axis=-1, keepdims=True)
+  xc = xf - mean
+  rstd = jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+  return xc, rstd
+
+
+def _rms_norm_stats(x, eps):
+  xf = x.astype(jnp.float32)
+  rstd = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return xf, rstd
+
+
+# ----------------------------------------------------------------------------- standard
+def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
+  """Standard LayerNorm over the last axis, fp32 statistics, plain autodiff (the baseline)."""
+  _check_input(x, "layer_norm")
+  xc, rstd = _layer_norm_stats(x, eps)
+  y = xc * rstd
+  if scale is not None:
+    y = y * scale.astype(jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+def rms_norm(x, scale=None, eps: float = 1e-6):
+  """Standard RMSNorm over the last axis, fp32 statistics, plain autodiff (the baseline)."""
+  _check_input(x, "rms_norm")
+  xf, rstd = _rms_norm_stats(x, eps)
+  y = xf * rstd
+  if scale is not None:
+    y = y * scale.astype(jnp.float32)
+  return y.astype(x.dtype)
+
+
+# ----------------------------------------------------------------------------- MS-BP
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ms_layer_norm(x, eps):
+  return layer_norm(x, eps=eps)
+
+
+def _ms_layer_norm_fwd(x, eps):
+  xc, rstd = _layer_norm_stats(x, eps)
+  y = (xc * rstd).astype(x.dtype)
+  # Residuals: y (the very array the next matmul saves) and rstd; never x or mean.
+  return y, (y, rstd[..., 0])
+
+
+def _ms_layer_norm_bwd(eps, res, g):
+  del eps
+  y, rstd = res
+  gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
+  dx = rstd[..., None] * (gf - jnp.mean(gf, axis=-1, keepdims=True)
+                          - yf * jnp.mean(gf * yf, axis=-1, keepdims=True))
+  return (dx.astype(g.dtype),)
+
+
+_ms_layer_norm.defvjp(_ms_layer_norm_fwd, _ms_layer_norm_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _ms_rms_norm(x, eps):
+  return rms_norm(x, eps=eps)
+
+
+def _ms_rms_norm_fwd(x, eps):
+  xf, rstd = _rms_norm_stats(x, eps)
+  y = (xf * rstd).astype(x.dtype)
+  # Residuals: y (shared with the next matmul) and rstd; never x.
+  return y, (y, rstd[..., 0])
+
+
+def _ms_rms_norm_bwd(eps, res, g):
+  del eps
+  y, rstd = res
+  gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
+  dx = rstd[..., None] * (gf - yf * jnp.mean(gf * yf, axis=-1, keepdims=True))
+  return (dx.astype(g.dtype),)
+
+
+_ms_rms_norm.defvjp(_ms_rms_norm_fwd, _ms_rms_norm_bwd)
+
+
+def ms_layer_norm(x, eps: float = 1e-6):
+  """MS-LayerNorm: ``y = (x - mean) * rstd``, no affine.
+
+  Saves for backward ``y`` (compute dtype, shared with the next linear) and fp32
+  ``rstd`` per row; backward ``dx = rstd * (g - mean(g) - y * mean(g * y))``.
+  """
+  _check_input(x, "ms_layer_norm")
+  return _ms_layer_norm(x, float(eps))
+
+
+def ms_rms_norm(x, eps: float = 1e-6):
+  """MS-RMSNorm: ``y = x * rstd``, no affine.
+
+  Saves for backward ``y`` (shared with the next linear) and fp32 ``rstd`` per row;
+  backward ``dx = rstd * (g - y * mean(g * y))``.
+  """
+  _check_input(x, "ms_rms_norm")
+  return _ms_rms_norm(x, float(eps))
+
+
+# ----------------------------------------------------------------------------- affine merge
+def merge_norm_affine(scale, bias, kernel, kernel_bias):
+  """Folds a norm's affine into the linear that follows it, in float64.
+
+  For ``linear(gamma * y + beta)`` with ``kernel`` in Flax layout ``[in, ...out]``:
+  ``kernel' = gamma[:, None] * kernel`` and ``bias' = kernel_bias + beta @ kernel``,
+  so ``linear'(y)`` computes the same function. ``scale``/``bias``/``kernel_bias`` may
+  be None (no scale, an RMSNorm, a bias-free linear). Returns ``(kernel', bias')`` cast
+  to the kernel's dtype (``bias'`` is None only if both biases are None). Done once, at
+  model build or checkpoint import, not inside a jitted step.
+  """
+  w = np.asarray(kernel, dtype=np.float64)
+  if w.ndim < 1:
+    raise ValueError("merge_norm_affine: kernel must have an input axis")
+  d_in, out_shape = w.shape[0], w.shape[1:]
+  dtype = jnp.result_type(kernel)
+
+  def vector(name, v, n):
+    v = np.asarray(v, dtype=np.float64)
+    if v.shape != (n,):
+      raise ValueError(
+          f"merge_norm_affine: {name} has shape {v.shape}, expected ({n},) for kernel {w.shape}")
+    return v
+
+  new_w = w if scale is None else vector("scale", scale, d_in).reshape(
+      (d_in,) + (1,) * len(out_shape)) * w
+  new_b = None
+  if kernel_bias is not None:
+    new_b = np.asarray(kernel_bias, dtype=np.float64)
+    if new_b.shape != out_shape:
+      raise ValueError(
+          f"merge_norm_affine: kernel_bias has shape {new_b.shape}, expected {out_shape}")
+  if bias is not None:
+    beta = vector("bias", bias, d_in)
+    shift = np.tensordot(beta, w, axes=1)
+    new_b = shift if new_b is None else new_b + shift
+  out_w = jnp.asarray(new_w.astype(dtype))
+  out_b = None if new_b is None else jnp.asarray(new_b.astype(dtype))
+  return out_w, out_b

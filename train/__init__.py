@@ -1,0 +1,1 @@
+"""The fine-tuning loop, CLI, data, checkpoints and benchmarks. Arrive with the Training issue."""
