@@ -25,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 IMPLEMENTATIONS = ("auto", "flash", "cudnn", "xla")
 DEFAULT_BLOCK_K = 512
@@ -61,8 +62,13 @@ def _validate(q, k, v, mask):
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str = "auto",
-              scale: float | None = None, block_k: int = DEFAULT_BLOCK_K):
-  """Scaled dot-product attention; returns ``[B, N, H, D]`` in q's dtype."""
+              scale: float | None = None, block_k: int = DEFAULT_BLOCK_K,
+              name: str | None = None):
+  """Scaled dot-product attention; returns ``[B, N, H, D]`` in q's dtype.
+
+  ``name`` tags the output with ``checkpoint_name``; in ``"flash"`` it is tagged inside
+  the rule, so the saved ``o`` and the output stay one array.
+  """
   _validate(q, k, v, mask)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -74,9 +80,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
     on_gpu = jax.default_backend() == "gpu"
     implementation = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else "flash"
   if implementation in ("xla", "cudnn"):
-    return jax.nn.dot_product_attention(
+    out = jax.nn.dot_product_attention(
         q, k, v, mask=mask, scale=scale, is_causal=causal, implementation=implementation)
-  return _flash(q, k, v, mask, causal, scale, min(block_k, max(k.shape[1], 1)))
+    return out if name is None else checkpoint_name(out, name)
+  return _flash(q, k, v, mask, causal, scale, min(block_k, max(k.shape[1], 1)), name)
 
 
 # ----------------------------------------------------------------------------- flash
@@ -164,18 +171,20 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _flash(q, k, v, mask, causal, scale, block):
-  return _flash_forward(q, k, v, mask, causal, scale, block)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _flash(q, k, v, mask, causal, scale, block, name):
+  return _flash_fwd(q, k, v, mask, causal, scale, block, name)[0]
 
 
-def _flash_fwd(q, k, v, mask, causal, scale, block):
+def _flash_fwd(q, k, v, mask, causal, scale, block, name):
   out, lse = _flash_forward(q, k, v, mask, causal, scale, block)
+  out = out if name is None else checkpoint_name(out, name)
   # Residuals: q, k, v, o and the fp32 row log-sum-exp; never an N x M array.
   return out, (q, k, v, mask, out, lse)
 
 
-def _flash_bwd(causal, scale, block, res, do):
+def _flash_bwd(causal, scale, block, name, res, do):
+  del name
   q, k, v, mask, out, lse = res
   b, n, h, d = q.shape
   m, kh = k.shape[1], k.shape[2]

@@ -13,6 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+
+
+def _tag(y, name):
+  """Tags ``y`` for ``jax.checkpoint`` policies (``remat:save=...``); no-op for None."""
+  return y if name is None else checkpoint_name(y, name)
 
 
 def _check_input(x, name):
@@ -37,8 +43,11 @@ def _rms_norm_stats(x, eps):
 
 
 # ----------------------------------------------------------------------------- standard
-def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
-  """Standard LayerNorm over the last axis, fp32 statistics, plain autodiff (the baseline)."""
+def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, name: str | None = None):
+  """Standard LayerNorm over the last axis, fp32 statistics, plain autodiff (the baseline).
+
+  ``name`` tags the output with ``checkpoint_name`` (for ``remat:save=...``).
+  """
   _check_input(x, "layer_norm")
   xc, rstd = _layer_norm_stats(x, eps)
   y = xc * rstd
@@ -46,34 +55,38 @@ def layer_norm(x, scale=None, bias=None, eps: float = 1e-6):
     y = y * scale.astype(jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
-  return y.astype(x.dtype)
+  return _tag(y.astype(x.dtype), name)
 
 
-def rms_norm(x, scale=None, eps: float = 1e-6):
-  """Standard RMSNorm over the last axis, fp32 statistics, plain autodiff (the baseline)."""
+def rms_norm(x, scale=None, eps: float = 1e-6, *, name: str | None = None):
+  """Standard RMSNorm over the last axis, fp32 statistics, plain autodiff (the baseline).
+
+  ``name`` tags the output with ``checkpoint_name`` (for ``remat:save=...``).
+  """
   _check_input(x, "rms_norm")
   xf, rstd = _rms_norm_stats(x, eps)
   y = xf * rstd
   if scale is not None:
     y = y * scale.astype(jnp.float32)
-  return y.astype(x.dtype)
+  return _tag(y.astype(x.dtype), name)
 
 
 # ----------------------------------------------------------------------------- MS-BP
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _ms_layer_norm(x, eps):
-  return layer_norm(x, eps=eps)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _ms_layer_norm(x, eps, name):
+  return layer_norm(x, eps=eps, name=name)
 
 
-def _ms_layer_norm_fwd(x, eps):
+def _ms_layer_norm_fwd(x, eps, name):
   xc, rstd = _layer_norm_stats(x, eps)
-  y = (xc * rstd).astype(x.dtype)
+  # Tagged here, not outside, so the residual and the output stay one array.
+  y = _tag((xc * rstd).astype(x.dtype), name)
   # Residuals: y (the very array the next matmul saves) and rstd; never x or mean.
   return y, (y, rstd[..., 0])
 
 
-def _ms_layer_norm_bwd(eps, res, g):
-  del eps
+def _ms_layer_norm_bwd(eps, name, res, g):
+  del eps, name
   y, rstd = res
   gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
   dx = rstd[..., None] * (gf - jnp.mean(gf, axis=-1, keepdims=True)
@@ -84,20 +97,20 @@ def _ms_layer_norm_bwd(eps, res, g):
 _ms_layer_norm.defvjp(_ms_layer_norm_fwd, _ms_layer_norm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _ms_rms_norm(x, eps):
-  return rms_norm(x, eps=eps)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _ms_rms_norm(x, eps, name):
+  return rms_norm(x, eps=eps, name=name)
 
 
-def _ms_rms_norm_fwd(x, eps):
+def _ms_rms_norm_fwd(x, eps, name):
   xf, rstd = _rms_norm_stats(x, eps)
-  y = (xf * rstd).astype(x.dtype)
+  y = _tag((xf * rstd).astype(x.dtype), name)
   # Residuals: y (shared with the next matmul) and rstd; never x.
   return y, (y, rstd[..., 0])
 
 
-def _ms_rms_norm_bwd(eps, res, g):
-  del eps
+def _ms_rms_norm_bwd(eps, name, res, g):
+  del eps, name
   y, rstd = res
   gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
   dx = rstd[..., None] * (gf - yf * jnp.mean(gf * yf, axis=-1, keepdims=True))
@@ -107,24 +120,25 @@ def _ms_rms_norm_bwd(eps, res, g):
 _ms_rms_norm.defvjp(_ms_rms_norm_fwd, _ms_rms_norm_bwd)
 
 
-def ms_layer_norm(x, eps: float = 1e-6):
+def ms_layer_norm(x, eps: float = 1e-6, *, name: str | None = None):
   """MS-LayerNorm: ``y = (x - mean) * rstd``, no affine.
 
   Saves for backward ``y`` (compute dtype, shared with the next linear) and fp32
   ``rstd`` per row; backward ``dx = rstd * (g - mean(g) - y * mean(g * y))``.
+  ``name`` tags ``y`` inside the rule, so tagging makes no second array.
   """
   _check_input(x, "ms_layer_norm")
-  return _ms_layer_norm(x, float(eps))
+  return _ms_layer_norm(x, float(eps), name)
 
 
-def ms_rms_norm(x, eps: float = 1e-6):
+def ms_rms_norm(x, eps: float = 1e-6, *, name: str | None = None):
   """MS-RMSNorm: ``y = x * rstd``, no affine.
 
   Saves for backward ``y`` (shared with the next linear) and fp32 ``rstd`` per row;
-  backward ``dx = rstd * (g - y * mean(g * y))``.
+  backward ``dx = rstd * (g - y * mean(g * y))``. ``name`` as in :func:`ms_layer_norm`.
   """
   _check_input(x, "ms_rms_norm")
-  return _ms_rms_norm(x, float(eps))
+  return _ms_rms_norm(x, float(eps), name)
 
 
 # ----------------------------------------------------------------------------- affine merge

@@ -1,0 +1,272 @@
+"""Memory tools: what backward saves, and what the compiled step needs.
+
+* :func:`step_memory` -- compiled memory of ``jit(fn)`` (``memory_analysis()``).
+* :func:`saved_residuals` -- the arrays autodiff keeps for backward, arguments excluded.
+* ``python -m lowmem_jax.memory`` -- each preset's residual bytes per token and compiled
+  temp bytes on the built-in block stack (:mod:`lowmem_jax.block_stack`), side by side.
+
+Both are deterministic for a given program: compare methods as ratios on the same
+model and batch. On CPU compare remat policies in scan form (the CPU scheduler is not
+memory-aware); the block stack scans its layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import functools
+import json
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+MiB = 2 ** 20
+
+
+# ----------------------------------------------------------------------------- compiled memory
+@dataclasses.dataclass(frozen=True)
+class StepMemory:
+  """Compiled memory of one jitted function, in bytes."""
+  temp: int
+  argument: int
+  output: int
+  alias: int
+  generated_code: int
+  peak: int | None  # XLA's own peak estimate, where the backend reports one
+
+  @property
+  def total(self) -> int:
+    """Arguments + outputs + temporaries, less what outputs alias from arguments."""
+    return self.argument + self.output + self.temp - self.alias
+
+  def as_dict(self) -> dict[str, int | None]:
+    return dict(dataclasses.asdict(self), total=self.total)
+
+
+def step_memory(fn: Callable, *args, donate_argnums: int | Sequence[int] = (),
+                **kwargs) -> StepMemory:
+  """Compiles ``jax.jit(fn)`` for these arguments and returns its memory figures."""
+  jitted = jax.jit(fn, donate_argnums=donate_argnums)
+  stats = jitted.lower(*args, **kwargs).compile().memory_analysis()
+  if stats is None:
+    raise RuntimeError(f"backend {jax.default_backend()!r} reports no memory_analysis()")
+  peak = getattr(stats, "peak_memory_in_bytes", None)
+  return StepMemory(temp=int(stats.temp_size_in_bytes),
+                    argument=int(stats.argument_size_in_bytes),
+                    output=int(stats.output_size_in_bytes),
+                    alias=int(stats.alias_size_in_bytes),
+                    generated_code=int(stats.generated_code_size_in_bytes),
+                    peak=None if not peak else int(peak))
+
+
+# ----------------------------------------------------------------------------- residuals
+@dataclasses.dataclass(frozen=True)
+class Residual:
+  """One array that backward keeps."""
+  shape: tuple[int, ...]
+  dtype: str
+  nbytes: int
+  source: str  # JAX's description: "output of mul from file:line (fn)", "named 'x' ..."
+
+  @property
+  def origin(self) -> str:
+    """The function the array comes from (the name in the source's trailing parens)."""
+    m = re.search(r"\(([^()]*)\)\s*$", self.source)
+    return m.group(1) if m else self.source
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedResiduals:
+  """The residuals of a function's VJP, arguments excluded."""
+  items: tuple[Residual, ...]
+
+  @property
+  def total_bytes(self) -> int:
+    return sum(r.nbytes for r in self.items)
+
+  def by_origin(self) -> dict[str, int]:
+    """Bytes saved per originating function, largest first."""
+    acc = collections.Counter()
+    for r in self.items:
+      acc[r.origin] += r.nbytes
+    return dict(acc.most_common())
+
+  def table(self) -> str:
+    rows = [(f"{r.dtype}{list(r.shape)}", f"{r.nbytes:,}", r.source) for r in self.items]
+    rows.append(("total", f"{self.total_bytes:,}", f"{len(self.items)} arrays"))
+    return format_table(("array", "bytes", "source"), rows)
+
+
+def _jax_saved_residuals(fn, *args, **kwargs):
+  # jax.ad_checkpoint.print_saved_residuals prints what this returns; the list form is
+  # not public, so reach for it and fail loudly if a JAX release moves it.
+  try:
+    from jax._src.ad_checkpoint import saved_residuals as impl
+  except ImportError as e:  # pragma: no cover - depends on the JAX release
+    raise RuntimeError("this JAX release has no jax._src.ad_checkpoint.saved_residuals; "
+                       "use jax.ad_checkpoint.print_saved_residuals") from e
+  return impl(fn, *args, **kwargs)
+
+
+def saved_residuals(fn: Callable, *args, **kwargs) -> SavedResiduals:
+  """The arrays that the VJP of ``fn(*args, **kwargs)`` keeps, arguments excluded."""
+  items = []
+  for aval, source in _jax_saved_residuals(fn, *args, **kwargs):
+    if source.startswith("from the argument"):
+      continue
+    shape = tuple(int(d) for d in aval.shape)
+    dtype = np.dtype(aval.dtype)
+    items.append(Residual(shape=shape, dtype=str(dtype),
+                          nbytes=math.prod(shape) * dtype.itemsize, source=source))
+  return SavedResiduals(tuple(items))
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+  """A plain fixed-width text table (first column left-aligned, the rest right)."""
+  cells = [list(map(str, headers))] + [list(map(str, r)) for r in rows]
+  widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+  def line(r):
+    return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                     for i, (c, w) in enumerate(zip(r, widths)))
+
+  return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)]
+                   + [line(r) for r in cells[1:]])
+
+
+# ----------------------------------------------------------------------------- the report
+DEFAULT_PRESETS = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
+                   "remat:dots_saveable", "remat:dots_with_no_batch_dims_saveable",
+                   "remat:save=qkv_proj,attn_out", "lowmembp+remat")
+
+
+def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
+  """Per token per layer, what each op must save (PyTorch-style accounting, flash attention).
+
+  Norm: input + fp32 stats (standard) or output + fp32 rstd (MS, output shared with the
+  next linear). Linear: its input. GELU/SiLU: input (exact) or 2 bits (approx2). Attention:
+  q, k, v, o and the fp32 log-sum-exp. Full remat keeps only the block input. None for
+  selective remat (what XLA keeps then is what the measurement shows).
+  """
+  if policy.remat == "full":
+    return cfg.dim * itemsize
+  if policy.remat is not None:
+    return None
+  d, f, s = cfg.dim, cfg.mlp_dim, itemsize
+  kvd = cfg.kv_heads * cfg.head_dim
+  stats = 8 if cfg.kind == "vit" else 4
+  norm = (d * s + 4) if policy.norm == "ms" else (d * s + stats + d * s)
+  attn = (d + 2 * kvd + d) * s + 4 * cfg.num_heads
+  act_in = f // 4 if policy.activation == "approx2" else f * s
+  if cfg.kind == "vit":
+    mlp = act_in + f * s                   # GELU input + fc2 input
+  else:
+    mlp = act_in + 3 * f * s               # SiLU input; silu(gate), up, fc2 input
+  return 2 * norm + attn + mlp
+
+
+def _report_rows(cfg, policies, batch, seq, dtype):
+  from lowmem_jax import block_stack
+  from lowmem_jax.policy import MemoryPolicy
+
+  rows = []
+  tokens = batch * seq * cfg.num_layers
+  for spec in policies:
+    policy = MemoryPolicy.parse(spec)
+    params = block_stack.init_stack(jax.random.key(0), cfg, policy)
+    loss = functools.partial(block_stack.stack_loss, cfg=cfg, policy=policy)
+    # Bytes per token: the residual growth from batch to 2*batch, so per-layer weights
+    # (and their compute-dtype copies) do not count.
+    res = [saved_residuals(loss, params, jnp.zeros((b, seq, cfg.dim), dtype)).total_bytes
+           for b in (batch, 2 * batch)]
+    step = functools.partial(block_stack.sgd_step, cfg=cfg, policy=policy)
+    mem = step_memory(step, params, jnp.zeros((batch, seq, cfg.dim), dtype))
+    rows.append({
+        "policy": policy.spec,
+        "residual_bytes_per_token_layer": (res[1] - res[0]) / tokens,
+        "residual_bytes": res[0],
+        "theory_bytes_per_token_layer": theoretical_bytes_per_token(
+            cfg, policy, jnp.dtype(dtype).itemsize),
+        "compiled": mem.as_dict(),
+    })
+  return rows
+
+
+def _ratio(a, b):
+  return "-" if a is None or not b else f"{a / b:.3f}"
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+  from lowmem_jax.block_stack import StackConfig
+
+  ap = argparse.ArgumentParser(
+      prog="python -m lowmem_jax.memory",
+      description="Residual bytes per token and compiled step memory of each memory "
+                  "policy on a built-in pre-LN Transformer block stack (scanned layers).")
+  ap.add_argument("--kind", choices=("vit", "llama"), default="vit")
+  ap.add_argument("--layers", type=int, default=4)
+  ap.add_argument("--dim", type=int, default=768)
+  ap.add_argument("--heads", type=int, default=12)
+  ap.add_argument("--kv-heads", type=int, default=None)
+  ap.add_argument("--mlp-dim", type=int, default=3072)
+  ap.add_argument("--batch", type=int, default=8)
+  ap.add_argument("--seq", type=int, default=197)
+  ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+  ap.add_argument("--policies", default=",".join(DEFAULT_PRESETS),
+                  help="comma-separated policy specs (default: %(default)s)")
+  ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
+  args = ap.parse_args(argv)
+  cfg = StackConfig(kind=args.kind, num_layers=args.layers, dim=args.dim,
+                    num_heads=args.heads, num_kv_heads=args.kv_heads, mlp_dim=args.mlp_dim)
+  specs = _split_policies(args.policies)
+  rows = _report_rows(cfg, specs, args.batch, args.seq, jnp.dtype(args.dtype))
+
+  base = next((r for r in rows if r["policy"] == "baseline"), rows[0])
+  table = []
+  for r in rows:
+    table.append((
+        r["policy"],
+        f"{r['residual_bytes_per_token_layer']:.0f}",
+        _ratio(r["residual_bytes_per_token_layer"], base["residual_bytes_per_token_layer"]),
+        "-" if r["theory_bytes_per_token_layer"] is None else r["theory_bytes_per_token_layer"],
+        _ratio(r["theory_bytes_per_token_layer"], base["theory_bytes_per_token_layer"]),
+        f"{r['compiled']['temp'] / MiB:.1f}",
+        _ratio(r["compiled"]["temp"], base["compiled"]["temp"]),
+    ))
+  print(f"{args.kind} block stack: {args.layers} layers, D={args.dim}, heads={args.heads}, "
+        f"MLP={args.mlp_dim}, batch={args.batch}, seq={args.seq}, {args.dtype}, "
+        f"backend={jax.default_backend()}")
+  print(format_table(("policy", "saved B/tok/layer", "ratio", "theory B/tok/layer",
+                      "ratio", "compiled temp MiB", "ratio"), table))
+  result = {"config": vars(args), "backend": jax.default_backend(),
+            "jax_version": jax.__version__, "rows": rows}
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+  return result
+
+
+def _split_policies(text: str) -> list[str]:
+  """Splits a comma-separated policy list; commas inside ``remat:save=a,b`` stay put."""
+  from lowmem_jax.policy import CHECKPOINT_NAMES
+  specs: list[str] = []
+  for part in text.split(","):
+    part = part.strip()
+    if not part:
+      continue
+    if specs and "remat:save=" in specs[-1] and part.split("+")[0] in CHECKPOINT_NAMES:
+      specs[-1] += "," + part
+    else:
+      specs.append(part)
+  return specs
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

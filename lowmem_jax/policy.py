@@ -1,0 +1,222 @@
+"""The memory policy: one object that says how every layer saves for backward.
+
+Models ask the policy which activation, norm and attention to use and whether to remat
+a block; they never branch on preset names. Presets are named field settings, combined
+with ``+``::
+
+    MemoryPolicy.parse("lowmembp")                 # approx2 activations + MS norms
+    MemoryPolicy.parse("lowmembp+remat")           # ... and full remat of each block
+    MemoryPolicy.parse("remat:dots_saveable")      # any jax.checkpoint_policies name
+    MemoryPolicy.parse("remat:save=qkv_proj,mlp_out")  # save only these tagged tensors
+    MemoryPolicy.parse("lowmembp+attention=xla")   # any field as field=value
+
+A new method adds its field values here and one line to ``PRESETS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+
+import jax
+
+from lowmem_jax import activations, attention as attention_lib, norms
+
+ACTIVATIONS = ("exact", "approx2")
+NORMS = ("standard", "ms")
+ATTENTIONS = ("auto", "xla", "flash", "cudnn")
+KERNELS = ("auto", "xla", "pallas")
+
+# jax.checkpoint_policies entries that are policies themselves (not policy factories).
+REMAT_POLICY_NAMES = tuple(n for n in (
+    "nothing_saveable", "everything_saveable", "dots_saveable", "checkpoint_dots",
+    "dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims",
+) if hasattr(jax.checkpoint_policies, n))
+
+# Tensors the blocks tag with jax.ad_checkpoint.checkpoint_name, for remat:save=...
+CHECKPOINT_NAMES = (
+    "norm_out",    # output of a block's norm (input of the next linear)
+    "qkv_proj",    # query/key/value projections
+    "attn_out",    # attention output, before the out-projection
+    "attn_proj",   # out-projection output
+    "mlp_hidden",  # first MLP linear(s) output, before the activation
+    "mlp_act",     # activation output (input of the last MLP linear)
+    "mlp_out",     # last MLP linear output
+)
+
+# Named presets: the fields each sets. Combine with "+".
+PRESETS: dict[str, dict[str, object]] = {
+    "baseline": {},
+    "approx-bp": {"activation": "approx2"},
+    "ms-bp": {"norm": "ms"},
+    "lowmembp": {"activation": "approx2", "norm": "ms"},
+    "remat": {"remat": "full"},
+}
+
+# "exact" is what a Flax user writes: jax.nn's activations in the compute dtype, plain
+# autodiff (nnx.gelu is jax.nn.gelu). activations.gelu/silu are the fp32 references.
+_ACT_FNS = {
+    ("exact", "gelu"): functools.partial(jax.nn.gelu, approximate=False),
+    ("exact", "silu"): jax.nn.silu,
+    ("approx2", "gelu"): activations.regelu2,
+    ("approx2", "silu"): activations.resilu2,
+}
+
+
+def _choice(field, value, valid):
+  if value not in valid:
+    raise ValueError(
+        f"MemoryPolicy: unknown {field} {value!r}; valid: {', '.join(map(repr, valid))}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPolicy:
+  """How layers save for backward.
+
+  activation: "exact" (plain autodiff) | "approx2" (ReGELU2/ReSiLU2, 2-bit residual).
+  norm: "standard" (affine norms, plain autodiff) | "ms" (MS-LayerNorm/MS-RMSNorm; the
+    model merges the affine into the next linear).
+  attention: "auto" | "xla" | "flash" | "cudnn" (see :mod:`lowmem_jax.attention`).
+  remat: None | "full" | a ``jax.checkpoint_policies`` name | a tuple of
+    ``CHECKPOINT_NAMES`` to save (everything else in the block is recomputed).
+  kernels: "auto" | "xla" | "pallas" (which implementation of the hot ops).
+  """
+  activation: str = "exact"
+  norm: str = "standard"
+  attention: str = "auto"
+  remat: str | tuple[str, ...] | None = None
+  kernels: str = "auto"
+
+  def __post_init__(self):
+    _choice("activation", self.activation, ACTIVATIONS)
+    _choice("norm", self.norm, NORMS)
+    _choice("attention", self.attention, ATTENTIONS)
+    _choice("kernels", self.kernels, KERNELS)
+    remat = self.remat
+    if isinstance(remat, list):
+      remat = tuple(remat)
+      object.__setattr__(self, "remat", remat)
+    if isinstance(remat, tuple):
+      if not remat:
+        raise ValueError("MemoryPolicy: remat=() saves nothing; use remat='full'")
+      for name in remat:
+        _choice("checkpoint name in remat", name, CHECKPOINT_NAMES)
+    elif remat is not None:
+      _choice("remat", remat, ("full",) + REMAT_POLICY_NAMES)
+
+  # -------------------------------------------------------------------------- parsing
+  @classmethod
+  def parse(cls, spec: "str | MemoryPolicy") -> "MemoryPolicy":
+    """A policy from a spec: presets, ``remat:...`` and ``field=value`` joined by ``+``."""
+    if isinstance(spec, MemoryPolicy):
+      return spec
+    if not isinstance(spec, str) or not spec.strip():
+      raise ValueError(f"MemoryPolicy.parse expects a non-empty string, got {spec!r}")
+    fields: dict[str, object] = {}
+    origin: dict[str, str] = {}
+    for token in (t.strip() for t in spec.split("+")):
+      for field, value in _token_fields(token).items():
+        if field in fields and fields[field] != value:
+          raise ValueError(
+              f"MemoryPolicy: {token!r} sets {field}={value!r} but {origin[field]!r} "
+              f"already set {field}={fields[field]!r}")
+        fields[field], origin[field] = value, token
+    return cls(**fields)
+
+  def __add__(self, other: "str | MemoryPolicy") -> "MemoryPolicy":
+    return MemoryPolicy.parse(f"{self.spec}+{MemoryPolicy.parse(other).spec}")
+
+  @property
+  def spec(self) -> str:
+    """The canonical spec string, presets first; ``MemoryPolicy.parse(p.spec) == p``."""
+    left = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if getattr(self, f.name) != f.default}
+    tokens = []
+    for name, fields in sorted(PRESETS.items(), key=lambda kv: -len(kv[1])):
+      if fields and all(k in left and left[k] == v for k, v in fields.items()):
+        tokens.append(name)
+        for k in fields:
+          del left[k]
+    for field, value in left.items():
+      if field != "remat":
+        tokens.append(f"{field}={value}")
+      elif isinstance(value, tuple):
+        tokens.append("remat:save=" + ",".join(value))
+      else:
+        tokens.append(f"remat:{value}")
+    return "+".join(tokens) or "baseline"
+
+  def __str__(self):
+    return self.spec
+
+  # -------------------------------------------------------------------------- what models ask
+  def activation_fn(self, kind: str) -> Callable:
+    """The activation to use for ``kind`` in {"gelu", "silu"}."""
+    self._require_xla_kernels()
+    if kind not in ("gelu", "silu"):
+      raise ValueError(f"unknown activation kind {kind!r}; valid: 'gelu', 'silu'")
+    return _ACT_FNS[(self.activation, kind)]
+
+  @property
+  def merges_norm_affine(self) -> bool:
+    """True when norms carry no affine: the model folds it into the next linear."""
+    return self.norm == "ms"
+
+  def norm_fn(self, kind: str) -> Callable:
+    """The norm for ``kind`` in {"layer", "rms"}.
+
+    Standard: ``fn(x, scale, bias, eps)`` / ``fn(x, scale, eps)``; MS: ``fn(x, eps)``.
+    """
+    self._require_xla_kernels()
+    table = {("standard", "layer"): norms.layer_norm, ("standard", "rms"): norms.rms_norm,
+             ("ms", "layer"): norms.ms_layer_norm, ("ms", "rms"): norms.ms_rms_norm}
+    if kind not in ("layer", "rms"):
+      raise ValueError(f"unknown norm kind {kind!r}; valid: 'layer', 'rms'")
+    return table[(self.norm, kind)]
+
+  def attention_fn(self) -> Callable:
+    """``attention(q, k, v, *, causal, mask)`` with this policy's implementation."""
+    return functools.partial(attention_lib.attention, implementation=self.attention)
+
+  def checkpoint_policy(self):
+    """The ``jax.checkpoint`` policy for a block, or None when blocks are not rematted."""
+    if self.remat is None:
+      return None
+    if self.remat == "full":
+      return jax.checkpoint_policies.nothing_saveable
+    if isinstance(self.remat, tuple):
+      return jax.checkpoint_policies.save_only_these_names(*self.remat)
+    return getattr(jax.checkpoint_policies, self.remat)
+
+  def remat_block(self, fn: Callable) -> Callable:
+    """``fn`` wrapped in ``jax.checkpoint`` per the policy (``fn`` itself if no remat)."""
+    policy = self.checkpoint_policy()
+    return fn if policy is None else jax.checkpoint(fn, policy=policy)
+
+  def _require_xla_kernels(self):
+    if self.kernels == "pallas":
+      raise NotImplementedError(
+          "MemoryPolicy(kernels='pallas'): no Pallas kernels are wired in yet; "
+          "use kernels='xla' or 'auto'")
+
+
+def _token_fields(token: str) -> dict[str, object]:
+  if token in PRESETS:
+    return PRESETS[token]
+  if token.startswith("remat:"):
+    rest = token[len("remat:"):]
+    if rest.startswith("save="):
+      return {"remat": tuple(n.strip() for n in rest[len("save="):].split(",") if n.strip())}
+    return {"remat": rest}
+  if "=" in token:
+    field, value = (s.strip() for s in token.split("=", 1))
+    names = [f.name for f in dataclasses.fields(MemoryPolicy) if f.name != "remat"]
+    if field not in names:
+      raise ValueError(f"MemoryPolicy: unknown field {field!r} in {token!r}; valid: "
+                       f"{', '.join(names)} (remat is set as 'remat' or 'remat:...')")
+    return {field: value}
+  raise ValueError(
+      f"MemoryPolicy: unknown preset {token!r}; valid presets: {', '.join(PRESETS)}; "
+      f"also 'remat:<{'|'.join(REMAT_POLICY_NAMES)}>', 'remat:save=<names>', "
+      "and field=value")
