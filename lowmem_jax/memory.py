@@ -115,10 +115,13 @@ def _jax_saved_residuals(fn, *args, **kwargs):
 
 
 def saved_residuals(fn: Callable, *args, **kwargs) -> SavedResiduals:
-  """The arrays that the VJP of ``fn(*args, **kwargs)`` keeps, arguments excluded."""
+  """The arrays that the VJP of ``fn(*args, **kwargs)`` keeps.
+
+  Arguments, closed-over constants and literals are excluded: they live anyway.
+  """
   items = []
   for aval, source in _jax_saved_residuals(fn, *args, **kwargs):
-    if source.startswith("from the argument"):
+    if source.startswith(("from the argument", "from a constant", "from a literal")):
       continue
     shape = tuple(int(d) for d in aval.shape)
     dtype = np.dtype(aval.dtype)

@@ -21,7 +21,8 @@ from collections.abc import Callable
 
 import jax
 
-from lowmem_jax import activations, attention as attention_lib, norms
+from lowmem_jax import activations, norms
+from lowmem_jax.attention import attention
 
 ACTIVATIONS = ("exact", "approx2")
 NORMS = ("standard", "ms")
@@ -177,7 +178,7 @@ class MemoryPolicy:
 
   def attention_fn(self) -> Callable:
     """``attention(q, k, v, *, causal, mask)`` with this policy's implementation."""
-    return functools.partial(attention_lib.attention, implementation=self.attention)
+    return functools.partial(attention, implementation=self.attention)
 
   def checkpoint_policy(self):
     """The ``jax.checkpoint`` policy for a block, or None when blocks are not rematted."""

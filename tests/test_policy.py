@@ -1,0 +1,136 @@
+"""MemoryPolicy: presets, parsing, combinations, errors, and what models ask of it."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lowmem_jax import activations, norms
+from lowmem_jax.memory import saved_residuals
+from lowmem_jax.policy import CHECKPOINT_NAMES, PRESETS, REMAT_POLICY_NAMES, MemoryPolicy
+
+
+@pytest.mark.parametrize("spec,expected", [
+    ("baseline", MemoryPolicy()),
+    ("approx-bp", MemoryPolicy(activation="approx2")),
+    ("ms-bp", MemoryPolicy(norm="ms")),
+    ("lowmembp", MemoryPolicy(activation="approx2", norm="ms")),
+    ("approx-bp+ms-bp", MemoryPolicy(activation="approx2", norm="ms")),
+    ("remat", MemoryPolicy(remat="full")),
+    ("lowmembp+remat", MemoryPolicy(activation="approx2", norm="ms", remat="full")),
+    ("remat:dots_saveable", MemoryPolicy(remat="dots_saveable")),
+    ("remat:save=qkv_proj,attn_out", MemoryPolicy(remat=("qkv_proj", "attn_out"))),
+    ("lowmembp + attention=xla", MemoryPolicy(activation="approx2", norm="ms", attention="xla")),
+    ("kernels=xla", MemoryPolicy(kernels="xla")),
+])
+def test_parse(spec, expected):
+  assert MemoryPolicy.parse(spec) == expected
+
+
+@pytest.mark.parametrize("spec", ["baseline", "lowmembp", "lowmembp+remat", "ms-bp+remat:dots_saveable",
+                                  "remat:save=norm_out,mlp_act", "approx-bp+attention=flash+kernels=xla"])
+def test_spec_round_trips(spec):
+  policy = MemoryPolicy.parse(spec)
+  assert MemoryPolicy.parse(policy.spec) == policy
+  assert str(policy) == policy.spec
+
+
+def test_spec_prefers_preset_names():
+  assert MemoryPolicy(activation="approx2", norm="ms", remat="full").spec == "lowmembp+remat"
+  assert MemoryPolicy().spec == "baseline"
+
+
+def test_add_combines_and_parse_passes_policies_through():
+  p = MemoryPolicy.parse("lowmembp")
+  assert p + "remat" == MemoryPolicy.parse("lowmembp+remat")
+  assert MemoryPolicy.parse(p) is p
+
+
+def test_every_remat_policy_name_maps_to_jax():
+  for name in REMAT_POLICY_NAMES:
+    assert MemoryPolicy(remat=name).checkpoint_policy() is getattr(jax.checkpoint_policies, name)
+  assert MemoryPolicy(remat="full").checkpoint_policy() is jax.checkpoint_policies.nothing_saveable
+  assert MemoryPolicy().checkpoint_policy() is None
+
+
+@pytest.mark.parametrize("spec,match", [
+    ("lowmem", "unknown preset 'lowmem'.*baseline, approx-bp, ms-bp, lowmembp, remat"),
+    ("remat:dots", "unknown remat 'dots'.*dots_saveable"),
+    ("remat:save=qkv", "unknown checkpoint name in remat 'qkv'.*qkv_proj"),
+    ("remat:save=", "saves nothing"),
+    ("attention=fast", "unknown attention 'fast'.*cudnn"),
+    ("activation=relu", "unknown activation 'relu'"),
+    ("norm=batch", "unknown norm 'batch'"),
+    ("kernels=cuda", "unknown kernels 'cuda'"),
+    ("speed=fast", "unknown field 'speed'"),
+    ("remat+remat:dots_saveable", "already set remat"),
+    ("attention=xla+attention=flash", "already set attention"),
+    ("", "non-empty"),
+])
+def test_bad_specs_are_clear_errors(spec, match):
+  with pytest.raises(ValueError, match=match):
+    MemoryPolicy.parse(spec)
+
+
+def test_bad_constructor_values_are_errors():
+  with pytest.raises(ValueError, match="unknown norm"):
+    MemoryPolicy(norm="MS")
+  with pytest.raises(ValueError, match="checkpoint name"):
+    MemoryPolicy(remat=("qkv_proj", "nope"))
+  assert MemoryPolicy(remat=["qkv_proj"]).remat == ("qkv_proj",)  # lists normalised
+
+
+def test_presets_are_valid_policies():
+  for name, fields in PRESETS.items():
+    assert MemoryPolicy.parse(name) == MemoryPolicy(**fields)
+
+
+def test_activation_and_norm_choices():
+  exact, approx = MemoryPolicy(), MemoryPolicy.parse("lowmembp")
+  assert approx.activation_fn("gelu") is activations.regelu2
+  assert approx.activation_fn("silu") is activations.resilu2
+  assert approx.norm_fn("layer") is norms.ms_layer_norm
+  assert approx.norm_fn("rms") is norms.ms_rms_norm and approx.merges_norm_affine
+  assert exact.norm_fn("layer") is norms.layer_norm and not exact.merges_norm_affine
+  x = jnp.linspace(-4, 4, 33)
+  for kind, ref in (("gelu", activations.gelu), ("silu", activations.silu)):
+    assert jnp.allclose(exact.activation_fn(kind)(x), ref(x), atol=1e-6)
+    assert jnp.allclose(approx.activation_fn(kind)(x), ref(x), atol=1e-6)
+  with pytest.raises(ValueError, match="unknown activation kind"):
+    exact.activation_fn("relu")
+  with pytest.raises(ValueError, match="unknown norm kind"):
+    exact.norm_fn("batch")
+
+
+def test_pallas_kernels_not_silently_ignored():
+  with pytest.raises(NotImplementedError, match="Pallas"):
+    MemoryPolicy(kernels="pallas").activation_fn("gelu")
+
+
+def test_attention_fn_uses_the_policy_implementation():
+  fn = MemoryPolicy(attention="xla").attention_fn()
+  assert fn.keywords == {"implementation": "xla"}
+
+
+def test_remat_block_saves_only_named_tensors():
+  w = jnp.ones((8, 8))
+
+  def block(x):
+    h = jax.ad_checkpoint.checkpoint_name(jnp.sin(x @ w), CHECKPOINT_NAMES[1])
+    return jnp.sum(jnp.cos(h @ w))
+
+  x = jnp.ones((4, 8))
+  full = saved_residuals(MemoryPolicy.parse("remat").remat_block(block), x)
+  named = saved_residuals(MemoryPolicy.parse(f"remat:save={CHECKPOINT_NAMES[1]}").remat_block(block), x)
+  plain = saved_residuals(MemoryPolicy().remat_block(block), x)
+  assert full.total_bytes == 0
+  assert named.total_bytes == 4 * 8 * 4
+  assert plain.total_bytes > named.total_bytes
+
+
+def test_policy_is_hashable_and_frozen():
+  p = MemoryPolicy.parse("lowmembp")
+  assert hash(p) == hash(MemoryPolicy.parse("approx-bp+ms-bp"))
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    p.norm = "standard"
