@@ -68,6 +68,17 @@ def rand(shape, seed, scale=3.0, dtype=jnp.float32):
 
 
 @functools.partial(jax.jit, static_argnums=0)
+def fwd(fn, x):
+  """``fn(x)`` under jit (one compile per shape instead of one per op and shape)."""
+  return fn(x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def grad_sum(fn, x):
+  return jax.grad(lambda v: fn(v).sum())(x)
+
+
+@functools.partial(jax.jit, static_argnums=0)
 def vjp(fn, x, g):
   """Value and VJP of ``fn`` at ``x`` for cotangent ``g`` (jitted: one compile per shape)."""
   y, pullback = jax.vjp(fn, x)
@@ -80,7 +91,7 @@ def vjp(fn, x, g):
 def test_forward_fp32_matches_reference(name, shape):
   fn, ref, _, _ = FNS[name]
   x = rand(shape, seed=1)
-  y = fn(x)
+  y = fwd(fn, x)
   assert y.dtype == jnp.float32 and y.shape == shape
   np.testing.assert_allclose(np.asarray(y, np.float64), ref(np.asarray(x)), rtol=1e-6, atol=1e-6)
 
@@ -98,7 +109,7 @@ def test_forward_fp32_wide_range_and_special_points(name):
                                          ("resilu2", jax.nn.silu)])
 def test_forward_fp32_matches_jax_nn(name, jax_fn):
   x = rand((4, 257), seed=2)
-  np.testing.assert_allclose(np.asarray(FNS[name][0](x)), np.asarray(jax_fn(x)),
+  np.testing.assert_allclose(np.asarray(fwd(FNS[name][0], x)), np.asarray(jax_fn(x)),
                              rtol=1e-6, atol=1e-6)
 
 
@@ -108,7 +119,7 @@ def test_forward_low_precision_keeps_dtype(name, dtype):
   fn, ref, _, _ = FNS[name]
   jdtype, rtol = LOW_DTYPES[dtype]
   x = rand((6, 67), seed=3, dtype=jdtype)
-  y = fn(x)
+  y = fwd(fn, x)
   assert y.dtype == jdtype and y.shape == x.shape
   # Reference on the already-rounded input: only the output rounding differs.
   expected = ref(np.asarray(x.astype(jnp.float32)))
@@ -151,7 +162,7 @@ def test_grad_all_four_levels_near_thresholds(name):
                 c[2] - 1e-3, c[2] + 1e-3, c[2] + 1.0, -100.0, 100.0], np.float32)
   expected_flag = np.array([0, 0, 1, 1, 2, 2, 3, 3, 0, 3])
   np.testing.assert_array_equal(ref_flag(x, name), expected_flag)
-  dx = jax.grad(lambda v: fn(v).sum())(jnp.asarray(x))
+  dx = grad_sum(fn, jnp.asarray(x))
   np.testing.assert_array_equal(np.asarray(dx), ref_levels(name)[expected_flag])
   np.testing.assert_array_equal(np.asarray(FNS[name][3].code(jnp.asarray(x))), expected_flag)
 
@@ -215,12 +226,12 @@ def test_surrogate_numeric_derivative_matches_derivative(name):
   x = np.random.default_rng(0).uniform(-10, 10, size=4000)
   x = x[np.min(np.abs(x[:, None] - c[None, :]), axis=1) > 4 * delta].astype(np.float32)
   xj = jnp.asarray(x)
-  fd = (np.asarray(step.surrogate(xj + delta), np.float64)
-        - np.asarray(step.surrogate(xj - delta), np.float64)) / (2 * delta)
-  np.testing.assert_allclose(fd, np.asarray(deriv(xj), np.float64), atol=2e-3)
+  h_plus, h_minus, d = jax.jit(
+      lambda v: (step.surrogate(v + delta), step.surrogate(v - delta), deriv(v)))(xj)
+  fd = (np.asarray(h_plus, np.float64) - np.asarray(h_minus, np.float64)) / (2 * delta)
+  np.testing.assert_allclose(fd, np.asarray(d, np.float64), atol=2e-3)
   # And the custom_vjp gradient is that same derivative.
-  np.testing.assert_allclose(np.asarray(jax.grad(lambda v: FNS[name][0](v).sum())(xj)), fd,
-                             atol=2e-3)
+  np.testing.assert_allclose(np.asarray(grad_sum(FNS[name][0], xj)), fd, atol=2e-3)
 
 
 # ----------------------------------------------------------------------------- residuals
@@ -259,7 +270,7 @@ def test_size_zero(name, shape):
   x = jnp.zeros(shape, jnp.float32)
   y = fn(x)
   assert y.shape == shape and y.dtype == jnp.float32
-  dx = jax.grad(lambda v: fn(v).sum())(x)
+  dx = grad_sum(fn, x)
   assert dx.shape == shape and dx.dtype == jnp.float32
   _, dx2 = vjp(fn, x, jnp.zeros(shape, jnp.float32))
   assert dx2.shape == shape
@@ -303,15 +314,15 @@ def test_under_vmap(name):
   fn = FNS[name][0]
   x = rand((4, 3, 7), seed=13, scale=4.0)
   g = rand((4, 3, 7), seed=14, scale=1.0)
-  np.testing.assert_array_equal(np.asarray(jax.vmap(fn)(x)), np.asarray(fn(x)))
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.vmap(fn))(x)), np.asarray(fwd(fn, x)))
   # vmap of a per-example VJP: each example's packed code has its own ceil(21/4) bytes.
-  dx = jax.vmap(lambda v, w: jax.vjp(fn, v)[1](w)[0])(x, g)
+  dx = jax.jit(jax.vmap(lambda v, w: jax.vjp(fn, v)[1](w)[0]))(x, g)
   np.testing.assert_array_equal(np.asarray(dx), ref_grad(x, g, name))
   # grad of a vmapped function, and vmap with the cotangent unbatched.
-  dx2 = jax.grad(lambda v: jnp.vdot(jax.vmap(fn)(v), g))(x)
+  dx2 = jax.jit(jax.grad(lambda v, w: jnp.vdot(jax.vmap(fn)(v), w)))(x, g)
   np.testing.assert_array_equal(np.asarray(dx2), ref_grad(x, g, name))
   g0 = g[0]
-  dx3 = jax.vmap(lambda v: jax.vjp(fn, v)[1](g0)[0])(x)
+  dx3 = jax.jit(jax.vmap(lambda v, w: jax.vjp(fn, v)[1](w)[0], in_axes=(0, None)))(x, g0)
   np.testing.assert_array_equal(np.asarray(dx3), ref_grad(x, jnp.broadcast_to(g0, x.shape), name))
 
 
@@ -327,7 +338,7 @@ def test_under_scan(name):
       return carry + jnp.vdot(fn(xr), wr), None
     return jax.lax.scan(body, jnp.float32(0), (v, w))[0]
 
-  np.testing.assert_array_equal(np.asarray(jax.grad(loss)(x, g)), ref_grad(x, g, name))
+  np.testing.assert_array_equal(np.asarray(jax.jit(jax.grad(loss))(x, g)), ref_grad(x, g, name))
   # Residuals of a scanned sum: the stacked packed codes, 5 x ceil(7/4) bytes, nothing else.
   def loss_sum(v):
     return jax.lax.scan(lambda c, xr: (c + fn(xr).sum(), None), jnp.float32(0), v)[0]
@@ -341,10 +352,11 @@ def test_under_checkpoint(name):
   fn = FNS[name][0]
   x = rand((3, 11), seed=17, scale=4.0)
   g = rand((3, 11), seed=18, scale=1.0)
-  loss = lambda v: jnp.vdot(fn(v), g)
-  dx = jax.grad(jax.checkpoint(loss))(x)
+  loss = lambda v, w: jnp.vdot(fn(v), w)
+  dx = jax.jit(jax.grad(jax.checkpoint(loss)))(x, g)
   np.testing.assert_array_equal(np.asarray(dx), ref_grad(x, g, name))
-  dx2 = jax.grad(jax.checkpoint(loss, policy=jax.checkpoint_policies.everything_saveable))(x)
+  policy = jax.checkpoint_policies.everything_saveable
+  dx2 = jax.jit(jax.grad(jax.checkpoint(loss, policy=policy)))(x, g)
   np.testing.assert_array_equal(np.asarray(dx2), ref_grad(x, g, name))
   # Full remat of the function saves nothing but its argument.
   assert saved_residuals(jax.checkpoint(lambda v: fn(v).sum()), x).items == ()
@@ -356,11 +368,11 @@ def test_nested_grad(name):
   x = rand((4, 9), seed=19, scale=4.0)
   u = rand((4, 9), seed=20, scale=1.0)
   v = rand((4, 9), seed=21, scale=1.0)
-  grad_sum = jax.grad(lambda y: fn(y).sum())
+  first = jax.grad(lambda y: fn(y).sum())
   # The surrogate derivative is piecewise constant: its own derivative is zero.
-  second = jax.grad(lambda y: grad_sum(y).sum())(x)
+  second = jax.jit(jax.grad(lambda y: first(y).sum()))(x)
   np.testing.assert_array_equal(np.asarray(second), np.zeros(x.shape, np.float32))
   # Differentiating the backward with respect to its cotangent gives u * d(x).
-  d_cot = jax.grad(
-      lambda w: jnp.vdot(jax.grad(lambda y: jnp.vdot(fn(y), w))(x), u))(v)
+  d_cot = jax.jit(jax.grad(
+      lambda w, y, t: jnp.vdot(jax.grad(lambda z: jnp.vdot(fn(z), w))(y), t)))(v, x, u)
   np.testing.assert_array_equal(np.asarray(d_cot), ref_grad(x, u, name))
