@@ -183,10 +183,10 @@ def _report_rows(cfg, policies, batch, seq, dtype):
   for spec in policies:
     policy = MemoryPolicy.parse(spec)
     params = block_stack.init_stack(jax.random.key(0), cfg, policy)
-    loss = functools.partial(block_stack.stack_loss, cfg=cfg, policy=policy)
+    forward = functools.partial(block_stack.apply_stack, cfg=cfg, policy=policy)
     # Bytes per token: the residual growth from batch to 2*batch, so per-layer weights
-    # (and their compute-dtype copies) do not count.
-    res = [saved_residuals(loss, params, jnp.zeros((b, seq, cfg.dim), dtype)).total_bytes
+    # (and their compute-dtype copies) do not count. The VJP of the stack itself: no loss.
+    res = [saved_residuals(forward, params, jnp.zeros((b, seq, cfg.dim), dtype)).total_bytes
            for b in (batch, 2 * batch)]
     step = functools.partial(block_stack.sgd_step, cfg=cfg, policy=policy)
     mem = step_memory(step, params, jnp.zeros((batch, seq, cfg.dim), dtype))

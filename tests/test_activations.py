@@ -64,7 +64,8 @@ def ref_grad(x, g, name):
 
 
 def rand(shape, seed, scale=3.0, dtype=jnp.float32):
-  return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+  x = scale * np.random.default_rng(seed).standard_normal(shape)
+  return jnp.asarray(x.astype(np.float32)).astype(dtype)
 
 
 @functools.partial(jax.jit, static_argnums=0)
