@@ -136,12 +136,14 @@ def test_low_precision_dtype(kind, dtype):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("shape", [(4, 8), (3, 7), (2, 5, 12)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_residuals_are_y_and_rstd_shared_with_matmul(kind, shape, dtype):
+@pytest.mark.parametrize("name", [None, "n"])
+def test_residuals_are_y_and_rstd_shared_with_matmul(kind, shape, dtype, name):
   ms_fn, std_fn = PAIRS[kind]
   x = rand(shape, seed=6, dtype=dtype)
   w = rand((shape[-1], 6), seed=7, dtype=dtype)
   rows = math.prod(shape[:-1])
-  res = saved_residuals(lambda v, k: (ms_fn(v) @ k).sum(), x, w)
+  # With name= too: the tag is applied inside the rule, so it makes no second copy of y.
+  res = saved_residuals(lambda v, k: (ms_fn(v, name=name) @ k).sum(), x, w)
   got = sorted(((r.dtype, r.shape) for r in res.items), key=str)
   want = sorted([(jnp.dtype(dtype).name, shape), ("float32", shape[:-1])], key=str)
   # The matmul saves the very same y: two arrays in all, not three.
@@ -173,6 +175,10 @@ def test_name_tags_the_output(kind):
   def make(fn, name):
     return jax.checkpoint(lambda v, k: (jnp.sin(fn(v, name=name)) @ k).sum(), policy=policy)
 
+  # The matmul is the last op: under the policy only the tagged y is kept (rstd recomputed).
+  last = jax.checkpoint(lambda v, k: (ms_fn(v, name="n") @ k).sum(), policy=policy)
+  res = saved_residuals(last, x, w)
+  assert [(r.dtype, r.shape) for r in res.items] == [("float32", (4, 6))], res.table()
   for fn in (ms_fn, std_fn):
     tagged = saved_residuals(make(fn, "n"), x, w)
     assert [(r.dtype, r.shape) for r in tagged.items] == [("float32", (4, 6))], tagged.table()
