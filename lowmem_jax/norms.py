@@ -72,52 +72,39 @@ def rms_norm(x, scale=None, eps: float = 1e-6, *, name: str | None = None):
 
 
 # ----------------------------------------------------------------------------- MS-BP
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _ms_layer_norm(x, eps, name):
-  return layer_norm(x, eps=eps, name=name)
+def _ms_norm(stats, grad_direction):
+  """custom_vjp of a no-affine norm ``y = centred(x) * rstd`` that saves only y and rstd.
+
+  ``grad_direction(g, y)`` is the bracket of the exact backward ``dx = rstd * (...)``.
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+  def norm(x, eps, name):
+    return norm_fwd(x, eps, name)[0]
+
+  def norm_fwd(x, eps, name):
+    centred, rstd = stats(x, eps)
+    # Tagged here, not outside, so the residual and the output stay one array.
+    y = _tag((centred * rstd).astype(x.dtype), name)
+    # Residuals: y (the very array the next matmul saves) and fp32 rstd; never x or mean.
+    return y, (y, rstd[..., 0])
+
+  def norm_bwd(eps, name, res, g):
+    del eps, name
+    y, rstd = res
+    dx = rstd[..., None] * grad_direction(g.astype(jnp.float32), y.astype(jnp.float32))
+    return (dx.astype(g.dtype),)
+
+  norm.defvjp(norm_fwd, norm_bwd)
+  return norm
 
 
-def _ms_layer_norm_fwd(x, eps, name):
-  xc, rstd = _layer_norm_stats(x, eps)
-  # Tagged here, not outside, so the residual and the output stay one array.
-  y = _tag((xc * rstd).astype(x.dtype), name)
-  # Residuals: y (the very array the next matmul saves) and rstd; never x or mean.
-  return y, (y, rstd[..., 0])
+def _mean(a):
+  return jnp.mean(a, axis=-1, keepdims=True)
 
 
-def _ms_layer_norm_bwd(eps, name, res, g):
-  del eps, name
-  y, rstd = res
-  gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
-  dx = rstd[..., None] * (gf - jnp.mean(gf, axis=-1, keepdims=True)
-                          - yf * jnp.mean(gf * yf, axis=-1, keepdims=True))
-  return (dx.astype(g.dtype),)
-
-
-_ms_layer_norm.defvjp(_ms_layer_norm_fwd, _ms_layer_norm_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _ms_rms_norm(x, eps, name):
-  return rms_norm(x, eps=eps, name=name)
-
-
-def _ms_rms_norm_fwd(x, eps, name):
-  xf, rstd = _rms_norm_stats(x, eps)
-  y = _tag((xf * rstd).astype(x.dtype), name)
-  # Residuals: y (shared with the next matmul) and rstd; never x.
-  return y, (y, rstd[..., 0])
-
-
-def _ms_rms_norm_bwd(eps, name, res, g):
-  del eps, name
-  y, rstd = res
-  gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
-  dx = rstd[..., None] * (gf - yf * jnp.mean(gf * yf, axis=-1, keepdims=True))
-  return (dx.astype(g.dtype),)
-
-
-_ms_rms_norm.defvjp(_ms_rms_norm_fwd, _ms_rms_norm_bwd)
+_ms_layer_norm = _ms_norm(_layer_norm_stats, lambda g, y: g - _mean(g) - y * _mean(g * y))
+_ms_rms_norm = _ms_norm(_rms_norm_stats, lambda g, y: g - y * _mean(g * y))
 
 
 def ms_layer_norm(x, eps: float = 1e-6, *, name: str | None = None):
