@@ -1,0 +1,102 @@
+"""Fused ReGELU2 / ReSiLU2 kernels: one pass forward, one pass backward.
+
+Forward reads x once and writes y and the packed 2-bit code (``ceil(n/4)`` bytes).
+Backward reads g and the packed code and writes dx; the unpacked code lives only in
+registers, never in HBM. The thresholds and derivative levels come from the caller
+(``lowmem_jax.activations``), so this file holds no method constants.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import layout
+
+ACTIVATIONS = ("gelu", "silu")
+
+
+def erfc(z):
+  """erfc in fp32 from exp and a rational fit (relative error < 1.2e-7 everywhere).
+
+  Triton has no erf/erfc; this is the classical Chebyshev-fitted form
+  ``t * exp(-z^2 + P(t))``, ``t = 1 / (1 + |z| / 2)``, reflected for ``z < 0``.
+  """
+  a = jnp.abs(z)
+  t = 1.0 / (1.0 + 0.5 * a)
+  poly = -1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+      -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+          -0.82215223 + t * 0.17087277))))))))
+  r = t * jnp.exp(-a * a + poly)
+  return jnp.where(z >= 0, r, 2.0 - r)
+
+
+def _activation(kind, xf):
+  if kind == "gelu":
+    return 0.5 * xf * erfc(xf * (-1.0 / math.sqrt(2.0)))
+  return xf / (1.0 + jnp.exp(-xf))
+
+
+def _forward_kernel(x_ref, y_ref, packed_ref, *, t, kind, thresholds):
+  rows, quads, mask, byte_mask = t.tile()
+  xf = plgpu.load(x_ref.at[rows, quads, :], mask=mask, other=0).astype(jnp.float32)
+  plgpu.store(y_ref.at[rows, quads, :], _activation(kind, xf).astype(y_ref.dtype), mask=mask)
+  c0, c1, c2 = thresholds
+  code = ((xf > c0).astype(jnp.int32) + (xf > c1).astype(jnp.int32)
+          + (xf > c2).astype(jnp.int32))
+  code = jnp.where(mask, code, 0)
+  byte = jnp.sum(code << layout.shifts(), axis=-1)
+  plgpu.store(packed_ref.at[rows, quads], byte.astype(jnp.uint8), mask=byte_mask)
+
+
+def _backward_kernel(g_ref, packed_ref, dx_ref, *, t, levels):
+  rows, quads, mask, byte_mask = t.tile()
+  byte = plgpu.load(packed_ref.at[rows, quads], mask=byte_mask, other=0)
+  code = (byte.astype(jnp.int32)[..., None] >> layout.shifts()) & 3
+  l0, l1, l2, l3 = levels
+  d = jnp.where(code == 0, l0, jnp.where(code == 1, l1, jnp.where(code == 2, l2, l3)))
+  g = plgpu.load(g_ref.at[rows, quads, :], mask=mask, other=0).astype(jnp.float32)
+  plgpu.store(dx_ref.at[rows, quads, :], (g * d).astype(dx_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "thresholds", "interpret",
+                                             "block_elements"))
+def approx2_forward(x, *, kind: str, thresholds: tuple[float, float, float],
+                    interpret: bool = False, block_elements: int = layout.BLOCK_ELEMENTS):
+  """``(act(x), packed codes)``: y in x's dtype (fp32 math), codes ``uint8[ceil(n/4)]``."""
+  if kind not in ACTIVATIONS:
+    raise ValueError(f"unknown activation {kind!r}; valid: {', '.join(ACTIVATIONS)}")
+  n = x.size
+  if n == 0:
+    return x, jnp.zeros((0,), jnp.uint8)
+  t = layout.tiling(n, block_elements)
+  y, packed = pl.pallas_call(
+      functools.partial(_forward_kernel, t=t, kind=kind, thresholds=thresholds),
+      out_shape=(jax.ShapeDtypeStruct((t.rows, t.quads, 4), x.dtype),
+                 jax.ShapeDtypeStruct((t.rows, t.quads), jnp.uint8)),
+      grid=t.grid, interpret=interpret, compiler_params=layout.compiler_params(),
+      name=f"re{kind}2_forward",
+  )(layout.as_tiles(x, t))
+  return layout.from_tiles(y, t, x.shape), packed.reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnames=("levels", "interpret", "block_elements"))
+def approx2_backward(g, packed, *, levels: tuple[float, float, float, float],
+                     interpret: bool = False, block_elements: int = layout.BLOCK_ELEMENTS):
+  """``dx = g * levels[code]`` in g's dtype (fp32 math) from the packed codes."""
+  n = g.size
+  if n == 0:
+    return g
+  t = layout.tiling(n, block_elements)
+  dx = pl.pallas_call(
+      functools.partial(_backward_kernel, t=t, levels=levels),
+      out_shape=jax.ShapeDtypeStruct((t.rows, t.quads, 4), g.dtype),
+      grid=t.grid, interpret=interpret, compiler_params=layout.compiler_params(),
+      name="approx2_backward",
+  )(layout.as_tiles(g, t), packed.reshape(t.rows, t.quads))
+  return layout.from_tiles(dx, t, g.shape)
