@@ -11,12 +11,14 @@ functions. That derivative is a 4-level step, so backward needs only
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 
 from lowmem_jax.packing import pack_2bit, unpack_2bit
+from pallas_kernels import activations as pallas_activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,32 +90,58 @@ def silu(x: jnp.ndarray) -> jnp.ndarray:
   return (xf * jax.nn.sigmoid(xf)).astype(x.dtype)
 
 
-def _approx2(exact_fn, step: StepDerivative):
-  """custom_vjp of ``exact_fn`` whose backward reads only the packed 2-bit code."""
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+_STEPS = {"gelu": (gelu, REGELU2), "silu": (silu, RESILU2)}
+
+
+@functools.cache
+def approx2_fn(kind: str, implementation: str = "xla"):
+  """The approx2 activation for ``kind`` in {"gelu", "silu"}: ReGELU2 or ReSiLU2.
+
+  A custom_vjp: exact forward; backward multiplies by the surrogate's step derivative
+  read from a 2-bit code per element, saved packed 4 per byte (the only residual).
+  ``implementation``: "xla" (jnp), "pallas" (fused GPU kernels) or "pallas_interpret"
+  (the same kernels in interpret mode, any backend).
+  """
+  if kind not in _STEPS:
+    raise ValueError(f"unknown activation kind {kind!r}; valid: {', '.join(_STEPS)}")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown implementation {implementation!r}; valid: "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+  exact_fn, step = _STEPS[kind]
+  interpret = implementation == "pallas_interpret"
+
+  def approx2_forward(x):
+    if implementation == "xla":
+      return exact_fn(x), pack_2bit(step.code(x))
+    return pallas_activations.approx2_forward(
+        x, kind=kind, thresholds=step.thresholds, interpret=interpret)
 
   @jax.custom_vjp
   def act(x):
-    return exact_fn(x)
+    _check_floating(x, step.name)
+    return approx2_forward(x)[0]
 
   def act_fwd(x):
+    _check_floating(x, step.name)
     # Residual: the packed code alone, ceil(n/4) bytes; shape comes back with g.
-    return exact_fn(x), pack_2bit(step.code(x))
+    return approx2_forward(x)
 
   def act_bwd(packed, g):
+    if implementation != "xla":
+      return (pallas_activations.approx2_backward(g, packed, levels=step.levels,
+                                                  interpret=interpret),)
     code = unpack_2bit(packed, g.shape)
     dx = g.astype(jnp.float32) * step.derivative_of_code(code)
     return (dx.astype(g.dtype),)
 
   act.defvjp(act_fwd, act_bwd)
   act.__name__ = step.name
-  act.__doc__ = (
-      f"{step.name}: exact {exact_fn.__name__} forward; backward multiplies by the "
-      "surrogate's step derivative read from a 2-bit code per element (saved packed, "
-      "4 per byte: the only residual).")
+  act.__doc__ = approx2_fn.__doc__
   return act
 
 
-regelu2 = _approx2(gelu, REGELU2)
-resilu2 = _approx2(silu, RESILU2)
+regelu2 = approx2_fn("gelu", "xla")
+resilu2 = approx2_fn("silu", "xla")
 regelu2_derivative = REGELU2.derivative
 resilu2_derivative = RESILU2.derivative

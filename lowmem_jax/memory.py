@@ -76,9 +76,9 @@ class Residual:
 
   @property
   def origin(self) -> str:
-    """The function the array comes from (the name in the source's trailing parens)."""
+    """The function the array comes from: the source's trailing ``(name)``, unqualified."""
     m = re.search(r"\(([^()]*)\)\s*$", self.source)
-    return m.group(1) if m else self.source
+    return m.group(1).rsplit(".", 1)[-1] if m else self.source
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from pallas_kernels import norms as pallas_norms
+
 
 def _tag(y, name):
   """Tags ``y`` for ``jax.checkpoint`` policies (``remat:save=...``); no-op for None."""
@@ -72,60 +74,71 @@ def rms_norm(x, scale=None, eps: float = 1e-6, *, name: str | None = None):
 
 
 # ----------------------------------------------------------------------------- MS-BP
-def _ms_norm(stats, grad_direction):
-  """custom_vjp of a no-affine norm ``y = centred(x) * rstd`` that saves only y and rstd.
-
-  ``grad_direction(g, y)`` is the bracket of the exact backward ``dx = rstd * (...)``.
-  """
-
-  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-  def norm(x, eps, name):
-    return norm_fwd(x, eps, name)[0]
-
-  def norm_fwd(x, eps, name):
-    centred, rstd = stats(x, eps)
-    # Tagged here, not outside, so the residual and the output stay one array.
-    y = _tag((centred * rstd).astype(x.dtype), name)
-    # Residuals: y (the very array the next matmul saves) and fp32 rstd; never x or mean.
-    return y, (y, rstd[..., 0])
-
-  def norm_bwd(eps, name, res, g):
-    del eps, name
-    y, rstd = res
-    dx = rstd[..., None] * grad_direction(g.astype(jnp.float32), y.astype(jnp.float32))
-    return (dx.astype(g.dtype),)
-
-  norm.defvjp(norm_fwd, norm_bwd)
-  return norm
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+_STATS = {"layer": _layer_norm_stats, "rms": _rms_norm_stats}
 
 
 def _mean(a):
   return jnp.mean(a, axis=-1, keepdims=True)
 
 
-_ms_layer_norm = _ms_norm(_layer_norm_stats, lambda g, y: g - _mean(g) - y * _mean(g * y))
-_ms_rms_norm = _ms_norm(_rms_norm_stats, lambda g, y: g - y * _mean(g * y))
+@functools.cache
+def ms_norm_fn(kind: str, implementation: str = "xla"):
+  """The MS norm for ``kind`` in {"layer", "rms"}: ``fn(x, eps=1e-6, *, name=None)``.
 
-
-def ms_layer_norm(x, eps: float = 1e-6, *, name: str | None = None):
-  """MS-LayerNorm: ``y = (x - mean) * rstd``, no affine.
-
-  Saves for backward ``y`` (compute dtype, shared with the next linear) and fp32
-  ``rstd`` per row; backward ``dx = rstd * (g - mean(g) - y * mean(g * y))``.
-  ``name`` tags ``y`` inside the rule, so tagging makes no second array.
+  No affine. Saves for backward ``y`` (compute dtype: the very array the next linear
+  saves) and fp32 ``rstd`` per row, never x or the mean. Backward, exact with eps:
+  LayerNorm ``dx = rstd * (g - mean(g) - y * mean(g * y))``, RMSNorm
+  ``dx = rstd * (g - y * mean(g * y))``. ``name`` tags ``y`` inside the rule, so tagging
+  makes no second array. ``implementation``: "xla" (jnp), "pallas" (fused GPU kernels,
+  one row per program) or "pallas_interpret" (those kernels in interpret mode).
   """
-  _check_input(x, "ms_layer_norm")
-  return _ms_layer_norm(x, float(eps), name)
+  if kind not in _STATS:
+    raise ValueError(f"unknown norm kind {kind!r}; valid: {', '.join(_STATS)}")
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown implementation {implementation!r}; valid: "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+  interpret = implementation == "pallas_interpret"
+
+  def ms_norm_forward(x, eps):
+    if implementation == "xla":
+      centred, rstd = _STATS[kind](x, eps)
+      return (centred * rstd).astype(x.dtype), rstd[..., 0]
+    return pallas_norms.ms_norm_forward(x, kind=kind, eps=eps, interpret=interpret)
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+  def norm(x, eps, name):
+    return norm_fwd(x, eps, name)[0]
+
+  def norm_fwd(x, eps, name):
+    y, rstd = ms_norm_forward(x, eps)
+    y = _tag(y, name)
+    return y, (y, rstd)
+
+  def norm_bwd(eps, name, res, g):
+    del eps, name
+    y, rstd = res
+    if implementation != "xla":
+      return (pallas_norms.ms_norm_backward(g, y, rstd, kind=kind, interpret=interpret),)
+    gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
+    bracket = gf - yf * _mean(gf * yf)
+    if kind == "layer":
+      bracket = bracket - _mean(gf)
+    return ((rstd[..., None] * bracket).astype(g.dtype),)
+
+  norm.defvjp(norm_fwd, norm_bwd)
+
+  def ms_norm(x, eps: float = 1e-6, *, name: str | None = None):
+    _check_input(x, f"ms_{kind}_norm")
+    return norm(x, float(eps), name)
+
+  ms_norm.__name__ = f"ms_{kind}_norm"
+  ms_norm.__doc__ = ms_norm_fn.__doc__
+  return ms_norm
 
 
-def ms_rms_norm(x, eps: float = 1e-6, *, name: str | None = None):
-  """MS-RMSNorm: ``y = x * rstd``, no affine.
-
-  Saves for backward ``y`` (shared with the next linear) and fp32 ``rstd`` per row;
-  backward ``dx = rstd * (g - y * mean(g * y))``. ``name`` as in :func:`ms_layer_norm`.
-  """
-  _check_input(x, "ms_rms_norm")
-  return _ms_rms_norm(x, float(eps), name)
+ms_layer_norm = ms_norm_fn("layer", "xla")
+ms_rms_norm = ms_norm_fn("rms", "xla")
 
 
 # ----------------------------------------------------------------------------- affine merge

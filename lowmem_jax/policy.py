@@ -27,7 +27,10 @@ from lowmem_jax.attention import attention
 ACTIVATIONS = ("exact", "approx2")
 NORMS = ("standard", "ms")
 ATTENTIONS = ("auto", "xla", "flash", "cudnn")
-KERNELS = ("auto", "xla", "pallas")
+KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
+# Backends where kernels="auto" picks Pallas: none until a GPU measurement shows the
+# kernels faster than XLA's fusions (see pallas_kernels/bench.py and docs/).
+AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
 
 # jax.checkpoint_policies entries that are policies themselves (not policy factories).
 REMAT_POLICY_NAMES = tuple(n for n in (
@@ -57,12 +60,9 @@ PRESETS: dict[str, dict[str, object]] = {
 
 # "exact" is what a Flax user writes: jax.nn's activations in the compute dtype, plain
 # autodiff (nnx.gelu is jax.nn.gelu). activations.gelu/silu are the fp32 references.
-_ACT_FNS = {
-    ("exact", "gelu"): functools.partial(jax.nn.gelu, approximate=False),
-    ("exact", "silu"): jax.nn.silu,
-    ("approx2", "gelu"): activations.regelu2,
-    ("approx2", "silu"): activations.resilu2,
-}
+_EXACT_ACTIVATIONS = {"gelu": functools.partial(jax.nn.gelu, approximate=False),
+                      "silu": jax.nn.silu}
+_STANDARD_NORMS = {"layer": norms.layer_norm, "rms": norms.rms_norm}
 
 
 def _choice(field, value, valid):
@@ -81,7 +81,10 @@ class MemoryPolicy:
   attention: "auto" | "xla" | "flash" | "cudnn" (see :mod:`lowmem_jax.attention`).
   remat: None | "full" | a ``jax.checkpoint_policies`` name | a tuple of
     ``CHECKPOINT_NAMES`` to save (everything else in the block is recomputed).
-  kernels: "auto" | "xla" | "pallas" (which implementation of the hot ops).
+  kernels: which implementation of our ops (approx2 activations, MS norms): "xla" (jnp),
+    "pallas" (fused GPU kernels; an error on other backends), "pallas_interpret" (the
+    kernels in interpret mode, any backend: for tests), "auto" (Pallas where measured
+    faster, see ``AUTO_PALLAS_BACKENDS``; XLA elsewhere).
   """
   activation: str = "exact"
   norm: str = "standard"
@@ -152,12 +155,25 @@ class MemoryPolicy:
     return self.spec
 
   # -------------------------------------------------------------------------- what models ask
+  def kernel_implementation(self) -> str:
+    """"xla", "pallas" or "pallas_interpret": ``kernels`` resolved on this backend."""
+    backend = jax.default_backend()
+    if self.kernels == "auto":
+      return "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
+    if self.kernels == "pallas" and backend != "gpu":
+      raise ValueError(
+          f"MemoryPolicy(kernels='pallas'): the Pallas kernels compile for GPU only and "
+          f"this backend is {backend!r}; use kernels='xla', or 'pallas_interpret' to run "
+          "them in interpret mode")
+    return self.kernels
+
   def activation_fn(self, kind: str) -> Callable:
     """The activation to use for ``kind`` in {"gelu", "silu"}."""
-    self._require_xla_kernels()
-    if kind not in ("gelu", "silu"):
+    if kind not in _EXACT_ACTIVATIONS:
       raise ValueError(f"unknown activation kind {kind!r}; valid: 'gelu', 'silu'")
-    return _ACT_FNS[(self.activation, kind)]
+    if self.activation == "exact":
+      return _EXACT_ACTIVATIONS[kind]
+    return activations.approx2_fn(kind, self.kernel_implementation())
 
   @property
   def merges_norm_affine(self) -> bool:
@@ -167,14 +183,14 @@ class MemoryPolicy:
   def norm_fn(self, kind: str) -> Callable:
     """The norm for ``kind`` in {"layer", "rms"}.
 
-    Standard: ``fn(x, scale, bias, eps)`` / ``fn(x, scale, eps)``; MS: ``fn(x, eps)``.
+    Standard: ``fn(x, scale, bias, eps, *, name)`` / ``fn(x, scale, eps, *, name)``;
+    MS: ``fn(x, eps, *, name)``.
     """
-    self._require_xla_kernels()
-    table = {("standard", "layer"): norms.layer_norm, ("standard", "rms"): norms.rms_norm,
-             ("ms", "layer"): norms.ms_layer_norm, ("ms", "rms"): norms.ms_rms_norm}
-    if kind not in ("layer", "rms"):
+    if kind not in _STANDARD_NORMS:
       raise ValueError(f"unknown norm kind {kind!r}; valid: 'layer', 'rms'")
-    return table[(self.norm, kind)]
+    if self.norm == "standard":
+      return _STANDARD_NORMS[kind]
+    return norms.ms_norm_fn(kind, self.kernel_implementation())
 
   def attention_fn(self) -> Callable:
     """``attention(q, k, v, *, causal, mask)`` with this policy's implementation."""
@@ -194,12 +210,6 @@ class MemoryPolicy:
     """``fn`` wrapped in ``jax.checkpoint`` per the policy (``fn`` itself if no remat)."""
     policy = self.checkpoint_policy()
     return fn if policy is None else jax.checkpoint(fn, policy=policy)
-
-  def _require_xla_kernels(self):
-    if self.kernels == "pallas":
-      raise NotImplementedError(
-          "MemoryPolicy(kernels='pallas'): no Pallas kernels are wired in yet; "
-          "use kernels='xla' or 'auto'")
 
 
 def _token_fields(token: str) -> dict[str, object]:

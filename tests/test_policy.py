@@ -103,9 +103,27 @@ def test_activation_and_norm_choices():
     exact.norm_fn("batch")
 
 
-def test_pallas_kernels_not_silently_ignored():
-  with pytest.raises(NotImplementedError, match="Pallas"):
-    MemoryPolicy(kernels="pallas").activation_fn("gelu")
+def test_kernels_field_picks_the_implementation():
+  interp = MemoryPolicy.parse("lowmembp+kernels=pallas_interpret")
+  assert interp.kernel_implementation() == "pallas_interpret"
+  assert interp.activation_fn("gelu") is activations.approx2_fn("gelu", "pallas_interpret")
+  assert interp.norm_fn("rms") is norms.ms_norm_fn("rms", "pallas_interpret")
+  assert MemoryPolicy(kernels="xla").kernel_implementation() == "xla"
+  # Plain autodiff layers have no kernels: the field does not change them.
+  assert MemoryPolicy(kernels="pallas_interpret").norm_fn("layer") is norms.layer_norm
+
+
+def test_auto_kernels_pick_xla_until_pallas_is_measured_faster():
+  from lowmem_jax.policy import AUTO_PALLAS_BACKENDS
+  expected = "pallas" if jax.default_backend() in AUTO_PALLAS_BACKENDS else "xla"
+  assert MemoryPolicy().kernel_implementation() == expected
+
+
+def test_pallas_on_a_backend_without_it_is_a_clear_error():
+  if jax.default_backend() == "gpu":
+    pytest.skip("Pallas runs here")
+  with pytest.raises(ValueError, match="compile for GPU only.*pallas_interpret"):
+    MemoryPolicy.parse("lowmembp+kernels=pallas").activation_fn("gelu")
 
 
 def test_attention_fn_uses_the_policy_implementation():
