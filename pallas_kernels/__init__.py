@@ -1,5 +1,8 @@
-"""Pallas kernels for the hot ops (2-bit pack/unpack, fused activations, fused MS norms).
+"""Pallas kernels for the hot ops: 2-bit pack/unpack, fused ReGELU2/ReSiLU2 forward and
+backward, fused MS-LayerNorm/MS-RMSNorm forward and backward.
 
-Imports nothing of ours. The kernels arrive with the Pallas issue; until then every op
-runs through its plain-jnp version in :mod:`lowmem_jax`.
+Triton-style ``pallas_call`` with explicit masked loads and stores (jax 0.10 and 0.11);
+every kernel also runs with ``interpret=True``, which is how CPU tests check it against
+its jnp reference in :mod:`lowmem_jax`. Imports nothing of ours: method constants
+(thresholds, derivative levels) come in as static arguments.
 """
