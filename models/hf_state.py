@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -58,3 +59,44 @@ class StateReader:
                       + "; ".join(self.misshaped[:20]))
     if problems:
       raise CheckpointError("checkpoint does not match the model: " + " | ".join(problems))
+
+
+# ----------------------------------------------------------------------------- linears
+def read_linear(reader: StateReader, prefix: str, module, *, norm=None) -> None:
+  """Loads HF ``{prefix}.weight`` (torch ``[out, in]``) and ``.bias`` into an
+  ``nnx.Linear``/``nnx.LinearGeneral`` (kernel ``[in..., out...]``).
+
+  ``norm=(scale, bias)`` (either may be None) folds the affine of the norm that feeds
+  this linear into it (``merge_norm_affine``, float64), for MS-norm policies.
+  """
+  from lowmem_jax.norms import merge_norm_affine
+
+  shape = tuple(module.kernel[...].shape)
+  n_in = _num_in_axes(module)
+  d_in, d_out = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
+  kernel = reader.take(f"{prefix}.weight", (d_out, d_in)).T
+  has_bias = getattr(module, "bias", None) is not None
+  bias = reader.take(f"{prefix}.bias", (d_out,)) if has_bias else None
+  if norm is not None:
+    kernel, bias = merge_norm_affine(norm[0], norm[1], kernel.astype(np.float32), bias)
+    if bias is not None and not has_bias:
+      raise CheckpointError(f"{prefix}: merging the norm bias needs a bias on this linear")
+  module.kernel[...] = jnp.asarray(np.asarray(kernel, np.float32).reshape(shape))
+  if has_bias:
+    module.bias[...] = jnp.asarray(np.asarray(bias, np.float32).reshape(
+        tuple(module.bias[...].shape)))
+
+
+def write_linear(state: dict, prefix: str, module) -> None:
+  """The inverse of :func:`read_linear` (without a merge): torch layout into ``state``."""
+  kernel = np.asarray(module.kernel[...], np.float32)
+  n_in = _num_in_axes(module)
+  d_in = int(np.prod(kernel.shape[:n_in]))
+  state[f"{prefix}.weight"] = kernel.reshape(d_in, -1).T
+  if getattr(module, "bias", None) is not None:
+    state[f"{prefix}.bias"] = np.asarray(module.bias[...], np.float32).reshape(-1)
+
+
+def _num_in_axes(module) -> int:
+  axis = getattr(module, "axis", (-1,))
+  return len(axis) if isinstance(axis, tuple) else 1
