@@ -32,14 +32,16 @@ class StateReader:
     return key in self.state
 
   def take(self, key: str, shape: Sequence[int] | None = None) -> np.ndarray:
-    """The tensor ``key`` as float64 numpy (zeros of ``shape`` if it is missing, recorded)."""
+    """The tensor ``key`` as float64 numpy; zeros of ``shape`` if it is missing or
+    mis-shaped (recorded for :meth:`finish`)."""
     if key not in self.state:
       self.missing.append(key)
       return np.zeros(() if shape is None else tuple(shape))
     value = np.asarray(self.state[key])
+    self.used.add(key)
     if shape is not None and tuple(value.shape) != tuple(shape):
       self.misshaped.append(f"{key}: checkpoint {list(value.shape)}, model {list(shape)}")
-    self.used.add(key)
+      return np.zeros(tuple(shape))  # keep going: finish() reports every problem
     return value.astype(np.float64) if np.issubdtype(value.dtype, np.floating) else value
 
   def take_optional(self, key: str, shape: Sequence[int] | None = None):

@@ -1,0 +1,222 @@
+"""Vision Transformer (pre-LN), Flax NNX, on the memory policy; HF ``ViTForImageClassification``.
+
+``ViT(cfg, policy="lowmembp", rngs=nnx.Rngs(0))`` on ``[B, H, W, C]`` images returns
+``[B, num_labels]`` logits. The policy picks each block's norm (standard or MS, whose
+affine then lives merged in q/k/v and fc1), activation (GELU or ReGELU2), attention and
+remat; the model never branches on preset names. The final norm is applied to the class
+token only (LayerNorm is per token, so this is HF's function) and, under MS norms, its
+affine is merged into the classifier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lowmem_jax.policy import MemoryPolicy
+from models.attention import SelfAttention
+from models.config import make_config
+from models.hf_state import StateReader, read_linear, write_linear
+from models.mlp import Mlp
+from models.norm import Norm
+
+
+@dataclasses.dataclass(frozen=True)
+class ViTConfig:
+  image_size: int = 224
+  patch_size: int = 16
+  channels: int = 3
+  dim: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  mlp_dim: int = 3072
+  num_labels: int = 1000
+  eps: float = 1e-12
+  qkv_bias: bool = True
+  model_type: str = "vit"
+
+  def __post_init__(self):
+    for f in ("image_size", "patch_size", "channels", "dim", "num_layers", "num_heads",
+              "mlp_dim", "num_labels"):
+      if getattr(self, f) < 1:
+        raise ValueError(f"ViTConfig: {f} must be positive, got {getattr(self, f)}")
+    if self.image_size % self.patch_size:
+      raise ValueError(f"ViTConfig: image_size {self.image_size} is not a multiple of "
+                       f"patch_size {self.patch_size}")
+    if self.dim % self.num_heads:
+      raise ValueError(f"ViTConfig: dim {self.dim} not divisible by {self.num_heads} heads")
+
+  @property
+  def num_patches(self) -> int:
+    return (self.image_size // self.patch_size) ** 2
+
+
+PRESETS = {
+    "vit-ti16": dict(dim=192, num_layers=12, num_heads=3, mlp_dim=768),
+    "vit-s16": dict(dim=384, num_layers=12, num_heads=6, mlp_dim=1536),
+    "vit-b16": dict(dim=768, num_layers=12, num_heads=12, mlp_dim=3072),
+    "vit-l16": dict(dim=1024, num_layers=24, num_heads=16, mlp_dim=4096),
+    "vit-tiny": dict(image_size=32, patch_size=8, dim=64, num_layers=2, num_heads=4,
+                     mlp_dim=128, num_labels=10),
+}
+
+
+def config(name: str = "vit-b16", **overrides) -> ViTConfig:
+  """A preset's config with fields overridden (``config("vit-b16", num_layers=2)``)."""
+  return make_config(ViTConfig, PRESETS, name, overrides)
+
+
+class ViTBlock(nnx.Module):
+  """``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
+
+  def __init__(self, cfg: ViTConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs):
+    self.norm1 = Norm(cfg.dim, eps=cfg.eps, policy=policy)
+    self.attn = SelfAttention(cfg.dim, cfg.num_heads, qkv_bias=cfg.qkv_bias, policy=policy,
+                              dtype=dtype, rngs=rngs)
+    self.norm2 = Norm(cfg.dim, eps=cfg.eps, policy=policy)
+    self.mlp = Mlp(cfg.dim, cfg.mlp_dim, activation="gelu", policy=policy, dtype=dtype,
+                   rngs=rngs)
+
+  def __call__(self, x):
+    x = x + self.attn(self.norm1(x))
+    return x + self.mlp(self.norm2(x))
+
+
+class ViT(nnx.Module):
+
+  def __init__(self, cfg: ViTConfig | str = "vit-b16", policy: MemoryPolicy | str = "baseline",
+               *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+    self.cfg = config(cfg) if isinstance(cfg, str) else cfg
+    self.policy = MemoryPolicy.parse(policy)
+    self.dtype = jnp.dtype(dtype)
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    c = self.cfg
+    self.patch_embed = nnx.Conv(c.channels, c.dim, kernel_size=(c.patch_size, c.patch_size),
+                                strides=(c.patch_size, c.patch_size), padding="VALID",
+                                dtype=dtype, rngs=rngs)
+    init = nnx.initializers.truncated_normal(0.02)
+    self.cls_token = nnx.Param(init(rngs.params(), (1, 1, c.dim), jnp.float32))
+    self.pos_embed = nnx.Param(init(rngs.params(), (1, c.num_patches + 1, c.dim), jnp.float32))
+    self.blocks = nnx.List([ViTBlock(c, self.policy, dtype, rngs) for _ in range(c.num_layers)])
+    self.norm = Norm(c.dim, eps=c.eps, policy=self.policy)
+    self.head = nnx.Linear(c.dim, c.num_labels, dtype=dtype, rngs=rngs)
+
+  def __call__(self, images):
+    c = self.cfg
+    if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.channels):
+      raise ValueError(f"ViT expects images [B, {c.image_size}, {c.image_size}, "
+                       f"{c.channels}], got {list(images.shape)}")
+    x = self.patch_embed(images.astype(self.dtype))
+    x = x.reshape(x.shape[0], -1, c.dim)
+    cls = jnp.broadcast_to(self.cls_token[...].astype(self.dtype), (x.shape[0], 1, c.dim))
+    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...].astype(self.dtype)
+    run = _block_runner(self.policy)
+    for block in self.blocks:
+      x = run(block, x)
+    return self.head(self.norm(x[:, 0])).astype(jnp.float32)
+
+
+def _block_runner(policy: MemoryPolicy):
+  """``block(x)``, rematted per the policy."""
+  checkpoint = policy.checkpoint_policy()
+  call = lambda block, x: block(x)
+  return call if checkpoint is None else nnx.remat(call, policy=checkpoint)
+
+
+# ----------------------------------------------------------------------------- HF interop
+HF_IGNORED_KEYS = ("vit.pooler.",)
+
+
+def config_from_hf(hf: dict, **overrides) -> ViTConfig:
+  num_labels = len(hf["id2label"]) if "id2label" in hf else hf.get("num_labels", 1000)
+  fields = dict(image_size=hf["image_size"], patch_size=hf["patch_size"],
+                channels=hf.get("num_channels", 3), dim=hf["hidden_size"],
+                num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
+                mlp_dim=hf["intermediate_size"], eps=hf.get("layer_norm_eps", 1e-12),
+                qkv_bias=hf.get("qkv_bias", True), num_labels=num_labels)
+  if hf.get("hidden_act", "gelu") != "gelu":
+    raise ValueError(f"ViT: hidden_act {hf['hidden_act']!r} unsupported (exact GELU only)")
+  return dataclasses.replace(ViTConfig(**fields), **overrides)
+
+
+def config_to_hf(cfg: ViTConfig) -> dict:
+  return dict(model_type="vit", architectures=["ViTForImageClassification"],
+              image_size=cfg.image_size, patch_size=cfg.patch_size,
+              num_channels=cfg.channels, hidden_size=cfg.dim,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+              intermediate_size=cfg.mlp_dim, layer_norm_eps=cfg.eps, qkv_bias=cfg.qkv_bias,
+              hidden_act="gelu", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+              id2label={str(i): f"LABEL_{i}" for i in range(cfg.num_labels)},
+              label2id={f"LABEL_{i}": i for i in range(cfg.num_labels)})
+
+
+def _read_norm(reader: StateReader, prefix: str, norm: Norm, dim: int):
+  """Loads a norm; returns its affine to merge downstream (None if the norm keeps it)."""
+  scale = reader.take(f"{prefix}.weight", (dim,))
+  bias = reader.take(f"{prefix}.bias", (dim,))
+  if norm.scale is None:  # MS norm: the affine goes into the linears that read it
+    return scale, bias
+  norm.scale[...] = jnp.asarray(scale, jnp.float32)
+  norm.bias[...] = jnp.asarray(bias, jnp.float32)
+  return None
+
+
+def from_hf_state(reader: StateReader, cfg: ViTConfig, policy: MemoryPolicy, dtype,
+                  rngs: nnx.Rngs) -> ViT:
+  model = ViT(cfg, policy, dtype=dtype, rngs=rngs)
+  d, p, c = cfg.dim, cfg.patch_size, cfg.channels
+  emb = "vit.embeddings"
+  model.cls_token[...] = jnp.asarray(reader.take(f"{emb}.cls_token", (1, 1, d)), jnp.float32)
+  model.pos_embed[...] = jnp.asarray(
+      reader.take(f"{emb}.position_embeddings", (1, cfg.num_patches + 1, d)), jnp.float32)
+  w = reader.take(f"{emb}.patch_embeddings.projection.weight", (d, c, p, p))
+  model.patch_embed.kernel[...] = jnp.asarray(w.transpose(2, 3, 1, 0), jnp.float32)
+  model.patch_embed.bias[...] = jnp.asarray(
+      reader.take(f"{emb}.patch_embeddings.projection.bias", (d,)), jnp.float32)
+  for i, block in enumerate(model.blocks):
+    pre = f"vit.encoder.layer.{i}"
+    affine = _read_norm(reader, f"{pre}.layernorm_before", block.norm1, d)
+    for name in ("query", "key", "value"):
+      read_linear(reader, f"{pre}.attention.attention.{name}", getattr(block.attn, name),
+                  norm=affine)
+    read_linear(reader, f"{pre}.attention.output.dense", block.attn.out)
+    affine = _read_norm(reader, f"{pre}.layernorm_after", block.norm2, d)
+    read_linear(reader, f"{pre}.intermediate.dense", block.mlp.fc1, norm=affine)
+    read_linear(reader, f"{pre}.output.dense", block.mlp.fc2)
+  affine = _read_norm(reader, "vit.layernorm", model.norm, d)
+  read_linear(reader, "classifier", model.head, norm=affine)
+  return model
+
+
+def _write_norm(state: dict, prefix: str, norm: Norm, dim: int) -> None:
+  merged = norm.scale is None  # merged: identity affine, the linears carry it
+  state[f"{prefix}.weight"] = (np.ones(dim, np.float32) if merged
+                               else np.asarray(norm.scale[...], np.float32))
+  state[f"{prefix}.bias"] = (np.zeros(dim, np.float32) if merged
+                             else np.asarray(norm.bias[...], np.float32))
+
+
+def to_hf_state(model: ViT) -> dict[str, np.ndarray]:
+  state, d = {}, model.cfg.dim
+  emb = "vit.embeddings"
+  state[f"{emb}.cls_token"] = np.asarray(model.cls_token[...])
+  state[f"{emb}.position_embeddings"] = np.asarray(model.pos_embed[...])
+  state[f"{emb}.patch_embeddings.projection.weight"] = np.asarray(
+      model.patch_embed.kernel[...]).transpose(3, 2, 0, 1)
+  state[f"{emb}.patch_embeddings.projection.bias"] = np.asarray(model.patch_embed.bias[...])
+  for i, block in enumerate(model.blocks):
+    pre = f"vit.encoder.layer.{i}"
+    _write_norm(state, f"{pre}.layernorm_before", block.norm1, d)
+    for name in ("query", "key", "value"):
+      write_linear(state, f"{pre}.attention.attention.{name}", getattr(block.attn, name))
+    write_linear(state, f"{pre}.attention.output.dense", block.attn.out)
+    _write_norm(state, f"{pre}.layernorm_after", block.norm2, d)
+    write_linear(state, f"{pre}.intermediate.dense", block.mlp.fc1)
+    write_linear(state, f"{pre}.output.dense", block.mlp.fc2)
+  _write_norm(state, "vit.layernorm", model.norm, d)
+  write_linear(state, "classifier", model.head)
+  return state

@@ -1,0 +1,129 @@
+"""ViT: parity with HF transformers (torch, fp32) under baseline and lowmembp (merged
+norms), gradients, export round trip, remat, config and checkpoint errors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowmem_jax.memory import saved_residuals
+from models import hf, vit
+from models.hf_state import CheckpointError
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+HF_CFG = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
+              num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+              num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+  torch.manual_seed(0)
+  model = transformers.ViTForImageClassification(transformers.ViTConfig(**HF_CFG))
+  with torch.no_grad():  # non-trivial norm affines, so the merge is really exercised
+    for name, p in model.named_parameters():
+      if "layernorm" in name:
+        p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
+  path = tmp_path_factory.mktemp("vit_hf")
+  model.eval().save_pretrained(path)
+  return path
+
+
+@pytest.fixture(scope="module")
+def images():
+  return np.random.default_rng(0).normal(size=(3, 32, 32, 3)).astype(np.float32)
+
+
+def _hf_logits(path, images):
+  model = transformers.ViTForImageClassification.from_pretrained(path).eval()
+  with torch.no_grad():
+    return model(pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2))).logits.numpy()
+
+
+def _ours(path, policy):
+  return hf.load_pretrained(path, policy=policy, dtype=jnp.float32)
+
+
+def _input_grad(model, images):
+  graphdef, state = nnx.split(model)
+  loss = lambda x: jnp.sum(jnp.sin(nnx.merge(graphdef, state)(x)))
+  return np.asarray(jax.jit(jax.grad(loss))(images))
+
+
+@pytest.mark.parametrize("policy", ["baseline", "lowmembp", "ms-bp+remat"])
+def test_logits_match_hf(hf_dir, images, policy):
+  ours = _ours(hf_dir, policy)
+  assert ours.policy.merges_norm_affine == (policy != "baseline")
+  np.testing.assert_allclose(ours(images), _hf_logits(hf_dir, images), atol=1e-4, rtol=1e-4)
+
+
+def test_gradients_exact_for_norms_close_for_activations(hf_dir, images):
+  base = _input_grad(_ours(hf_dir, "baseline"), images)
+  ms = _input_grad(_ours(hf_dir, "ms-bp"), images)
+  approx = _input_grad(_ours(hf_dir, "lowmembp"), images)
+  np.testing.assert_allclose(ms, base, atol=1e-5, rtol=1e-4)
+  # ReGELU2's step derivative differs from GELU's by 36% (relative L2) on N(0, 1)
+  # inputs, so through 2 random-init blocks the input gradient is close, not equal
+  # (measured cosine 0.90); exactness vs the surrogate is tested in test_block_stack.
+  cos = np.vdot(approx, base) / (np.linalg.norm(approx) * np.linalg.norm(base))
+  assert 0.85 < cos < 1.0 - 1e-6, cos
+
+
+def test_export_round_trip_through_hf(hf_dir, images, tmp_path):
+  ours = _ours(hf_dir, "lowmembp")
+  hf.save_pretrained(ours, tmp_path)
+  np.testing.assert_allclose(_hf_logits(tmp_path, images), ours(images), atol=1e-4, rtol=1e-4)
+  again = _ours(tmp_path, "baseline")
+  np.testing.assert_allclose(again(images), ours(images), atol=1e-4, rtol=1e-4)
+
+
+def test_lowmembp_saves_less_and_norms_keep_no_input(hf_dir, images):
+  totals = {}
+  for policy in ("baseline", "ms-bp", "lowmembp"):
+    graphdef, state = nnx.split(_ours(hf_dir, policy))
+    res = saved_residuals(lambda s, x: nnx.merge(graphdef, s)(x).sum(), state, images)
+    totals[policy] = res.total_bytes
+    if policy != "baseline":  # MS norms: only y (named norm_out) and fp32 rstd per row
+      norm_arrays = [r for r in res.items if r.origin in ("ms_norm_forward", "_tag")]
+      assert {r.dtype for r in norm_arrays} == {"float32"}
+  assert totals["lowmembp"] < totals["ms-bp"] < totals["baseline"], totals
+
+
+def test_missing_unexpected_and_misshaped_keys(hf_dir, tmp_path):
+  from safetensors.numpy import load_file, save_file
+  import shutil
+  state = load_file(str(hf_dir / "model.safetensors"))
+  for case in ("missing", "unexpected", "misshaped"):
+    bad = dict(state)
+    key = "vit.encoder.layer.1.intermediate.dense.weight"
+    if case == "missing":
+      del bad[key]
+    elif case == "unexpected":
+      bad["vit.encoder.layer.9.extra.weight"] = np.zeros(3, np.float32)
+    else:
+      bad[key] = np.zeros((3, 3), np.float32)
+    d = tmp_path / case
+    d.mkdir()
+    shutil.copy(hf_dir / "config.json", d / "config.json")
+    save_file(bad, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=case.replace("misshaped", "mis-shaped")):
+      hf.load_pretrained(d)
+
+
+def test_config_presets_and_errors():
+  assert vit.config("vit-b16").dim == 768 and vit.config("vit-l16").num_layers == 24
+  assert vit.config("vit-b16", num_layers=2).num_layers == 2
+  with pytest.raises(ValueError, match="unknown ViTConfig preset 'vit-x'"):
+    vit.config("vit-x")
+  with pytest.raises(ValueError, match="unknown ViTConfig field.*depth"):
+    vit.config("vit-b16", depth=3)
+  with pytest.raises(ValueError, match="multiple of patch_size"):
+    vit.config("vit-b16", image_size=100)
+  model = vit.ViT("vit-tiny", dtype=jnp.float32)
+  with pytest.raises(ValueError, match="expects images"):
+    model(jnp.ones((1, 16, 16, 3)))
