@@ -100,8 +100,8 @@ def ms_norm_forward(x, *, kind: str, eps: float, interpret: bool = False,
   _check(kind, x)
   cols = x.shape[-1]
   rows = x.size // cols if cols else 0
-  if rows == 0 or cols == 0:
-    return x, jnp.full(x.shape[:-1], jax.lax.rsqrt(jnp.float32(eps)))
+  if rows == 0 or cols == 0:  # as the jnp path: the mean of an empty row is NaN
+    return x, jnp.full(x.shape[:-1], jnp.nan, jnp.float32)
   block = _block(cols, max_block)
   y, rstd = pl.pallas_call(
       functools.partial(_forward_kernel, kind=kind, eps=eps, cols=cols, block=block),
