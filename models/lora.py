@@ -1,0 +1,120 @@
+"""LoRA adapters for any of our models: frozen base linears, trainable low-rank updates.
+
+``apply_lora(model, rank=8, alpha=16, targets=("query", "value"))`` replaces, in place,
+each ``nnx.Linear``/``nnx.LinearGeneral`` whose attribute name is in ``targets`` by a
+:class:`LoRALinear`: ``y = base(x) + (alpha / rank) * (x @ A) @ B`` with ``B = 0`` at
+start, so the function is unchanged. Adapter weights are :class:`LoRAParam`, the only
+trainable set (``nnx.Optimizer(model, tx, wrt=LoRAParam)``, ``trainable_filter()``).
+The adapter reads the very ``x`` the base matmul saves (under MS norms, the shared norm
+output), so it adds only the rank-sized ``x @ A`` to what backward keeps.
+``merge_lora`` folds adapters into the base kernels (for export), ``unmerge_lora`` undoes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+
+class LoRAParam(nnx.Param):
+  """A LoRA adapter weight: the trainable set under LoRA fine-tuning."""
+
+
+def trainable_filter():
+  """The NNX filter of LoRA's trainable parameters."""
+  return LoRAParam
+
+
+class LoRALinear(nnx.Module):
+
+  def __init__(self, base, *, rank: int, alpha: float, rngs: nnx.Rngs):
+    if rank < 1:
+      raise ValueError(f"LoRA rank must be positive, got {rank}")
+    kernel_shape = tuple(base.kernel[...].shape)
+    axis = getattr(base, "axis", (-1,))
+    self.n_in = len(axis) if isinstance(axis, tuple) else 1
+    self.base = base
+    self.scale = float(alpha) / rank
+    self.merged = False
+    in_shape, out_shape = kernel_shape[:self.n_in], kernel_shape[self.n_in:]
+    fan_in = int(jnp.prod(jnp.array(in_shape)))
+    self.lora_a = LoRAParam(jax.random.normal(rngs.params(), in_shape + (rank,), jnp.float32)
+                            / fan_in ** 0.5)
+    self.lora_b = LoRAParam(jnp.zeros((rank,) + out_shape, jnp.float32))
+
+  def delta(self):
+    """``scale * A @ B`` shaped like the base kernel (fp32)."""
+    return self.scale * jnp.tensordot(self.lora_a[...], self.lora_b[...], axes=1)
+
+  def __call__(self, x):
+    y = self.base(x)
+    if self.merged:
+      return y
+    axes = tuple(range(x.ndim - self.n_in, x.ndim))
+    a = jnp.tensordot(x, self.lora_a[...].astype(x.dtype), axes=(axes, tuple(range(self.n_in))))
+    a = checkpoint_name(a, "lora_a")
+    return y + (self.scale * jnp.tensordot(a, self.lora_b[...].astype(x.dtype), axes=1)
+                ).astype(y.dtype)
+
+
+def _targets(model, targets: Sequence[str]):
+  for path, node in nnx.iter_graph(model):
+    if path and path[-1] in targets and isinstance(node, (nnx.Linear, nnx.LinearGeneral)):
+      yield path, node
+
+
+def _parent(model, path):
+  node = model
+  for part in path[:-1]:
+    node = node[part] if isinstance(part, int) else getattr(node, part)
+  return node
+
+
+def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
+               targets: Sequence[str] = ("query", "value"), seed: int = 0):
+  """Wraps the target linears in LoRA adapters, in place; returns the model."""
+  found = list(_targets(model, tuple(targets)))
+  if not found:
+    names = sorted({p[-1] for p, n in nnx.iter_graph(model)
+                    if p and isinstance(n, (nnx.Linear, nnx.LinearGeneral))})
+    raise ValueError(f"apply_lora: no linear named {list(targets)}; this model has "
+                     f"{', '.join(map(str, names))}")
+  rngs = nnx.Rngs(seed)
+  for path, node in found:
+    setattr(_parent(model, path), path[-1], LoRALinear(node, rank=rank, alpha=alpha, rngs=rngs))
+  return model
+
+
+def _adapters(model):
+  return [n for _, n in nnx.iter_graph(model) if isinstance(n, LoRALinear)]
+
+
+def merge_lora(model):
+  """Folds every adapter into its base kernel (``W += scale * A @ B``), in place."""
+  for lora in _adapters(model):
+    if not lora.merged:
+      lora.base.kernel[...] = lora.base.kernel[...] + lora.delta()
+      lora.merged = True
+  return model
+
+
+def unmerge_lora(model):
+  """Undoes :func:`merge_lora` (``W -= scale * A @ B``), in place."""
+  for lora in _adapters(model):
+    if lora.merged:
+      lora.base.kernel[...] = lora.base.kernel[...] - lora.delta()
+      lora.merged = False
+  return model
+
+
+def strip_lora(model):
+  """Merges the adapters and puts the plain base linears back (for HF export), in place."""
+  merge_lora(model)
+  for path, node in list(nnx.iter_graph(model)):
+    if isinstance(node, LoRALinear):
+      setattr(_parent(model, path), path[-1], node.base)
+  return model

@@ -1,0 +1,81 @@
+"""LoRA: unchanged function at start, only adapters trainable, merge/unmerge/strip, and
+the adapter reads the shared norm output (no second copy saved)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowmem_jax.memory import saved_residuals
+from models import lora, vit
+
+
+def _model(policy="lowmembp"):
+  return vit.ViT("vit-tiny", policy, dtype=jnp.float32, rngs=nnx.Rngs(0))
+
+
+def _images():
+  return jax.random.normal(jax.random.key(1), (2, 32, 32, 3))
+
+
+def _perturb_adapters(model):
+  for path, var in nnx.iter_graph(model):
+    if isinstance(var, lora.LoRAParam) and path[-1] == "lora_b":
+      var[...] = jax.random.normal(jax.random.key(len(path)), var[...].shape) * 0.1
+
+
+def test_starts_as_the_base_function_and_only_adapters_train():
+  model, x = _model(), _images()
+  before = model(x)
+  lora.apply_lora(model, rank=4, alpha=8, targets=("query", "value", "fc1"))
+  np.testing.assert_array_equal(model(x), before)
+  trainable = nnx.state(model, lora.trainable_filter())
+  leaves = jax.tree.leaves(trainable)
+  assert len(leaves) == 2 * 3 * model.cfg.num_layers  # A and B for 3 targets per block
+  grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=nnx.DiffState(0, lora.LoRAParam))(model)
+  assert {type(v) for v in jax.tree.leaves(grads, is_leaf=lambda v: isinstance(v, nnx.Variable))} \
+      == {lora.LoRAParam}
+  # B starts at 0, so only B gets a gradient at first; it must be non-zero.
+  assert any(float(jnp.abs(v[...]).max()) > 0 for p, v in nnx.iter_graph(grads)
+             if isinstance(v, nnx.Variable) and p[-1] == "lora_b")
+
+
+def test_merge_unmerge_and_strip_keep_the_function():
+  model, x = _model(), _images()
+  lora.apply_lora(model, rank=4, alpha=8)
+  _perturb_adapters(model)
+  adapted = model(x)
+  kernel = np.asarray(model.blocks[0].attn.query.base.kernel[...])
+  lora.merge_lora(model)
+  np.testing.assert_allclose(model(x), adapted, atol=1e-5)
+  lora.unmerge_lora(model)
+  np.testing.assert_allclose(model.blocks[0].attn.query.base.kernel[...], kernel, atol=1e-6)
+  np.testing.assert_allclose(model(x), adapted, atol=1e-5)
+  lora.strip_lora(model)
+  assert isinstance(model.blocks[0].attn.query, nnx.LinearGeneral)
+  np.testing.assert_allclose(model(x), adapted, atol=1e-5)
+
+
+def test_adapter_shares_the_norm_output():
+  """Under MS norms the adapter's A matmul reads the saved norm output: adding LoRA to
+  q and v adds only the rank-sized x @ A arrays to the residuals."""
+  x, rank = _images(), 4
+  totals = {}
+  for with_lora in (False, True):
+    model = _model("lowmembp")
+    if with_lora:
+      lora.apply_lora(model, rank=rank, targets=("query", "value"))
+    graphdef, state = nnx.split(model)
+    res = saved_residuals(lambda s, x: nnx.merge(graphdef, s)(x).sum(), state, x)
+    totals[with_lora] = sum(r.nbytes for r in res.items if len(r.shape) >= 3)  # activations
+  tokens = x.shape[0] * (vit.config("vit-tiny").num_patches + 1)
+  extra_per_layer = 2 * tokens * rank * 4  # x @ A for q and v, fp32
+  assert totals[True] - totals[False] == vit.config("vit-tiny").num_layers * extra_per_layer
+
+
+def test_bad_targets_and_rank_are_clear_errors():
+  with pytest.raises(ValueError, match="no linear named.*query"):
+    lora.apply_lora(_model(), targets=("q_proj",))
+  with pytest.raises(ValueError, match="rank must be positive"):
+    lora.apply_lora(_model(), rank=0)
