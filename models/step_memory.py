@@ -63,12 +63,13 @@ def sgd_step(graphdef, params, rest, inputs, targets, lr=1e-3):
 def measure(model_name, policies, batch, seq, dtype, overrides):
   rows = []
   for spec in policies:
-    model = build(model_name, MemoryPolicy.parse(spec), dtype, overrides)
+    # Abstract model: shapes only, nothing allocated (a 7B-wide model compiles on a laptop).
+    model = nnx.eval_shape(lambda: build(model_name, MemoryPolicy.parse(spec), dtype, overrides))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    inputs, targets = example_batch(model, batch, seq)
+    inputs, targets = jax.eval_shape(lambda: example_batch(model, batch, seq))
     mem = step_memory(sgd_step, graphdef, params, rest, inputs, targets)
-    res = saved_residuals(lambda p, x: loss_fn(nnx.merge(graphdef, p, rest), x, targets),
-                          params, inputs)
+    res = saved_residuals(lambda p, x, t: loss_fn(nnx.merge(graphdef, p, rest), x, t),
+                          params, inputs, targets)
     rows.append({"policy": MemoryPolicy.parse(spec).spec, "compiled": mem.as_dict(),
                  "saved_residual_bytes": res.total_bytes})
   return rows
