@@ -4,8 +4,10 @@ A model directory holds ``config.json`` and ``model.safetensors`` (or shards lis
 ``model.safetensors.index.json``). ``model_type`` picks the architecture module
 (``vit``, ``llama``, ``bert``/``roberta``); the module maps HF names to our parameters
 and, when the policy uses MS norms, merges each norm's affine into the linear(s) reading
-it (float64, then cast). ``save_pretrained`` writes HF names back (merged norms as weight
-1, bias 0, with the merged linears), so HF transformers loads the same function.
+it (float64, then cast). ``save_pretrained`` writes HF names back so HF transformers
+loads the same function: pre-LN models export merged norms as weight 1, bias 0 with the
+merged linears; post-LN models (BERT/RoBERTa), whose residual path keeps gamma/beta,
+export those and un-merge the linears.
 """
 
 from __future__ import annotations

@@ -1,0 +1,529 @@
+"""BERT and RoBERTa (post-LN encoders) for sequence classification, on the memory policy.
+
+Embeddings (word + position + token type, then a standard LayerNorm with its affine), then
+``num_layers`` post-LN layers::
+
+    x = LN1(x + attn_out(attn(x)))
+    x = LN2(x + fc2(gelu(fc1(x))))          # exact-erf GELU (policy activation "gelu")
+
+and a head on token 0: ``classifier(tanh(pooler(x[:, 0])))`` (BERT's pooler + classifier;
+RoBERTa's ``classifier.dense`` + ``classifier.out_proj`` have the same shape of function).
+RoBERTa differs from BERT only in its position ids (they start at ``pad_token_id + 1``,
+padding tokens get ``pad_token_id``, as HF does) and in HF parameter names.
+
+MS norms (``policy.merges_norm_affine``). LN1/LN2 become ``models.norm.Norm`` without
+parameters (MS-LayerNorm): each saves for backward only its output ``y`` and an fp32 rstd,
+and ``y`` is the very array the following linears save as their input. A post-LN norm
+output has two readers, so its affine ``(gamma, beta)`` lives twice:
+
+* merged into the linear(s) reading ``y`` (``merge_norm_affine``, float64, at import):
+  LN1 -> ``fc1`` of the same layer; LN2 -> ``q/k/v`` of the next layer; the last LN2 ->
+  the pooler dense (RoBERTa: ``classifier.dense``);
+* re-applied on the residual path, ``h = gamma * y + beta``, with ``gamma``/``beta`` kept
+  as parameters of the layer (``attention_affine``/``output_affine``,
+  :class:`ResidualAffine`). Its backward needs ``y`` (for d gamma), the same shared array,
+  so it saves nothing new. The hidden state ``encode`` returns is ``h`` of the last layer.
+
+A layer takes ``y`` (what its q/k/v read) and the previous layer's ``output_affine`` and
+rebuilds ``h`` itself, so under remat a layer boundary keeps one array, not two. Layer 0's
+q/k/v read the embeddings LayerNorm, which stays standard (its output has no shared
+reader worth it) and is never merged. At random init ``gamma = 1, beta = 0``: nothing to
+merge. After fine-tuning the two copies of an affine may differ; the function is still
+exactly representable by HF BERT: :func:`to_hf_state` exports the residual gamma/beta as
+the LayerNorm and un-merges each merged linear with them (``W = W' / gamma``,
+``b = b' - beta @ W``).
+
+Not modelled: dropout (fine-tuning here runs without it), relative position embeddings,
+decoder / cross-attention variants, activations other than exact GELU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lowmem_jax.norms import merge_norm_affine
+from lowmem_jax.policy import MemoryPolicy
+from models.attention import SelfAttention
+from models.hf_state import CheckpointError, StateReader, read_linear, write_linear
+from models.mlp import Mlp
+from models.norm import Norm
+
+MODEL_TYPES = ("bert", "roberta")
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+  """A BERT/RoBERTa encoder with a sequence-classification head.
+
+  ``max_positions`` is the size of the position table (RoBERTa's is 514 for 512 tokens:
+  positions start at ``pad_token_id + 1``). ``eps`` is HF's ``layer_norm_eps``.
+  ``initializer_range`` is the std of embeddings and of a freshly initialised head.
+  """
+  vocab_size: int = 30522
+  dim: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  mlp_dim: int = 3072
+  max_positions: int = 512
+  type_vocab_size: int = 2
+  eps: float = 1e-12
+  num_labels: int = 2
+  pad_token_id: int = 0
+  model_type: str = "bert"
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "num_layers", "num_heads", "mlp_dim", "max_positions",
+                 "type_vocab_size", "num_labels"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"BertConfig: {name} must be a positive integer, got {value!r}")
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"BertConfig: unknown model_type {self.model_type!r}; valid: "
+                       f"{', '.join(map(repr, MODEL_TYPES))}")
+    if self.dim % self.num_heads:
+      raise ValueError(f"BertConfig: dim {self.dim} is not a multiple of num_heads "
+                       f"{self.num_heads}")
+    if not (isinstance(self.eps, (int, float)) and self.eps > 0):
+      raise ValueError(f"BertConfig: eps must be a positive number, got {self.eps!r}")
+    if not (isinstance(self.initializer_range, (int, float)) and self.initializer_range > 0):
+      raise ValueError("BertConfig: initializer_range must be a positive number, got "
+                       f"{self.initializer_range!r}")
+    pad = self.pad_token_id
+    if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not (
+        0 <= pad < self.vocab_size):
+      raise ValueError(f"BertConfig: pad_token_id must be an integer in [0, vocab_size="
+                       f"{self.vocab_size}), got {pad!r}")
+    if self.model_type == "roberta" and self.max_positions <= pad + 1:
+      raise ValueError(
+          f"BertConfig: RoBERTa positions start at pad_token_id + 1 = {pad + 1}, so "
+          f"max_positions must exceed it; got {self.max_positions}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.dim // self.num_heads
+
+  @property
+  def max_tokens(self) -> int:
+    """The longest sequence the position table covers."""
+    offset = self.pad_token_id + 1 if self.model_type == "roberta" else 0
+    return self.max_positions - offset
+
+
+PRESETS: dict[str, BertConfig] = {
+    "bert-base": BertConfig(),
+    "roberta-base": BertConfig(vocab_size=50265, max_positions=514, type_vocab_size=1,
+                               eps=1e-5, pad_token_id=1, model_type="roberta"),
+    "bert-tiny": BertConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, mlp_dim=128,
+                            max_positions=64),
+    "roberta-tiny": BertConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, mlp_dim=128,
+                               max_positions=66, type_vocab_size=1, eps=1e-5, pad_token_id=1,
+                               model_type="roberta"),
+}
+
+_FIELDS = tuple(f.name for f in dataclasses.fields(BertConfig))
+
+
+def _replace(cfg: BertConfig, overrides: Mapping[str, object]) -> BertConfig:
+  unknown = sorted(set(overrides) - set(_FIELDS))
+  if unknown:
+    raise ValueError(f"BertConfig: unknown field(s) {', '.join(map(repr, unknown))}; "
+                     f"valid: {', '.join(_FIELDS)}")
+  return dataclasses.replace(cfg, **overrides)
+
+
+def config(name: str, **overrides) -> BertConfig:
+  """The preset ``name`` with ``overrides`` applied (e.g. ``num_labels=3``)."""
+  if name not in PRESETS:
+    raise ValueError(f"unknown BERT preset {name!r}; valid: {', '.join(PRESETS)}")
+  return _replace(PRESETS[name], overrides)
+
+
+# ----------------------------------------------------------------------------- modules
+class ResidualAffine(nnx.Module):
+  """``gamma * y + beta`` on the residual path of a post-LN layer under MS norms.
+
+  The LayerNorm's own affine, kept here because the MS norm has none; the same affine is
+  merged into the linear(s) reading ``y``. Backward keeps ``y``, already saved by them.
+  """
+
+  def __init__(self, dim: int):
+    self.scale = nnx.Param(jnp.ones((dim,), jnp.float32))
+    self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
+
+  def __call__(self, y):
+    return y * self.scale[...].astype(y.dtype) + self.bias[...].astype(y.dtype)
+
+
+class BertEmbeddings(nnx.Module):
+  """Word + position + token-type embeddings, then a standard LayerNorm (never merged)."""
+
+  def __init__(self, cfg: BertConfig, *, dtype, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(cfg.initializer_range)
+    embed = dict(embedding_init=init, rngs=rngs)
+    self.word = nnx.Embed(cfg.vocab_size, cfg.dim, **embed)
+    self.position = nnx.Embed(cfg.max_positions, cfg.dim, **embed)
+    self.token_type = nnx.Embed(cfg.type_vocab_size, cfg.dim, **embed)
+    # The standard LayerNorm with its affine whatever the policy (DESIGN.md: the
+    # embeddings LN is left as is).
+    self.norm = Norm(cfg.dim, kind="layer", eps=cfg.eps, policy=MemoryPolicy())
+    self.dtype = dtype
+
+  def __call__(self, tokens, positions, token_types):
+    x = self.word(tokens) + self.position(positions) + self.token_type(token_types)
+    return self.norm(x.astype(self.dtype))
+
+
+class BertLayer(nnx.Module):
+  """One post-LN layer. Under MS norms ``attention_affine``/``output_affine`` hold the
+  LayerNorms' gamma/beta for the residual path (see the module docstring)."""
+
+  def __init__(self, cfg: BertConfig, policy: MemoryPolicy, *, dtype, rngs: nnx.Rngs):
+    self.attention = SelfAttention(cfg.dim, cfg.num_heads, policy=policy, dtype=dtype,
+                                   rngs=rngs)
+    self.attention_norm = Norm(cfg.dim, kind="layer", eps=cfg.eps, policy=policy)
+    self.mlp = Mlp(cfg.dim, cfg.mlp_dim, activation="gelu", policy=policy, dtype=dtype,
+                   rngs=rngs)
+    self.output_norm = Norm(cfg.dim, kind="layer", eps=cfg.eps, policy=policy)
+    merged = policy.merges_norm_affine
+    self.attention_affine = ResidualAffine(cfg.dim) if merged else None
+    self.output_affine = ResidualAffine(cfg.dim) if merged else None
+
+  def __call__(self, y, mask, prev_affine: ResidualAffine | None = None):
+    """``y``: the previous norm's output, read by q/k/v; the residual stream is
+    ``prev_affine(y)`` (``y`` itself when the previous norm keeps its affine). Returns
+    this layer's LN2 output."""
+    h = y if prev_affine is None else prev_affine(y)
+    y1 = self.attention_norm(h + self.attention(y, mask=mask))
+    h1 = y1 if self.attention_affine is None else self.attention_affine(y1)
+    return self.output_norm(h1 + self.mlp(y1))
+
+
+def _run_layer(layer, y, mask, prev_affine):
+  return layer(y, mask, prev_affine)
+
+
+class Bert(nnx.Module):
+  """BERT/RoBERTa encoder + sequence-classification head. Params fp32, compute ``dtype``.
+
+  ``encode(tokens, mask, token_types=None)`` -> last hidden state ``[B, T, D]`` (fp32);
+  ``model(tokens, mask, token_types=None)`` -> logits ``[B, num_labels]`` (fp32);
+  ``forward(...)`` -> both from one pass. ``mask`` is True on real tokens.
+  """
+
+  def __init__(self, cfg: BertConfig | str, policy: MemoryPolicy | str = "baseline", *,
+               dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+    cfg = config(cfg) if isinstance(cfg, str) else cfg
+    if not isinstance(cfg, BertConfig):
+      raise TypeError(f"Bert: expected a BertConfig or preset name, got {type(cfg).__name__}")
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    self.cfg = cfg
+    self.policy = MemoryPolicy.parse(policy)
+    self.dtype = dtype
+    self.embeddings = BertEmbeddings(cfg, dtype=dtype, rngs=rngs)
+    self.layers = nnx.List([BertLayer(cfg, self.policy, dtype=dtype, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    head = dict(dtype=dtype, kernel_init=nnx.initializers.normal(cfg.initializer_range),
+                bias_init=nnx.initializers.zeros_init(), rngs=rngs)
+    # Under MS norms the last LN2's affine is merged into ``pooler``.
+    self.pooler = nnx.Linear(cfg.dim, cfg.dim, **head)
+    self.classifier = nnx.Linear(cfg.dim, cfg.num_labels, **head)
+
+  # -------------------------------------------------------------------------- inputs
+  def _inputs(self, tokens, mask, token_types):
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"Bert: tokens must be integer [batch, seq], got "
+                       f"{tokens.dtype}{list(tokens.shape)}")
+    if tokens.shape[1] > self.cfg.max_tokens:
+      raise ValueError(f"Bert: sequence length {tokens.shape[1]} exceeds the "
+                       f"{self.cfg.max_tokens} positions of the model")
+    mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask)
+    if mask.shape != tokens.shape:
+      raise ValueError(f"Bert: mask{list(mask.shape)} must match tokens{list(tokens.shape)}")
+    mask = mask if mask.dtype == jnp.bool_ else mask != 0
+    token_types = (jnp.zeros_like(tokens) if token_types is None
+                   else jnp.asarray(token_types))
+    if token_types.shape != tokens.shape:
+      raise ValueError(f"Bert: token_types{list(token_types.shape)} must match "
+                       f"tokens{list(tokens.shape)}")
+    return tokens, mask, token_types
+
+  def _positions(self, tokens):
+    if self.cfg.model_type == "roberta":
+      # HF create_position_ids_from_input_ids: count real tokens, offset by the pad id.
+      pad = self.cfg.pad_token_id
+      real = (tokens != pad).astype(jnp.int32)
+      return jnp.cumsum(real, axis=1) * real + pad
+    return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+  # -------------------------------------------------------------------------- forward
+  def _encode(self, tokens, mask, token_types):
+    """The last LN2 output ``y`` and the affine that turns it into the hidden state."""
+    tokens, mask, token_types = self._inputs(tokens, mask, token_types)
+    y = self.embeddings(tokens, self._positions(tokens), token_types)
+    attn_mask = mask[:, None, None, :]
+    checkpoint_policy = self.policy.checkpoint_policy()
+    run = (_run_layer if checkpoint_policy is None
+           else nnx.remat(_run_layer, policy=checkpoint_policy))
+    prev_affine = None
+    for layer in self.layers:
+      y = run(layer, y, attn_mask, prev_affine)
+      prev_affine = layer.output_affine
+    return y, prev_affine
+
+  def _logits(self, y):
+    pooled = jnp.tanh(self.pooler(y[:, 0]))
+    return self.classifier(pooled).astype(jnp.float32)
+
+  def forward(self, tokens, mask=None, token_types=None):
+    """``(hidden [B, T, D], logits [B, num_labels])``, both fp32, from one pass."""
+    y, affine = self._encode(tokens, mask, token_types)
+    hidden = y if affine is None else affine(y)
+    return hidden.astype(jnp.float32), self._logits(y)
+
+  def encode(self, tokens, mask=None, token_types=None):
+    """The last hidden state ``[B, T, D]`` in fp32 (HF's ``last_hidden_state``)."""
+    return self.forward(tokens, mask, token_types)[0]
+
+  def __call__(self, tokens, mask=None, token_types=None):
+    """Sequence-classification logits ``[B, num_labels]`` in fp32."""
+    y, _ = self._encode(tokens, mask, token_types)
+    return self._logits(y)
+
+
+# ----------------------------------------------------------------------------- HF interop
+# Keys a checkpoint may carry that this model does not use: buffers, pretraining heads,
+# and RobertaModel's pooler (RoBERTa's classification head does not read it). BERT's
+# pooler is always read, so a BERT checkpoint without one is still an error.
+HF_IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "pooler.dense.",
+                   "lm_head.", "cls.predictions.", "cls.seq_relationship.")
+
+_ARCHITECTURES = {"bert": "BertForSequenceClassification",
+                  "roberta": "RobertaForSequenceClassification"}
+# HF's config-class defaults, for keys a config.json leaves out.
+_HF_DEFAULTS = {
+    "bert": dict(vocab_size=30522, hidden_size=768, num_hidden_layers=12,
+                 num_attention_heads=12, intermediate_size=3072, max_position_embeddings=512,
+                 type_vocab_size=2, layer_norm_eps=1e-12, pad_token_id=0,
+                 initializer_range=0.02),
+    "roberta": dict(vocab_size=50265, hidden_size=768, num_hidden_layers=12,
+                    num_attention_heads=12, intermediate_size=3072,
+                    max_position_embeddings=512, type_vocab_size=2, layer_norm_eps=1e-12,
+                    pad_token_id=1, initializer_range=0.02),
+}
+_HF_FIELDS = dict(vocab_size="vocab_size", dim="hidden_size", num_layers="num_hidden_layers",
+                  num_heads="num_attention_heads", mlp_dim="intermediate_size",
+                  max_positions="max_position_embeddings", type_vocab_size="type_vocab_size",
+                  eps="layer_norm_eps", pad_token_id="pad_token_id",
+                  initializer_range="initializer_range")
+
+
+def config_from_hf(hf: Mapping[str, object], **overrides) -> BertConfig:
+  """A :class:`BertConfig` from a HF ``config.json`` dict; ``overrides`` change fields
+  (e.g. ``num_labels=3`` for a new head). Unsupported variants raise CheckpointError."""
+  model_type = hf.get("model_type")
+  if model_type not in MODEL_TYPES:
+    raise CheckpointError(f"config_from_hf: model_type {model_type!r} is not one of "
+                          f"{', '.join(MODEL_TYPES)}")
+  if hf.get("hidden_act", "gelu") != "gelu":
+    raise CheckpointError(f"config_from_hf: hidden_act {hf['hidden_act']!r} is not "
+                          "supported; only the exact-erf 'gelu'")
+  if hf.get("position_embedding_type", "absolute") != "absolute":
+    raise CheckpointError("config_from_hf: position_embedding_type "
+                          f"{hf['position_embedding_type']!r} is not supported; only 'absolute'")
+  if hf.get("is_decoder") or hf.get("add_cross_attention"):
+    raise CheckpointError("config_from_hf: decoder / cross-attention BERT is not supported")
+  defaults = _HF_DEFAULTS[model_type]
+  fields = {ours: hf.get(theirs) if hf.get(theirs) is not None else defaults[theirs]
+            for ours, theirs in _HF_FIELDS.items()}
+  num_labels = hf.get("num_labels")
+  if num_labels is None:
+    num_labels = len(hf["id2label"]) if hf.get("id2label") else 2
+  fields.update(num_labels=num_labels, model_type=model_type)
+  fields["eps"] = float(fields["eps"])
+  fields["initializer_range"] = float(fields["initializer_range"])
+  return _replace(BertConfig(**fields), overrides)
+
+
+def config_to_hf(cfg: BertConfig) -> dict:
+  """The HF ``config.json`` of ``cfg`` as a ``*ForSequenceClassification`` model."""
+  labels = {str(i): f"LABEL_{i}" for i in range(cfg.num_labels)}
+  return {
+      "architectures": [_ARCHITECTURES[cfg.model_type]],
+      "model_type": cfg.model_type,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.dim,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "intermediate_size": cfg.mlp_dim,
+      "hidden_act": "gelu",
+      "hidden_dropout_prob": 0.1,
+      "attention_probs_dropout_prob": 0.1,
+      "classifier_dropout": None,
+      "max_position_embeddings": cfg.max_positions,
+      "type_vocab_size": cfg.type_vocab_size,
+      "initializer_range": cfg.initializer_range,
+      "layer_norm_eps": cfg.eps,
+      "pad_token_id": cfg.pad_token_id,
+      "position_embedding_type": "absolute",
+      "id2label": labels,
+      "label2id": {v: int(k) for k, v in labels.items()},
+      "dtype": "float32",
+  }
+
+
+def _hf_prefix(reader: StateReader, cfg: BertConfig) -> str:
+  """"bert."/"roberta." (``*For*`` checkpoints) or "" (plain ``BertModel`` ones)."""
+  for prefix in (f"{cfg.model_type}.", ""):
+    if reader.has(f"{prefix}embeddings.word_embeddings.weight"):
+      return prefix
+  return f"{cfg.model_type}."  # neither: report the missing keys under the usual names
+
+
+def _head_names(cfg: BertConfig, prefix: str) -> tuple[str, str]:
+  """HF names of (pooler / head dense, classifier / out_proj)."""
+  if cfg.model_type == "roberta":
+    return "classifier.dense", "classifier.out_proj"
+  return f"{prefix}pooler.dense", "classifier"
+
+
+def _read_param(reader: StateReader, key: str, param) -> None:
+  value = reader.take(key, tuple(param[...].shape))
+  param[...] = jnp.asarray(np.asarray(value, np.float32).reshape(param[...].shape))
+
+
+def _read_norm(reader: StateReader, prefix: str, target):
+  """LayerNorm ``prefix.weight``/``.bias`` into ``target`` (a Norm or a ResidualAffine);
+  returns them (float64) for merging."""
+  _read_param(reader, f"{prefix}.weight", target.scale)
+  _read_param(reader, f"{prefix}.bias", target.bias)
+  return np.asarray(target.scale[...], np.float64), np.asarray(target.bias[...], np.float64)
+
+
+def _merge_into(module, gamma, beta) -> None:
+  """Folds a norm affine into a linear already holding (unmerged) weights."""
+  kernel, bias = merge_norm_affine(gamma, beta, module.kernel[...], module.bias[...])
+  module.kernel[...], module.bias[...] = kernel, bias
+
+
+def from_hf_state(reader: StateReader, cfg: BertConfig, policy: MemoryPolicy | str,
+                  dtype, rngs: nnx.Rngs) -> Bert:
+  """Builds :class:`Bert` from HF tensors (``bert.``/``roberta.`` prefixed or not).
+
+  Under MS norms every LayerNorm after the embeddings is merged into the linear(s) reading
+  it and kept for the residual path. A checkpoint with no classification head at all (a
+  plain ``BertModel``/``RobertaModel``, e.g. sentence encoders) gets a fresh one from
+  ``rngs`` (merged like a loaded one, so every policy computes the same function); any
+  other absent tensor is reported by ``reader.finish()``.
+  """
+  model = Bert(cfg, policy, dtype=dtype, rngs=rngs)
+  prefix = _hf_prefix(reader, cfg)
+  emb = model.embeddings
+  e = f"{prefix}embeddings."
+  _read_param(reader, f"{e}word_embeddings.weight", emb.word.embedding)
+  _read_param(reader, f"{e}position_embeddings.weight", emb.position.embedding)
+  _read_param(reader, f"{e}token_type_embeddings.weight", emb.token_type.embedding)
+  _read_norm(reader, f"{e}LayerNorm", emb.norm)
+
+  prev = None  # (gamma, beta) of the previous LN2 when its affine is merged forward
+  for i, layer in enumerate(model.layers):
+    p = f"{prefix}encoder.layer.{i}."
+    attn = layer.attention
+    for name, module in (("query", attn.query), ("key", attn.key), ("value", attn.value)):
+      read_linear(reader, f"{p}attention.self.{name}", module, norm=prev)
+    read_linear(reader, f"{p}attention.output.dense", attn.out)
+    merged = layer.attention_affine is not None
+    g1 = _read_norm(reader, f"{p}attention.output.LayerNorm",
+                    layer.attention_affine if merged else layer.attention_norm)
+    read_linear(reader, f"{p}intermediate.dense", layer.mlp.fc1, norm=g1 if merged else None)
+    read_linear(reader, f"{p}output.dense", layer.mlp.fc2)
+    merged = layer.output_affine is not None
+    g2 = _read_norm(reader, f"{p}output.LayerNorm",
+                    layer.output_affine if merged else layer.output_norm)
+    prev = g2 if merged else None
+
+  dense, out = _head_names(cfg, prefix)
+  head_keys = [f"{name}.{w}" for name in ((out,) if cfg.model_type == "bert" else (dense, out))
+               for w in ("weight", "bias")]
+  if any(reader.has(k) for k in head_keys):
+    read_linear(reader, dense, model.pooler, norm=prev)
+    read_linear(reader, out, model.classifier)
+  else:  # no head in the checkpoint: keep the fresh one (BERT's pooler is still read)
+    if cfg.model_type == "bert":
+      read_linear(reader, dense, model.pooler, norm=prev)
+    elif prev is not None:
+      _merge_into(model.pooler, *prev)
+  return model
+
+
+def _unmerge(state: dict, prefix: str, gamma, beta) -> None:
+  """Inverse of the merge on a torch-layout linear in ``state``: ``W = W' / gamma``
+  (per input), ``b = b' - W @ beta``, in float64."""
+  gamma = np.asarray(gamma, np.float64)
+  if np.any(gamma == 0):
+    raise ValueError(f"to_hf_state: {prefix} reads a LayerNorm with gamma == 0 in "
+                     f"{int(np.sum(gamma == 0))} channel(s); its merged weights cannot be "
+                     "un-merged")
+  w = np.asarray(state[f"{prefix}.weight"], np.float64) / gamma[None, :]
+  b = np.asarray(state[f"{prefix}.bias"], np.float64) - w @ np.asarray(beta, np.float64)
+  state[f"{prefix}.weight"], state[f"{prefix}.bias"] = w.astype(np.float32), b.astype(np.float32)
+
+
+def _write_norm(state: dict, prefix: str, target):
+  gamma = np.asarray(target.scale[...], np.float32)
+  beta = np.asarray(target.bias[...], np.float32)
+  state[f"{prefix}.weight"], state[f"{prefix}.bias"] = gamma, beta
+  return gamma, beta
+
+
+def to_hf_state(model: Bert) -> dict[str, np.ndarray]:
+  """HF ``*ForSequenceClassification`` tensors (torch layout) of ``model``.
+
+  Merged models export the residual-path gamma/beta as each LayerNorm and un-merge every
+  merged linear with them, so HF computes the same function even after fine-tuning.
+  """
+  cfg = model.cfg
+  prefix = f"{cfg.model_type}."
+  state: dict[str, np.ndarray] = {}
+  emb = model.embeddings
+  e = f"{prefix}embeddings."
+  state[f"{e}word_embeddings.weight"] = np.asarray(emb.word.embedding[...], np.float32)
+  state[f"{e}position_embeddings.weight"] = np.asarray(emb.position.embedding[...], np.float32)
+  state[f"{e}token_type_embeddings.weight"] = np.asarray(emb.token_type.embedding[...],
+                                                         np.float32)
+  _write_norm(state, f"{e}LayerNorm", emb.norm)
+
+  prev = None
+  for i, layer in enumerate(model.layers):
+    p = f"{prefix}encoder.layer.{i}."
+    attn = layer.attention
+    for name, module in (("query", attn.query), ("key", attn.key), ("value", attn.value)):
+      write_linear(state, f"{p}attention.self.{name}", module)
+      if prev is not None:
+        _unmerge(state, f"{p}attention.self.{name}", *prev)
+    write_linear(state, f"{p}attention.output.dense", attn.out)
+    merged = layer.attention_affine is not None
+    g1 = _write_norm(state, f"{p}attention.output.LayerNorm",
+                     layer.attention_affine if merged else layer.attention_norm)
+    write_linear(state, f"{p}intermediate.dense", layer.mlp.fc1)
+    if merged:
+      _unmerge(state, f"{p}intermediate.dense", *g1)
+    write_linear(state, f"{p}output.dense", layer.mlp.fc2)
+    merged = layer.output_affine is not None
+    g2 = _write_norm(state, f"{p}output.LayerNorm",
+                     layer.output_affine if merged else layer.output_norm)
+    prev = g2 if merged else None
+
+  dense, out = _head_names(cfg, prefix)
+  write_linear(state, dense, model.pooler)
+  if prev is not None:
+    _unmerge(state, dense, *prev)
+  write_linear(state, out, model.classifier)
+  return state

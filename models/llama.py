@@ -1,0 +1,387 @@
+"""LLaMA (decoder-only, causal LM) on the memory policy, with Hugging Face interop.
+
+Blocks: pre-RMSNorm -> self-attention (causal, grouped-query, no biases, RoPE in HF's
+rotate-half form) -> residual; pre-RMSNorm -> SwiGLU MLP -> residual. A final RMSNorm
+and the LM head (its own linear, or the embedding transposed when ``tie_embeddings``).
+
+Under MS norms (``policy.merges_norm_affine``) the norms hold no parameters: each norm's
+scale is merged into the linears that read it (input norm -> q, k, v; post-attention
+norm -> gate, up; final norm -> lm_head), so each norm saves only its output (the very
+array those linears save) and an fp32 ``rstd`` per row. With tied embeddings the final
+norm's scale cannot live in the shared embedding: it is kept as ``head_scale`` and
+applied to the head's weight (not to the activation), so the norm output is still the
+array the head saves.
+
+HF interop (``models.hf`` dispatches here for ``model_type == "llama"``):
+``config_from_hf``, ``config_to_hf``, ``from_hf_state``, ``to_hf_state``,
+``HF_IGNORED_KEYS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lowmem_jax.policy import MemoryPolicy
+from models.attention import SelfAttention
+from models.config import make_config
+from models.hf_state import CheckpointError, StateReader, read_linear, write_linear
+from models.mlp import GatedMlp
+from models.norm import Norm
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """LLaMA hyper-parameters. ``head_dim=None`` means ``dim // num_heads`` (see
+  :attr:`resolved_head_dim`); kept unresolved so ``dataclasses.replace(cfg, dim=...)``
+  stays consistent."""
+  vocab_size: int = 32000
+  dim: int = 4096
+  num_layers: int = 32
+  num_heads: int = 32
+  num_kv_heads: int = 32
+  head_dim: int | None = None
+  mlp_dim: int = 11008
+  max_seq_len: int = 4096
+  rope_theta: float = 10000.0
+  eps: float = 1e-5            # rms_norm_eps
+  tie_embeddings: bool = False
+  model_type: str = "llama"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
+                 "max_seq_len"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"LlamaConfig: {name} must be a positive int, got {value!r}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(f"LlamaConfig: num_heads {self.num_heads} is not a multiple of "
+                       f"num_kv_heads {self.num_kv_heads}")
+    if self.head_dim is None:
+      if self.dim % self.num_heads:
+        raise ValueError(f"LlamaConfig: dim {self.dim} is not divisible by num_heads "
+                         f"{self.num_heads}; set head_dim explicitly")
+    elif (not isinstance(self.head_dim, (int, np.integer)) or isinstance(self.head_dim, bool)
+          or self.head_dim < 1):
+      raise ValueError(f"LlamaConfig: head_dim must be a positive int or None, got "
+                       f"{self.head_dim!r}")
+    if self.resolved_head_dim % 2:
+      raise ValueError(f"LlamaConfig: head_dim {self.resolved_head_dim} must be even (RoPE "
+                       "rotates pairs of halves)")
+    for name in ("rope_theta", "eps"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
+          or not value > 0:
+        raise ValueError(f"LlamaConfig: {name} must be a positive number, got {value!r}")
+    if not isinstance(self.tie_embeddings, (bool, np.bool_)):
+      raise ValueError(f"LlamaConfig: tie_embeddings must be a bool, got "
+                       f"{self.tie_embeddings!r}")
+    if self.model_type != "llama":
+      raise ValueError(f"LlamaConfig: model_type must be 'llama', got {self.model_type!r}")
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.dim // self.num_heads if self.head_dim is None else int(self.head_dim)
+
+
+PRESETS: dict[str, dict] = {
+    # A small random model for tests and smoke runs (GQA: 4 heads, 2 kv heads).
+    "llama-tiny": dict(vocab_size=256, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       mlp_dim=176, max_seq_len=256),
+    # Llama-2-7b / -13b shapes (rms_norm_eps 1e-5, rope_theta 1e4, context 4096).
+    "llama-7b": dict(vocab_size=32000, dim=4096, num_layers=32, num_heads=32,
+                     num_kv_heads=32, mlp_dim=11008, max_seq_len=4096),
+    "llama-13b": dict(vocab_size=32000, dim=5120, num_layers=40, num_heads=40,
+                      num_kv_heads=40, mlp_dim=13824, max_seq_len=4096),
+}
+
+
+def config(name: str = "llama-tiny", **overrides) -> LlamaConfig:
+  """A preset's config with fields overridden, e.g. ``config("llama-7b", num_layers=2)``;
+  an unknown preset or field is a ValueError naming the valid ones."""
+  return make_config(LlamaConfig, PRESETS, name, overrides)
+
+
+def _replace(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
+  return make_config(LlamaConfig, {"cfg": dataclasses.asdict(cfg)}, "cfg", overrides)
+
+
+# ----------------------------------------------------------------------------- RoPE
+def rope_tables(seq_len: int, head_dim: int, theta: float, dtype=jnp.float32):
+  """``cos, sin`` of shape ``[1, seq_len, 1, head_dim]`` (broadcast over ``[B, T, H, D]``)
+  for positions ``0..seq_len-1``, computed in fp32 and cast to ``dtype`` (as HF does).
+  HF layout: the ``head_dim // 2`` frequencies repeated twice."""
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
+  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
+
+
+def _rotate_half(x):
+  half = x.shape[-1] // 2
+  return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+  """HF's ``x * cos + rotate_half(x) * sin`` on ``x: [B, T, H, D]`` (tables from
+  :func:`rope_tables`, in x's dtype).
+
+  Linear in ``x`` with constant tables: backward keeps only the tables (built once per
+  forward and shared by all layers), nothing of x's size."""
+  return x * cos + _rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------- model
+class LlamaBlock(nnx.Module):
+  """Pre-RMSNorm attention and SwiGLU MLP, each with a residual connection."""
+
+  def __init__(self, cfg: LlamaConfig, policy: MemoryPolicy, *, dtype, rngs: nnx.Rngs):
+    self.norm1 = Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=policy)
+    self.attn = SelfAttention(cfg.dim, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                              head_dim=cfg.resolved_head_dim, qkv_bias=False,
+                              out_bias=False, causal=True, policy=policy, dtype=dtype,
+                              rngs=rngs)
+    self.norm2 = Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=policy)
+    self.mlp = GatedMlp(cfg.dim, cfg.mlp_dim, activation="silu", policy=policy, dtype=dtype,
+                        rngs=rngs)
+
+  def __call__(self, x, cos, sin, mask=None):
+    rotary = lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+    x = x + self.attn(self.norm1(x), mask=mask, rotary=rotary)
+    return x + self.mlp(self.norm2(x))
+
+
+def _run_block(block, x, cos, sin, mask):
+  return block(x, cos, sin, mask)
+
+
+class Llama(nnx.Module):
+  """LLaMA causal LM: ``model(tokens[B, T], mask=None) -> logits[B, T, V]`` (float32).
+
+  ``policy``: a :class:`MemoryPolicy` or its spec string. Parameters are fp32; compute
+  runs in ``dtype`` (the embedding output is cast to it). ``rngs`` defaults to
+  ``nnx.Rngs(0)``.
+  """
+
+  def __init__(self, cfg: LlamaConfig | str, policy: MemoryPolicy | str = "baseline", *,
+               dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
+    cfg = config(cfg) if isinstance(cfg, str) else cfg
+    if not isinstance(cfg, LlamaConfig):
+      raise TypeError(f"Llama: expected a LlamaConfig or preset name, got {type(cfg)}")
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    self.cfg = cfg
+    self.policy = MemoryPolicy.parse(policy)
+    self.dtype = jnp.dtype(dtype)
+    init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
+    self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
+    self.blocks = nnx.List([LlamaBlock(cfg, self.policy, dtype=self.dtype, rngs=rngs)
+                            for _ in range(cfg.num_layers)])
+    self.norm = Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=self.policy)
+    if cfg.tie_embeddings:
+      self.lm_head = None
+      # The final norm's scale, merged into the (tied) head weight at call time.
+      self.head_scale = (nnx.Param(jnp.ones((cfg.dim,), jnp.float32))
+                         if self.policy.merges_norm_affine else None)
+    else:
+      self.lm_head = nnx.Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                                preferred_element_type=jnp.float32, kernel_init=init,
+                                rngs=rngs)
+      self.head_scale = None
+
+  def __call__(self, tokens, mask=None):
+    tokens = jnp.asarray(tokens)
+    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"Llama expects int tokens [batch, seq], got {tokens.dtype}"
+                       f"{list(tokens.shape)}")
+    b, t = tokens.shape
+    if t > self.cfg.max_seq_len:
+      raise ValueError(f"Llama: sequence length {t} exceeds max_seq_len "
+                       f"{self.cfg.max_seq_len}")
+    attn_mask = None
+    if mask is not None:
+      mask = jnp.asarray(mask)
+      if mask.shape != (b, t):
+        raise ValueError(f"Llama: mask must have shape [batch, seq] = {[b, t]}, got "
+                         f"{list(mask.shape)}")
+      attn_mask = mask.astype(jnp.bool_)[:, None, None, :]  # keys only; causal is separate
+
+    x = self.embed(tokens).astype(self.dtype)
+    cos, sin = rope_tables(t, self.cfg.resolved_head_dim, self.cfg.rope_theta, self.dtype)
+    ckpt = self.policy.checkpoint_policy()
+    run = _run_block if ckpt is None else nnx.remat(_run_block, policy=ckpt)
+    for block in self.blocks:
+      x = run(block, x, cos, sin, attn_mask)
+    h = self.norm(x)
+    if self.lm_head is not None:
+      return self.lm_head(h).astype(jnp.float32)
+    weight = self.embed.embedding[...]
+    if self.head_scale is not None:
+      weight = weight * self.head_scale[...][None, :]
+    return jnp.einsum("btd,vd->btv", h, weight.astype(h.dtype),
+                      preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- HF interop
+HF_IGNORED_KEYS = ("rotary_emb.inv_freq",)
+
+_HF_UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+
+def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
+  """Our config from a HF ``config.json`` dict (``rope_theta`` top-level, as in
+  transformers 4.x, or in ``rope_parameters``, as in 5.x). Unsupported features (RoPE
+  scaling, biases, another activation) are a :class:`CheckpointError`."""
+  if hf.get("model_type", "llama") != "llama":
+    raise CheckpointError(f"config_from_hf: model_type {hf.get('model_type')!r} is not 'llama'")
+  for key, want in _HF_UNSUPPORTED.items():
+    if hf.get(key, want) not in (want, None):
+      raise CheckpointError(f"config_from_hf: {key}={hf[key]!r} is not supported "
+                            f"(only {want!r})")
+  rope = hf.get("rope_parameters") or {}
+  scaling = hf.get("rope_scaling") or {}
+  for r in (rope, scaling):
+    kind = r.get("rope_type", r.get("type", "default"))
+    if kind != "default":
+      raise CheckpointError(f"config_from_hf: rope_type {kind!r} is not supported (only "
+                            "'default')")
+  theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+  dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+  head_dim = hf.get("head_dim")
+  if head_dim is not None and dim % heads == 0 and int(head_dim) == dim // heads:
+    head_dim = None  # the default: keep configs canonical
+  cfg = LlamaConfig(
+      vocab_size=int(hf["vocab_size"]), dim=dim, num_layers=int(hf["num_hidden_layers"]),
+      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+      head_dim=None if head_dim is None else int(head_dim),
+      mlp_dim=int(hf["intermediate_size"]),
+      max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=float(theta),
+      eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+  return _replace(cfg, overrides)
+
+
+def config_to_hf(cfg: LlamaConfig) -> dict:
+  """A HF ``config.json`` dict for ``LlamaForCausalLM`` (readable by transformers 4.x and
+  5.x: ``rope_theta`` both top-level and in ``rope_parameters``)."""
+  return {
+      "architectures": ["LlamaForCausalLM"],
+      "model_type": "llama",
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.dim,
+      "intermediate_size": cfg.mlp_dim,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.resolved_head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": cfg.max_seq_len,
+      "rms_norm_eps": cfg.eps,
+      "rope_theta": float(cfg.rope_theta),
+      "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+      "tie_word_embeddings": bool(cfg.tie_embeddings),
+      "attention_bias": False,
+      "attention_dropout": 0.0,
+      "mlp_bias": False,
+      "initializer_range": 0.02,
+      "pretraining_tp": 1,
+      "use_cache": True,
+      "bos_token_id": 1,
+      "eos_token_id": 2,
+      "torch_dtype": "float32",
+  }
+
+
+def _hf_layer(i: int) -> str:
+  return f"model.layers.{i}"
+
+
+def _abstract_to_zeros(model):
+  """Materialises an ``nnx.eval_shape`` model with zeros (cheap; every parameter is
+  then overwritten from the checkpoint), instead of paying for a random init."""
+  graphdef, state = nnx.split(model)
+  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)
+  return nnx.merge(graphdef, state)
+
+
+def from_hf_state(reader: StateReader, cfg: LlamaConfig, policy: MemoryPolicy, dtype,
+                  rngs: nnx.Rngs) -> Llama:
+  """Builds :class:`Llama` from HF ``LlamaForCausalLM`` tensors.
+
+  Under ``policy.merges_norm_affine`` each norm weight is merged (float64) into the
+  linears that read it; otherwise it is loaded as the norm's scale. Problems are
+  recorded in ``reader`` (the caller runs ``reader.finish()``)."""
+  policy = MemoryPolicy.parse(policy)
+  model = _abstract_to_zeros(
+      nnx.eval_shape(lambda r: Llama(cfg, policy, dtype=dtype, rngs=r), rngs))
+  merge = policy.merges_norm_affine
+  d = cfg.dim
+
+  def norm_weight(key, norm):
+    w = reader.take(key, (d,))
+    if merge:
+      return (w, None)
+    norm.scale[...] = jnp.asarray(np.asarray(w, np.float32))
+    return None
+
+  embed = reader.take("model.embed_tokens.weight", (cfg.vocab_size, d))
+  model.embed.embedding[...] = jnp.asarray(np.asarray(embed, np.float32))
+  for i, block in enumerate(model.blocks):
+    p = _hf_layer(i)
+    norm = norm_weight(f"{p}.input_layernorm.weight", block.norm1)
+    for name, module in (("q", block.attn.query), ("k", block.attn.key),
+                         ("v", block.attn.value)):
+      read_linear(reader, f"{p}.self_attn.{name}_proj", module, norm=norm)
+    read_linear(reader, f"{p}.self_attn.o_proj", block.attn.out)
+    norm = norm_weight(f"{p}.post_attention_layernorm.weight", block.norm2)
+    read_linear(reader, f"{p}.mlp.gate_proj", block.mlp.gate, norm=norm)
+    read_linear(reader, f"{p}.mlp.up_proj", block.mlp.up, norm=norm)
+    read_linear(reader, f"{p}.mlp.down_proj", block.mlp.down)
+
+  if cfg.tie_embeddings:
+    final = reader.take("model.norm.weight", (d,))
+    target = model.head_scale if merge else model.norm.scale
+    target[...] = jnp.asarray(np.asarray(final, np.float32))
+    if reader.has("lm_head.weight"):  # some exports write the tied copy too
+      head = reader.take("lm_head.weight", (cfg.vocab_size, d))
+      if head.shape == embed.shape and not np.array_equal(head, embed):
+        raise CheckpointError("lm_head.weight differs from model.embed_tokens.weight but "
+                              "the config ties them (tie_word_embeddings=true)")
+  else:
+    norm = norm_weight("model.norm.weight", model.norm)
+    read_linear(reader, "lm_head", model.lm_head, norm=norm)
+  return model
+
+
+def to_hf_state(model: Llama) -> dict[str, np.ndarray]:
+  """HF ``LlamaForCausalLM`` tensors (torch layout). Merged norms are written as weight 1
+  with the merged linears, so transformers computes the same function."""
+  cfg = model.cfg
+  ones = np.ones((cfg.dim,), np.float32)
+
+  def norm_weight(norm):
+    return ones if norm.scale is None else np.asarray(norm.scale[...], np.float32)
+
+  state: dict[str, np.ndarray] = {
+      "model.embed_tokens.weight": np.asarray(model.embed.embedding[...], np.float32)}
+  for i, block in enumerate(model.blocks):
+    p = _hf_layer(i)
+    state[f"{p}.input_layernorm.weight"] = norm_weight(block.norm1)
+    write_linear(state, f"{p}.self_attn.q_proj", block.attn.query)
+    write_linear(state, f"{p}.self_attn.k_proj", block.attn.key)
+    write_linear(state, f"{p}.self_attn.v_proj", block.attn.value)
+    write_linear(state, f"{p}.self_attn.o_proj", block.attn.out)
+    state[f"{p}.post_attention_layernorm.weight"] = norm_weight(block.norm2)
+    write_linear(state, f"{p}.mlp.gate_proj", block.mlp.gate)
+    write_linear(state, f"{p}.mlp.up_proj", block.mlp.up)
+    write_linear(state, f"{p}.mlp.down_proj", block.mlp.down)
+  state["model.norm.weight"] = norm_weight(model.norm)
+  if model.head_scale is not None:
+    state["model.norm.weight"] = np.asarray(model.head_scale[...], np.float32)
+  if model.lm_head is not None:
+    write_linear(state, "lm_head", model.lm_head)
+  return state
