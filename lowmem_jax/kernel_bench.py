@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -25,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowmem_jax import activations, block_stack, norms, packing
-from lowmem_jax.memory import format_table
+from lowmem_jax.memory import format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
 from pallas_kernels import activations as pallas_activations
 from pallas_kernels import norms as pallas_norms
@@ -182,10 +181,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       for r in step]))
   result = {"jax_version": jax.__version__, "backend": jax.default_backend(),
             "interpret": args.interpret, "kernels": kernels, "block_step": step}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+  write_json(args.json, result)
   return result
 
 

@@ -143,6 +143,14 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
                    + [line(r) for r in cells[1:]])
 
 
+def write_json(path: str | None, result: dict) -> None:
+  """Writes a benchmark's figures as JSON (no-op without a path) and says where."""
+  if path:
+    with open(path, "w") as f:
+      json.dump(result, f, indent=2)
+    print(f"wrote {path}")
+
+
 # ----------------------------------------------------------------------------- the report
 DEFAULT_PRESETS = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
                    "remat:dots_saveable", "remat:dots_with_no_batch_dims_saveable",
@@ -249,10 +257,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                       "ratio", "compiled temp MiB", "ratio"), table))
   result = {"config": vars(args), "backend": jax.default_backend(),
             "jax_version": jax.__version__, "rows": rows}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+  write_json(args.json, result)
   return result
 
 

@@ -49,6 +49,7 @@ from flax import nnx
 from lowmem_jax.norms import merge_norm_affine
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
+from models.config import make_config, replace_fields
 from models.hf_state import CheckpointError, StateReader, read_linear, write_linear
 from models.mlp import Mlp
 from models.norm import Norm
@@ -127,22 +128,9 @@ PRESETS: dict[str, BertConfig] = {
                                model_type="roberta"),
 }
 
-_FIELDS = tuple(f.name for f in dataclasses.fields(BertConfig))
-
-
-def _replace(cfg: BertConfig, overrides: Mapping[str, object]) -> BertConfig:
-  unknown = sorted(set(overrides) - set(_FIELDS))
-  if unknown:
-    raise ValueError(f"BertConfig: unknown field(s) {', '.join(map(repr, unknown))}; "
-                     f"valid: {', '.join(_FIELDS)}")
-  return dataclasses.replace(cfg, **overrides)
-
-
 def config(name: str, **overrides) -> BertConfig:
   """The preset ``name`` with ``overrides`` applied (e.g. ``num_labels=3``)."""
-  if name not in PRESETS:
-    raise ValueError(f"unknown BERT preset {name!r}; valid: {', '.join(PRESETS)}")
-  return _replace(PRESETS[name], overrides)
+  return make_config(BertConfig, PRESETS, name, overrides)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -349,7 +337,7 @@ def config_from_hf(hf: Mapping[str, object], **overrides) -> BertConfig:
   fields.update(num_labels=num_labels, model_type=model_type)
   fields["eps"] = float(fields["eps"])
   fields["initializer_range"] = float(fields["initializer_range"])
-  return _replace(BertConfig(**fields), overrides)
+  return replace_fields(BertConfig(**fields), overrides)
 
 
 def config_to_hf(cfg: BertConfig) -> dict:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import json
 import sys
 from collections.abc import Sequence
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from lowmem_jax.memory import MiB, format_table, saved_residuals, step_memory
+from lowmem_jax.memory import MiB, format_table, saved_residuals, step_memory, write_json
 from lowmem_jax.policy import MemoryPolicy
 
 DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat", "lowmembp+remat")
@@ -117,10 +116,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   result = {"model": args.model, "overrides": overrides, "batch": args.batch,
             "seq": args.seq, "dtype": args.dtype, "backend": jax.default_backend(),
             "jax_version": jax.__version__, "rows": rows}
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=2)
-    print(f"wrote {args.json}")
+  write_json(args.json, result)
   return result
 
 

@@ -1,7 +1,6 @@
 """ViT: parity with HF transformers (torch, fp32) under baseline and lowmembp (merged
 norms), gradients, export round trip, remat, config and checkpoint errors."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -127,3 +126,20 @@ def test_config_presets_and_errors():
   model = vit.ViT("vit-tiny", dtype=jnp.float32)
   with pytest.raises(ValueError, match="expects images"):
     model(jnp.ones((1, 16, 16, 3)))
+
+
+def test_sharded_checkpoint_loads(hf_dir, images, tmp_path):
+  import json
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  state = load_file(str(hf_dir / "model.safetensors"))
+  keys = sorted(state)
+  shards = {"model-00001-of-00002.safetensors": keys[::2],
+            "model-00002-of-00002.safetensors": keys[1::2]}
+  for name, names in shards.items():
+    save_file({k: state[k] for k in names}, str(tmp_path / name))
+  index = {"weight_map": {k: name for name, names in shards.items() for k in names}}
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+  shutil.copy(hf_dir / "config.json", tmp_path / "config.json")
+  np.testing.assert_array_equal(_ours(tmp_path, "lowmembp")(images),
+                                _ours(hf_dir, "lowmembp")(images))
