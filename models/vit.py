@@ -61,6 +61,9 @@ PRESETS = {
     "vit-l16": dict(dim=1024, num_layers=24, num_heads=16, mlp_dim=4096),
     "vit-tiny": dict(image_size=32, patch_size=8, dim=64, num_layers=2, num_heads=4,
                      mlp_dim=128, num_labels=10),
+    # scikit-learn's 8x8 digits: 16 patches of 2x2 pixels, 10 classes
+    "vit-digits": dict(image_size=8, patch_size=2, channels=1, dim=64, num_layers=4,
+                       num_heads=4, mlp_dim=256, num_labels=10, eps=1e-6),
 }
 
 

