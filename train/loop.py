@@ -170,7 +170,7 @@ class Trainer:
         zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), (jnp.float32(0),) * 3, params))
         (loss, aux, grads), _ = jax.lax.scan(body, zeros, micro)
         loss, grads = loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads)
-      grad_norm = optax.global_norm(grads)
+      grad_norm = optax.tree.norm(grads)
       updates, opt = tx.update(grads, state["opt"], params)
       new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
              "rest": rest, "opt": opt}

@@ -1,0 +1,158 @@
+"""The training loop: resume bit for bit, multi-device equivalence, NaN stop, trainable
+sets, accumulation, config errors, the CLI and the embedded default."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from train import config as config_lib
+from train.loop import Trainer, train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["model.num_layers=1", "model.dim=32", "model.mlp_dim=64", "batch_size=32",
+        "log_every=1", "eval_every=0", "compare_baseline=false", "dtype=float32"]
+
+
+def _cfg(tmp_path, *extra):
+  return config_lib.load_config("digits-vit", None, TINY + [f"out_dir={tmp_path}", *extra])
+
+
+def _losses(out_dir):
+  lines = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+  return {r["step"]: r["loss"] for r in lines if "loss" in r and "step" in r}
+
+
+def _final_params(out_dir, cfg):
+  from train.checkpoint import Checkpoints
+  from train.data import Batches, digits
+  trainer = Trainer.create(cfg)
+  ckpt = Checkpoints(Path(out_dir) / "checkpoints")
+  trainer.restore(ckpt, Batches(digits("train"), cfg.batch_size))
+  ckpt.close()
+  return [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+  full = _cfg(tmp_path / "full", "steps=12", "save_every=6")
+  train(full)
+  # The interrupted run: same config, its last checkpoint lost, resumed from step 6.
+  cut = _cfg(tmp_path / "cut", "steps=12", "save_every=6")
+  train(cut)
+  ckpts = tmp_path / "cut" / "checkpoints"
+  import shutil
+  shutil.rmtree(ckpts / "12")
+  (tmp_path / "cut" / "metrics.jsonl").write_text("")
+  result = train(cut.replace(resume=True))
+  assert result["step"] == 12
+  full_losses, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
+  assert sorted(resumed) == list(range(7, 13))
+  for step, loss in resumed.items():
+    assert loss == full_losses[step], (step, loss, full_losses[step])
+  for a, b in zip(_final_params(tmp_path / "full", full), _final_params(tmp_path / "cut", cut)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_incomplete_checkpoint_is_ignored(tmp_path):
+  cfg = _cfg(tmp_path, "steps=4", "save_every=2")
+  train(cfg)
+  # what a save killed with SIGKILL leaves: orbax's temporary directory, never renamed
+  (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1234").mkdir()
+  from train.checkpoint import Checkpoints
+  assert Checkpoints(tmp_path / "checkpoints").latest_step() == 4
+  result = train(cfg.replace(resume=True, steps=6))
+  assert result["step"] == 6
+
+
+def test_non_finite_loss_stops_with_the_step_and_saves_last_good_state(tmp_path):
+  cfg = _cfg(tmp_path, "steps=20", "lr=1e30", "grad_clip=0.0", "warmup_steps=0",
+             "schedule=constant")
+  with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step (\d+)"):
+    train(cfg)
+  from train.checkpoint import Checkpoints
+  assert Checkpoints(tmp_path / "checkpoints").latest_step() is not None
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+  one = Trainer.create(_cfg(tmp_path / "a", "steps=1", "optimizer=sgd", "grad_clip=0.0"))
+  acc = Trainer.create(_cfg(tmp_path / "b", "steps=1", "optimizer=sgd", "grad_clip=0.0",
+                            "grad_accum=4"))
+  from train.data import Batches, digits
+  batch = one.put(next(Batches(digits("train"), 32)))
+  s1, m1 = one.train_step(one.state, batch)
+  s2, m2 = acc.train_step(acc.state, batch)
+  np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5)
+  np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-4)
+  for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("trainable,changes", [
+    ("lora", "lora_"),                 # only adapters train
+    ("frozen:blocks/0", "not blocks/0"),  # everything but block 0
+])
+def test_trainable_sets(tmp_path, trainable, changes):
+  from flax import nnx
+  cfg = _cfg(tmp_path, "steps=1", f"trainable={trainable}")
+  trainer = Trainer.create(cfg)
+  paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(trainer.state["params"])]
+  assert paths
+  if changes == "lora_":
+    assert all("lora_" in p for p in paths)
+  else:
+    assert not any(p.startswith("blocks/0") for p in paths)
+    assert any(p.startswith("blocks/1") or p.startswith("head") for p in paths)
+
+
+def test_config_errors():
+  with pytest.raises(ValueError, match="unknown config key 'stepz'"):
+    config_lib.load_config(overrides=["stepz=3"])
+  with pytest.raises(ValueError, match="steps must be >= 1"):
+    config_lib.load_config(overrides=["steps=0"])
+  with pytest.raises(ValueError, match="unknown preset 'fast'"):
+    config_lib.load_config(overrides=["policy=fast"])
+  with pytest.raises(ValueError, match="unknown config 'imagenet'"):
+    config_lib.load_config("imagenet")
+  with pytest.raises(ValueError, match="expects a int"):
+    config_lib.load_config(overrides=["batch_size=big"])
+
+
+def _run(args, env_extra=None, timeout=600):
+  env = dict(os.environ, **(env_extra or {}))
+  return subprocess.run([sys.executable, "-m", "train", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_reports_bad_config_clearly():
+  proc = _run(["--set", "lr=fast"])
+  assert proc.returncode == 2 and "error: lr expects a float" in proc.stderr
+
+
+@pytest.mark.slow
+def test_multi_device_data_and_fsdp_match_one_device(tmp_path):
+  common = ["--set", "steps=3", "--set", "out_dir=" + str(tmp_path / "{}")] + \
+      [a for kv in TINY for a in ("--set", kv)]
+  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+  losses = {}
+  for mesh in ("", "data=8", "data=2,fsdp=4"):
+    name = mesh.replace("=", "").replace(",", "_") or "single"
+    args = [a.replace("{}", name) for a in common] + (["--mesh", mesh] if mesh else [])
+    proc = _run(args, env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    losses[name] = _losses(tmp_path / name)
+  for name in ("data8", "data2_fsdp4"):
+    for step in (1, 2, 3):
+      np.testing.assert_allclose(losses[name][step], losses["single"][step], rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_embedded_default_learns_digits(tmp_path):
+  result = train(config_lib.load_config(overrides=[f"out_dir={tmp_path}", "steps=150",
+                                                  "eval_every=150"]))
+  assert result["eval_accuracy"] > 0.7, result
+  assert result["memory"]["temp"] < result["memory"]["baseline"]["temp"]
