@@ -26,6 +26,7 @@ from models.hf_state import CheckpointError, StateReader
 
 ARCHITECTURES = {"vit": "models.vit", "llama": "models.llama", "bert": "models.bert",
                  "roberta": "models.bert"}
+MODEL_CLASSES = {"vit": "ViT", "llama": "Llama", "bert": "Bert", "roberta": "Bert"}
 
 
 def _module(model_type: str):
@@ -53,17 +54,32 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
   return state
 
 
+def _read_config(path: Path):
+  config_file = path / "config.json"
+  if not config_file.exists():
+    raise CheckpointError(f"{path}: no config.json")
+  hf_config = json.loads(config_file.read_text())
+  model_type = hf_config.get("model_type", "")
+  return hf_config, _module(model_type), model_type
+
+
+def init_from_config(path: str | os.PathLike, *, policy: MemoryPolicy | str = "baseline",
+                     dtype=jnp.float32, seed: int = 0, **overrides):
+  """The architecture of a HF model directory, randomly initialised (no weights read):
+  for shapes and compiled-memory estimates (e.g. under ``nnx.eval_shape``)."""
+  hf_config, module, model_type = _read_config(Path(path))
+  cfg = module.config_from_hf(hf_config, **overrides)
+  cls = getattr(module, MODEL_CLASSES[model_type])
+  return cls(cfg, MemoryPolicy.parse(policy), dtype=dtype, rngs=nnx.Rngs(seed))
+
+
 def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "baseline",
                     dtype=jnp.float32, seed: int = 0, **overrides):
   """Builds our model from a HF model directory. ``overrides`` change config fields
   (e.g. ``num_labels``); parameters the checkpoint lacks (a new head) are initialised
   from ``seed`` only where the architecture module allows it, otherwise it is an error."""
   path = Path(path)
-  config_file = path / "config.json"
-  if not config_file.exists():
-    raise CheckpointError(f"{path}: no config.json")
-  hf_config = json.loads(config_file.read_text())
-  module = _module(hf_config.get("model_type", ""))
+  hf_config, module, _ = _read_config(path)
   cfg = module.config_from_hf(hf_config, **overrides)
   reader = StateReader(read_safetensors(path), ignore=module.HF_IGNORED_KEYS)
   model = module.from_hf_state(reader, cfg, MemoryPolicy.parse(policy), dtype,

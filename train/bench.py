@@ -1,0 +1,362 @@
+"""Memory and speed of the real training step under each memory policy, side by side.
+
+    python -m train.bench                                   # digits ViT, all default policies
+    python -m train.bench --policies baseline,lowmembp --steps 50 --json bench.json
+    python -m train.bench --config-name minilm-text --set batch_size=32 --png bench.png
+    python -m train.bench --peak                            # GPU: allocator peak per policy
+
+For the config's model and batch, each policy gets its own :class:`train.loop.Trainer`
+(``cfg.replace(policy=spec)``), its own state and its own :class:`train.data.Batches`.
+The bench records the compiled memory of the train step (temporaries, arguments, total:
+``Trainer.compiled_memory``'s figures, read off the executable that is then timed), then
+times the train steps of all policies interleaved in one process (round-robin, median
+after warmup, ``jax.block_until_ready`` on the state), and reports each policy's memory
+and speed as ratios to ``baseline`` (put first when not asked for): speed ratio =
+baseline step time / step time; throughput in examples/s (tokens/s for ``task=lm``,
+padding included, as the training loop counts). All states are resident at once while
+timing, so size the model for N policies' parameters and optimizer states.
+
+``--peak`` (GPU) also measures ``memory_stats()["peak_bytes_in_use"]`` of each policy in
+a fresh subprocess (the allocator's peak cannot be reset within a process), run before
+this process touches the device; on backends without ``memory_stats()`` it is skipped.
+
+Caveats: CPU timings are only indicative (no accelerator, and CPU XLA fuses and
+schedules differently). CPU compiled memory also does not show the savings of remat
+for models that loop over their blocks in Python (ViT, LLaMA, BERT here): XLA's CPU
+scheduler is not memory-aware, so recomputed activations end up live as long as saved
+ones. GPU runs are the reference for both memory and speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from lowmem_jax.memory import MiB, StepMemory, _split_policies, format_table, write_json
+from lowmem_jax.policy import MemoryPolicy
+from train.config import CONFIGS, TrainConfig, load_config
+
+DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
+                    "remat:dots_saveable", "remat:save=qkv_proj,attn_out", "lowmembp+remat")
+
+
+def parse_policies(text: str | Sequence[str]) -> list[str]:
+  """Policy specs from a comma-separated list (``remat:save=a,b`` kept whole), checked;
+  ``baseline`` is put first when missing. ValueError naming an unknown or repeated one."""
+  specs = _split_policies(text) if isinstance(text, str) else [s.strip() for s in text]
+  if not specs:
+    raise ValueError("no policy given: --policies expects e.g. baseline,lowmembp")
+  seen: dict[MemoryPolicy, str] = {}
+  for spec in specs:
+    try:
+      policy = MemoryPolicy.parse(spec)
+    except ValueError as e:
+      raise ValueError(f"unknown policy {spec!r}: {e}") from None
+    if policy in seen:
+      raise ValueError(f"policy {spec!r} is listed twice (same as {seen[policy]!r})")
+    seen[policy] = spec
+  if MemoryPolicy() not in seen:
+    specs.insert(0, "baseline")
+  return specs
+
+
+def _is_baseline(spec: str) -> bool:
+  return MemoryPolicy.parse(spec) == MemoryPolicy()
+
+
+def _jsonable(cfg: TrainConfig) -> dict:
+  return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def _items(batch: dict, task: str) -> int:
+  """Examples in a batch, or tokens (padding included) for a causal LM, as the loop counts."""
+  import numpy as np
+  first = batch[next(iter(batch))]
+  return int(np.prod(first.shape[:2 if task == "lm" else 1]))
+
+
+class _Runner:
+  """One policy's trainer, fed from its own batches: each call is one train step.
+
+  The next batch goes to the device while the step runs (one-deep prefetch, as a real
+  input pipeline would); the call returns the new state for ``block_until_ready``.
+  """
+
+  def __init__(self, trainer, batches):
+    self.trainer, self.batches = trainer, batches
+    self.batch = trainer.put(next(batches))
+    self.metrics = None
+    self.steps = 0
+
+  def __call__(self):
+    t = self.trainer
+    t.state, self.metrics = t.train_step(t.state, self.batch)
+    self.batch = t.put(next(self.batches))
+    self.steps += 1
+    return t.state
+
+
+def _make_runner(cfg: TrainConfig, spec: str, train_set):
+  from train import data as data_lib
+  from train.loop import Trainer
+  trainer = Trainer.create(cfg.replace(policy=spec, resume=False))
+  return _Runner(trainer, data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed))
+
+
+def compiled_memory(trainer, batch) -> StepMemory:
+  """``Trainer.compiled_memory``'s figures, read off the train step's own executable.
+
+  ``Trainer.compiled_memory`` compiles ``jit(train_step)``, a second compilation of the
+  same program; compiling ``train_step`` itself gives the same figures and leaves the
+  executable in the jit cache, so the timed steps do not compile again.
+  """
+  stats = trainer.train_step.lower(trainer.state, batch).compile().memory_analysis()
+  if stats is None:
+    return trainer.compiled_memory(batch)  # raises the backend's "no memory_analysis()"
+  peak = getattr(stats, "peak_memory_in_bytes", None)
+  return StepMemory(temp=int(stats.temp_size_in_bytes),
+                    argument=int(stats.argument_size_in_bytes),
+                    output=int(stats.output_size_in_bytes),
+                    alias=int(stats.alias_size_in_bytes),
+                    generated_code=int(stats.generated_code_size_in_bytes),
+                    peak=None if not peak else int(peak))
+
+
+def _device_info() -> dict:
+  import jax
+  device = jax.devices()[0]
+  return {"device_kind": device.device_kind, "backend": jax.default_backend(),
+          "device_count": jax.device_count(), "jax_version": jax.__version__}
+
+
+# ----------------------------------------------------------------------------- peak (GPU)
+def _peak_child(cfg: TrainConfig, spec: str, steps: int, out: str) -> None:
+  """In a fresh process: run ``steps`` train steps of one policy, write its allocator peak."""
+  import jax
+
+  from train.loop import make_datasets
+  stats = jax.devices()[0].memory_stats()
+  peak = None
+  if stats is not None and "peak_bytes_in_use" in stats:
+    runner = _make_runner(cfg, spec, make_datasets(cfg)[0])
+    for _ in range(steps):
+      jax.block_until_ready(runner())
+    peak = int(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
+  Path(out).write_text(json.dumps({"policy": spec, "peak_bytes_in_use": peak,
+                                   **_device_info()}))
+
+
+def measure_peaks(argv_base: list[str], specs: Sequence[str], steps: int) -> dict | None:
+  """``{spec: peak_bytes_in_use}``, each from its own subprocess; None where the backend
+  reports no ``memory_stats()`` (CPU)."""
+  env = dict(os.environ)
+  root = str(Path(__file__).resolve().parents[1])
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+  peaks = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    for i, spec in enumerate(specs):
+      out = os.path.join(tmp, f"peak{i}.json")
+      cmd = [sys.executable, "-m", "train.bench", *argv_base, "--policies", spec,
+             "--steps", str(steps), "--peak-child", out]
+      proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+      if proc.returncode != 0:
+        raise RuntimeError(f"--peak: the subprocess for policy {spec!r} failed "
+                           f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+      result = json.loads(Path(out).read_text())
+      if result["peak_bytes_in_use"] is None:
+        print(f"note: --peak skipped: backend {result['backend']!r} reports no "
+              "memory_stats()['peak_bytes_in_use'] (GPU only)", flush=True)
+        return None
+      peaks[spec] = result["peak_bytes_in_use"]
+      print(f"peak [{spec}]: {peaks[spec] / MiB:.1f} MiB", flush=True)
+  return peaks
+
+
+# ----------------------------------------------------------------------------- the bench
+def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
+        peaks: dict | None = None) -> dict:
+  """Compiled memory and interleaved step times of each policy; the JSON result."""
+  import jax
+
+  from lowmem_jax.kernel_bench import time_interleaved
+  from train.loop import make_datasets
+
+  if cfg.batch_size % cfg.grad_accum:
+    raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
+                     f"{cfg.grad_accum}")
+  train_set = make_datasets(cfg)[0]
+  runners, memory = {}, {}
+  for spec in specs:
+    runner = _make_runner(cfg, spec, train_set)
+    memory[spec] = compiled_memory(runner.trainer, runner.batch)
+    runners[spec] = runner
+    print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
+          f"{memory[spec].total / MiB:.1f} MiB", flush=True)
+  items = _items(runners[specs[0]].batch, cfg.task)
+  unit = "tokens/s" if cfg.task == "lm" else "examples/s"
+  seconds = time_interleaved(runners, {spec: () for spec in specs}, rounds=steps,
+                             warmup=warmup)
+
+  base = next(s for s in specs if _is_baseline(s))
+  bmem, btime = memory[base], seconds[base]
+  rows = []
+  for spec in specs:
+    mem, t, r = memory[spec], seconds[spec], runners[spec]
+    row = {
+        "policy": spec,
+        "canonical_policy": MemoryPolicy.parse(spec).spec,
+        "compiled": mem.as_dict(),
+        "temp_mib": mem.temp / MiB, "temp_ratio": mem.temp / max(bmem.temp, 1),
+        "argument_mib": mem.argument / MiB,
+        "total_mib": mem.total / MiB, "total_ratio": mem.total / max(bmem.total, 1),
+        "step_ms": t * 1e3, "speed_ratio": btime / t,
+        "throughput": items / t, "throughput_unit": unit,
+        "steps_run": r.steps,
+        "final_loss": float(r.metrics["loss"]),
+        "finite": bool(r.metrics["finite"]),
+    }
+    if peaks:
+      row["peak_bytes_in_use"] = peaks[spec]
+      row["peak_mib"] = peaks[spec] / MiB
+      row["peak_ratio"] = peaks[spec] / max(peaks[base], 1)
+    rows.append(row)
+  return {**_device_info(), "config": _jsonable(cfg), "policies": list(specs),
+          "baseline": base, "timed_steps": steps, "warmup_steps": warmup,
+          "items_per_step": items, "throughput_unit": unit, "rows": rows}
+
+
+def table(result: dict) -> str:
+  peak = any("peak_mib" in r for r in result["rows"])
+  headers = ["policy", "temp MiB", "ratio", "total MiB", "ratio", "step ms",
+             "speed vs base", result["throughput_unit"]]
+  if peak:
+    headers += ["peak MiB", "ratio"]
+  rows = []
+  for r in result["rows"]:
+    row = [r["policy"], f"{r['temp_mib']:.1f}", f"{r['temp_ratio']:.3f}",
+           f"{r['total_mib']:.1f}", f"{r['total_ratio']:.3f}", f"{r['step_ms']:.2f}",
+           f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"]
+    if peak:
+      row += [f"{r['peak_mib']:.1f}", f"{r['peak_ratio']:.3f}"]
+    rows.append(row)
+  return format_table(headers, rows)
+
+
+def plot(result: dict, path: str) -> bool:
+  """Memory and throughput bar charts side by side (as in the LowMemoryBP paper's
+  figure); False, with a note, when matplotlib is not installed."""
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"note: matplotlib is not installed; skipping the PNG {path} "
+          "(pip install matplotlib to draw it)", flush=True)
+    return False
+  rows = result["rows"]
+  names = [r["policy"] for r in rows]
+  x = range(len(rows))
+  peak = all("peak_mib" in r for r in rows)
+  mem_key, mem_label = (("peak_mib", "peak memory in use (MiB)") if peak
+                        else ("total_mib", "compiled step memory, total (MiB)"))
+  fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows)), 4.5))
+  panels = ((ax_mem, [r[mem_key] for r in rows], mem_label, "tab:blue"),
+            (ax_speed, [r["throughput"] for r in rows], f"throughput ({result['throughput_unit']})",
+             "tab:orange"))
+  ratios = ([r["peak_ratio"] if peak else r["total_ratio"] for r in rows],
+            [r["speed_ratio"] for r in rows])
+  for (ax, values, label, color), ratio in zip(panels, ratios):
+    bars = ax.bar(x, values, color=color, label="total" if ax is ax_mem else None)
+    if not peak and ax is ax_mem:  # temporaries as the inner part of the total
+      ax.bar(x, [r["temp_mib"] for r in rows], color="tab:cyan", width=0.5,
+             label="temporaries")
+      ax.legend(loc="lower right", fontsize=8)
+    for bar, q in zip(bars, ratio):
+      ax.annotate(f"{q:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                  ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel(label)
+    ax.margins(y=0.12)
+  cfg = result["config"]
+  fig.suptitle(f"{cfg['pretrained'] or cfg['model']}, batch {cfg['batch_size']}, "
+               f"{cfg['dtype']} - {result['device_kind']} ({result['backend']})", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  print(f"wrote {path}")
+  return True
+
+
+def main(argv: Sequence[str] | None = None) -> dict | None:
+  ap = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--config-name", default="digits-vit",
+                  help=f"a named config: {', '.join(CONFIGS)} (default: %(default)s)")
+  ap.add_argument("--config", metavar="FILE", help="a JSON file of config keys")
+  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                  help="override a key; model.<field>=v overrides the model config")
+  ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                  help="comma-separated policy specs (default: %(default)s)")
+  ap.add_argument("--steps", type=int, default=20,
+                  help="timed steps per policy, after warmup (default: %(default)s)")
+  ap.add_argument("--warmup", type=int, default=3,
+                  help="untimed steps per policy first, compilation included "
+                       "(default: %(default)s)")
+  ap.add_argument("--peak", action="store_true",
+                  help="GPU: also measure peak_bytes_in_use, each policy in a fresh subprocess")
+  ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")
+  ap.add_argument("--png", metavar="FILE", help="draw memory and throughput bars (matplotlib)")
+  ap.add_argument("--peak-child", metavar="FILE", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+  if args.steps < 1 or args.warmup < 1:
+    ap.error("--steps and --warmup must be >= 1")
+  cfg = load_config(args.config_name, args.config, args.set)
+  specs = parse_policies(args.policies)
+
+  if args.peak_child:  # the subprocess of --peak: one policy, one number
+    # parse_policies puts baseline first when missing: the policy asked for is the last
+    _peak_child(cfg, specs[-1], args.warmup + args.steps, args.peak_child)
+    return None
+
+  peaks = None
+  if args.peak:  # before this process allocates on the device (XLA preallocates)
+    base_argv = ["--config-name", args.config_name, "--warmup", str(args.warmup)]
+    base_argv += ["--config", args.config] if args.config else []
+    for item in args.set:
+      base_argv += ["--set", item]
+    peaks = measure_peaks(base_argv, specs, min(args.steps, 3))
+
+  result = run(cfg, specs, args.steps, args.warmup, peaks)
+  model = cfg.pretrained or cfg.model
+  print(f"\n{model} ({cfg.task}), batch {cfg.batch_size}, {cfg.dtype}, "
+        f"overrides {cfg.model_overrides or '{}'}; {result['device_kind']} "
+        f"({result['backend']}), jax {result['jax_version']}; median of {args.steps} "
+        f"interleaved steps after {args.warmup} warmup")
+  print(table(result))
+  if result["backend"] == "cpu":
+    print("note: CPU timings are only indicative, and CPU compiled memory does not show "
+          "remat savings for these Python-loop models; GPU runs are the reference.")
+  write_json(args.json, result)
+  if args.png:
+    plot(result, args.png)
+  return result
+
+
+def cli() -> None:
+  """Entry point: a clear one-line error for bad configs, policies and data."""
+  try:
+    main(sys.argv[1:])
+  except (ValueError, FileNotFoundError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  cli()
