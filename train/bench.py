@@ -183,8 +183,6 @@ def measure_peaks(argv_base: list[str], specs: Sequence[str], steps: int) -> dic
 def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
         peaks: dict | None = None) -> dict:
   """Compiled memory and interleaved step times of each policy; the JSON result."""
-  import jax
-
   from lowmem_jax.kernel_bench import time_interleaved
   from train.loop import make_datasets
 
@@ -268,8 +266,8 @@ def plot(result: dict, path: str) -> bool:
                         else ("total_mib", "compiled step memory, total (MiB)"))
   fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(max(8, 1.6 * len(rows)), 4.5))
   panels = ((ax_mem, [r[mem_key] for r in rows], mem_label, "tab:blue"),
-            (ax_speed, [r["throughput"] for r in rows], f"throughput ({result['throughput_unit']})",
-             "tab:orange"))
+            (ax_speed, [r["throughput"] for r in rows],
+             f"throughput ({result['throughput_unit']})", "tab:orange"))
   ratios = ([r["peak_ratio"] if peak else r["total_ratio"] for r in rows],
             [r["speed_ratio"] for r in rows])
   for (ax, values, label, color), ratio in zip(panels, ratios):

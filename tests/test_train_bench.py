@@ -1,0 +1,105 @@
+"""train.bench: per-policy compiled memory and interleaved step times of the real train step."""
+
+import json
+import sys
+
+import pytest
+
+from train import bench
+
+TINY = ["--set", "model.num_layers=1", "--set", "batch_size=16"]
+
+
+@pytest.mark.slow
+def test_bench_end_to_end(tmp_path, capsys):
+  out = tmp_path / "bench.json"
+  result = bench.main([*TINY, "--policies", "lowmembp,remat:save=qkv_proj,attn_out",
+                       "--steps", "3", "--warmup", "1", "--json", str(out)])
+  text = capsys.readouterr().out
+  data = json.loads(out.read_text())
+  assert data == json.loads(json.dumps(result))
+  for key in ("device_kind", "backend", "jax_version", "config", "rows"):
+    assert key in data
+  assert data["config"]["model_overrides"] == {"num_layers": 1}
+  assert data["config"]["batch_size"] == 16 and data["items_per_step"] == 16
+  assert data["throughput_unit"] == "examples/s"
+  rows = {r["policy"]: r for r in data["rows"]}
+  # baseline goes first when not asked for; a remat:save=a,b spec stays whole
+  assert list(rows) == ["baseline", "lowmembp", "remat:save=qkv_proj,attn_out"]
+  for r in data["rows"]:
+    for key in ("temp_mib", "temp_ratio", "total_mib", "total_ratio", "step_ms",
+                "speed_ratio", "throughput", "compiled"):
+      assert r[key] > 0 if key != "compiled" else r[key]["temp"] > 0, (key, r)
+    assert r["steps_run"] == 4 and r["finite"]
+    assert r["throughput"] == pytest.approx(16 / (r["step_ms"] / 1e3))
+    assert "peak_mib" not in r  # only with --peak on a GPU
+  base, low = rows["baseline"], rows["lowmembp"]
+  assert base["temp_ratio"] == base["speed_ratio"] == base["total_ratio"] == 1.0
+  assert low["compiled"]["temp"] < base["compiled"]["temp"]
+  assert low["temp_ratio"] < 1.0
+  assert "speed vs base" in text and "lowmembp" in text
+
+  # the figures read off the timed executable are Trainer.compiled_memory's
+  from train.config import load_config
+  from train.loop import Trainer, make_datasets
+  from train.data import Batches
+  cfg = load_config("digits-vit", None, ["model.num_layers=1", "batch_size=16",
+                                         "policy=baseline"])
+  trainer = Trainer.create(cfg)
+  batch = trainer.put(next(Batches(make_datasets(cfg)[0], 16, seed=cfg.seed)))
+  assert trainer.compiled_memory(batch).as_dict() == base["compiled"]
+
+
+def test_unknown_policy_is_named():
+  with pytest.raises(ValueError, match="unknown policy 'bogus'"):
+    bench.main([*TINY, "--policies", "baseline,bogus"])
+  with pytest.raises(ValueError, match="'lowmembp\\+nope'"):
+    bench.parse_policies("lowmembp+nope")
+
+
+def test_parse_policies():
+  assert bench.parse_policies(",".join(bench.DEFAULT_POLICIES)) == list(bench.DEFAULT_POLICIES)
+  assert bench.parse_policies("lowmembp,remat:save=qkv_proj,attn_out") == [
+      "baseline", "lowmembp", "remat:save=qkv_proj,attn_out"]
+  assert bench.parse_policies(["remat", "baseline"]) == ["remat", "baseline"]
+  with pytest.raises(ValueError, match="listed twice"):  # the same policy, spelled twice
+    bench.parse_policies("baseline,lowmembp,approx-bp+ms-bp")
+  with pytest.raises(ValueError, match="no policy"):
+    bench.parse_policies(" , ")
+
+
+def _result(peak=False):
+  rows = []
+  for name, temp, total, ms in (("baseline", 10.0, 20.0, 4.0), ("lowmembp", 6.0, 15.0, 5.0)):
+    row = {"policy": name, "temp_mib": temp, "temp_ratio": temp / 10, "total_mib": total,
+           "total_ratio": total / 20, "step_ms": ms, "speed_ratio": 4.0 / ms,
+           "throughput": 16 / ms * 1e3}
+    if peak:
+      row.update(peak_mib=total * 2, peak_ratio=total / 20)
+    rows.append(row)
+  return {"rows": rows, "throughput_unit": "examples/s", "device_kind": "cpu",
+          "backend": "cpu", "config": {"pretrained": None, "model": "vit-digits",
+                                       "batch_size": 16, "dtype": "bfloat16"}}
+
+
+def test_table():
+  text = bench.table(_result())
+  assert "examples/s" in text.splitlines()[0] and "peak" not in text
+  assert "0.600" in text and "0.800" in text  # lowmembp's temp and speed ratios
+  assert "peak MiB" in bench.table(_result(peak=True))
+
+
+def test_png_without_matplotlib_is_skipped_with_a_note(tmp_path, monkeypatch, capsys):
+  monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+  path = tmp_path / "bench.png"
+  assert bench.plot(_result(), str(path)) is False
+  assert not path.exists()
+  assert "matplotlib is not installed" in capsys.readouterr().out
+
+
+def test_png_with_matplotlib(tmp_path):
+  pytest.importorskip("matplotlib")
+  path = tmp_path / "bench.png"
+  assert bench.plot(_result(), str(path))
+  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  assert bench.plot(_result(peak=True), str(path))
