@@ -51,7 +51,7 @@ def test_bench_end_to_end(tmp_path, capsys):
 
 
 def test_unknown_policy_is_named():
-  with pytest.raises(ValueError, match="unknown policy 'bogus'"):
+  with pytest.raises(ValueError, match="invalid policy 'bogus'.*unknown preset 'bogus'"):
     bench.main([*TINY, "--policies", "baseline,bogus"])
   with pytest.raises(ValueError, match="'lowmembp\\+nope'"):
     bench.parse_policies("lowmembp+nope")

@@ -39,6 +39,8 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import numpy as np
+
 from lowmem_jax.memory import MiB, StepMemory, _split_policies, format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
 from train.config import CONFIGS, TrainConfig, load_config
@@ -58,7 +60,7 @@ def parse_policies(text: str | Sequence[str]) -> list[str]:
     try:
       policy = MemoryPolicy.parse(spec)
     except ValueError as e:
-      raise ValueError(f"unknown policy {spec!r}: {e}") from None
+      raise ValueError(f"invalid policy {spec!r}: {e}") from None
     if policy in seen:
       raise ValueError(f"policy {spec!r} is listed twice (same as {seen[policy]!r})")
     seen[policy] = spec
@@ -77,7 +79,6 @@ def _jsonable(cfg: TrainConfig) -> dict:
 
 def _items(batch: dict, task: str) -> int:
   """Examples in a batch, or tokens (padding included) for a causal LM, as the loop counts."""
-  import numpy as np
   first = batch[next(iter(batch))]
   return int(np.prod(first.shape[:2 if task == "lm" else 1]))
 
