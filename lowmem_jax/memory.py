@@ -53,7 +53,12 @@ def step_memory(fn: Callable, *args, donate_argnums: int | Sequence[int] = (),
                 **kwargs) -> StepMemory:
   """Compiles ``jax.jit(fn)`` for these arguments and returns its memory figures."""
   jitted = jax.jit(fn, donate_argnums=donate_argnums)
-  stats = jitted.lower(*args, **kwargs).compile().memory_analysis()
+  return compiled_memory(jitted.lower(*args, **kwargs).compile())
+
+
+def compiled_memory(compiled) -> StepMemory:
+  """The memory figures of an already compiled executable (``jit(f).lower(...).compile()``)."""
+  stats = compiled.memory_analysis()
   if stats is None:
     raise RuntimeError(f"backend {jax.default_backend()!r} reports no memory_analysis()")
   peak = getattr(stats, "peak_memory_in_bytes", None)
@@ -235,7 +240,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   args = ap.parse_args(argv)
   cfg = StackConfig(kind=args.kind, num_layers=args.layers, dim=args.dim,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, mlp_dim=args.mlp_dim)
-  specs = _split_policies(args.policies)
+  specs = split_policies(args.policies)
   rows = _report_rows(cfg, specs, args.batch, args.seq, jnp.dtype(args.dtype))
 
   base = next((r for r in rows if r["policy"] == "baseline"), rows[0])
@@ -261,7 +266,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   return result
 
 
-def _split_policies(text: str) -> list[str]:
+def split_policies(text: str) -> list[str]:
   """Splits a comma-separated policy list; commas inside ``remat:save=a,b`` stay put."""
   from lowmem_jax.policy import CHECKPOINT_NAMES
   specs: list[str] = []

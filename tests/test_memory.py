@@ -73,8 +73,8 @@ def test_theory_orders_policies():
       cfg, MemoryPolicy.parse("remat:dots_saveable"), 2) is None
 
 
-def test_split_policies_keeps_save_lists_together():
-  assert memory._split_policies("baseline,remat:save=qkv_proj,attn_out,lowmembp") == [
+def testsplit_policies_keeps_save_lists_together():
+  assert memory.split_policies("baseline,remat:save=qkv_proj,attn_out,lowmembp") == [
       "baseline", "remat:save=qkv_proj,attn_out", "lowmembp"]
 
 

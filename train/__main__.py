@@ -12,17 +12,13 @@ import argparse
 import json
 import sys
 
-from train.config import CONFIGS, load_config
+from train.config import add_config_arguments, load_config
 
 
 def main(argv=None) -> dict:
   ap = argparse.ArgumentParser(prog="python -m train", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config-name", default="digits-vit",
-                  help=f"a named config: {', '.join(CONFIGS)} (default: %(default)s)")
-  ap.add_argument("--config", metavar="FILE", help="a JSON file of config keys")
-  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                  help="override a key; model.<field>=v overrides the model config")
+  add_config_arguments(ap)
   ap.add_argument("--policy", help="shorthand for --set policy=...")
   ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
   ap.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace to DIR")

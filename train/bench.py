@@ -41,9 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-from lowmem_jax.memory import MiB, StepMemory, _split_policies, format_table, write_json
+from lowmem_jax.memory import MiB, split_policies, format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
-from train.config import CONFIGS, TrainConfig, load_config
+from train.config import TrainConfig, add_config_arguments, load_config
 
 DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
                     "remat:dots_saveable", "remat:save=qkv_proj,attn_out", "lowmembp+remat")
@@ -52,7 +52,7 @@ DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
 def parse_policies(text: str | Sequence[str]) -> list[str]:
   """Policy specs from a comma-separated list (``remat:save=a,b`` kept whole), checked;
   ``baseline`` is put first when missing. ValueError naming an unknown or repeated one."""
-  specs = _split_policies(text) if isinstance(text, str) else [s.strip() for s in text]
+  specs = split_policies(text) if isinstance(text, str) else [s.strip() for s in text]
   if not specs:
     raise ValueError("no policy given: --policies expects e.g. baseline,lowmembp")
   seen: dict[MemoryPolicy, str] = {}
@@ -109,25 +109,6 @@ def _make_runner(cfg: TrainConfig, spec: str, train_set):
   from train.loop import Trainer
   trainer = Trainer.create(cfg.replace(policy=spec, resume=False))
   return _Runner(trainer, data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed))
-
-
-def compiled_memory(trainer, batch) -> StepMemory:
-  """``Trainer.compiled_memory``'s figures, read off the train step's own executable.
-
-  ``Trainer.compiled_memory`` compiles ``jit(train_step)``, a second compilation of the
-  same program; compiling ``train_step`` itself gives the same figures and leaves the
-  executable in the jit cache, so the timed steps do not compile again.
-  """
-  stats = trainer.train_step.lower(trainer.state, batch).compile().memory_analysis()
-  if stats is None:
-    return trainer.compiled_memory(batch)  # raises the backend's "no memory_analysis()"
-  peak = getattr(stats, "peak_memory_in_bytes", None)
-  return StepMemory(temp=int(stats.temp_size_in_bytes),
-                    argument=int(stats.argument_size_in_bytes),
-                    output=int(stats.output_size_in_bytes),
-                    alias=int(stats.alias_size_in_bytes),
-                    generated_code=int(stats.generated_code_size_in_bytes),
-                    peak=None if not peak else int(peak))
 
 
 def _device_info() -> dict:
@@ -194,7 +175,7 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
   runners, memory = {}, {}
   for spec in specs:
     runner = _make_runner(cfg, spec, train_set)
-    memory[spec] = compiled_memory(runner.trainer, runner.batch)
+    memory[spec] = runner.trainer.compiled_memory(runner.batch)
     runners[spec] = runner
     print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
           f"{memory[spec].total / MiB:.1f} MiB", flush=True)
@@ -296,11 +277,7 @@ def plot(result: dict, path: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> dict | None:
   ap = argparse.ArgumentParser(prog="python -m train.bench", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--config-name", default="digits-vit",
-                  help=f"a named config: {', '.join(CONFIGS)} (default: %(default)s)")
-  ap.add_argument("--config", metavar="FILE", help="a JSON file of config keys")
-  ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                  help="override a key; model.<field>=v overrides the model config")
+  add_config_arguments(ap)
   ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                   help="comma-separated policy specs (default: %(default)s)")
   ap.add_argument("--steps", type=int, default=20,

@@ -163,3 +163,12 @@ def load_config(name: str | None = None, config_file: str | None = None,
     items += [f"model.{k}={json.dumps(v)}" for k, v in data.get("model_overrides", {}).items()]
     cfg = apply_overrides(cfg, items)
   return apply_overrides(cfg, overrides)
+
+
+def add_config_arguments(parser) -> None:
+  """The config options every ``train`` command takes: a named config, a file, overrides."""
+  parser.add_argument("--config-name", default="digits-vit",
+                      help=f"a named config: {', '.join(CONFIGS)} (default: %(default)s)")
+  parser.add_argument("--config", metavar="FILE", help="a JSON file of config keys")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a key; model.<field>=v overrides the model config")

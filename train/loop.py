@@ -26,7 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from lowmem_jax.memory import MiB, StepMemory, step_memory
+from lowmem_jax.memory import MiB, StepMemory, compiled_memory
 from lowmem_jax.policy import MemoryPolicy
 from models import lora
 from train import data as data_lib
@@ -199,7 +199,8 @@ class Trainer:
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
   def compiled_memory(self, batch) -> StepMemory:
-    return step_memory(self.train_step, self.state, batch, donate_argnums=0)
+    """Compiled memory of this very train step (temp, arguments, total...)."""
+    return compiled_memory(self.train_step.lower(self.state, batch).compile())
 
   def evaluate(self, batches) -> dict:
     loss = correct = count = 0.0
