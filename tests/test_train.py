@@ -196,3 +196,25 @@ def test_lm_task_with_instruction_data(tmp_path):
       "compare_baseline=false", f"out_dir={tmp_path}", "dtype=float32"])
   result = train(cfg)
   assert result["step"] == 2 and np.isfinite(result["loss"])
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_loses_at_most_the_steps_since_the_last_checkpoint(tmp_path):
+  import signal
+  import time
+  args = ["--set", f"out_dir={tmp_path}", "--set", "steps=400", "--set", "save_every=1"] + \
+      [a for kv in TINY for a in ("--set", kv)]
+  proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  ckpts = tmp_path / "checkpoints"
+  deadline = time.time() + 240
+  while time.time() < deadline and len(list(ckpts.glob("[0-9]*"))) < 4:
+    time.sleep(0.2)
+  os.kill(proc.pid, signal.SIGKILL)  # every step saves: likely mid-save
+  proc.wait()
+  from train.checkpoint import Checkpoints
+  last = Checkpoints(ckpts).latest_step()
+  assert last is not None and last >= 3
+  done = _run(args + ["--resume", "--set", "steps=" + str(last + 2)])
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert f"resumed from step {last}" in done.stdout

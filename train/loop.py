@@ -261,15 +261,25 @@ def make_datasets(cfg: TrainConfig):
 
 # ----------------------------------------------------------------------------- the loop
 class Log:
-  """Progress line on stderr, metrics as JSON lines."""
+  """Progress line on stderr, metrics as JSON lines, and TensorBoard scalars when
+  ``tensorboardX`` is installed (``<out_dir>/tensorboard``)."""
 
   def __init__(self, path: Path, total: int, unit: str):
     path.parent.mkdir(parents=True, exist_ok=True)
     self.file, self.total, self.unit = open(path, "a"), total, unit
+    try:
+      from tensorboardX import SummaryWriter
+      self.tensorboard = SummaryWriter(str(path.parent / "tensorboard"))
+    except ImportError:
+      self.tensorboard = None
 
   def write(self, record: dict) -> None:
     self.file.write(json.dumps(record) + "\n")
     self.file.flush()
+    if self.tensorboard is not None and "step" in record:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)):
+          self.tensorboard.add_scalar(key, value, record["step"])
 
   def progress(self, step, loss, steps_per_s, items_per_s) -> None:
     width = 24
@@ -282,6 +292,8 @@ class Log:
   def close(self):
     sys.stderr.write("\n")
     self.file.close()
+    if self.tensorboard is not None:
+      self.tensorboard.close()
 
 
 def _mib(b):
