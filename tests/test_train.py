@@ -164,6 +164,8 @@ def test_profile_and_memory_profile_are_written(tmp_path):
   train(cfg)
   assert any((tmp_path / "trace").rglob("*.xplane.pb"))
   assert (tmp_path / "mem.prof").stat().st_size > 0
+  pytest.importorskip("tensorboardX")
+  assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
 def _minilm_dir():
