@@ -336,10 +336,10 @@ def train(cfg: TrainConfig) -> dict:
     start = trainer.restore(ckpt, batches)
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   log = Log(out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples")
-  first = trainer.put(next(iter(_peek(batches))))
+  first = trainer.put(_peek(batches))
   memory = print_memory(trainer, first, cfg)
   log.write({"event": "memory", **memory})
-  metrics, final = {}, {}
+  metrics, final, schedule = {}, {}, make_schedule(cfg)
   t0, t_items, last_step = time.perf_counter(), 0, start
   for step in range(start + 1, cfg.steps + 1):
     if cfg.profile_dir and step == cfg.profile_start:
@@ -364,7 +364,7 @@ def train(cfg: TrainConfig) -> dict:
       loss = float(metrics["loss"])
       dt = time.perf_counter() - t0
       record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                "lr": float(make_schedule(cfg)(step - 1)),
+                "lr": float(schedule(step - 1)),
                 "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
       if jax.default_backend() == "gpu":
         record["peak_bytes_in_use"] = jax.devices()[0].memory_stats().get("peak_bytes_in_use")
@@ -395,9 +395,9 @@ def train(cfg: TrainConfig) -> dict:
   return result
 
 
-def _peek(batches: data_lib.Batches):
+def _peek(batches: data_lib.Batches) -> dict:
   """The next batch without advancing the iterator (for compiling before step 1)."""
   state = batches.state()
   batch = next(batches)
   batches.restore(state)
-  yield batch
+  return batch
