@@ -267,14 +267,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def split_policies(text: str) -> list[str]:
-  """Splits a comma-separated policy list; commas inside ``remat:save=a,b`` stay put."""
-  from lowmem_jax.policy import CHECKPOINT_NAMES
+  """Splits a comma-separated policy list; commas inside ``remat:save=a,b`` and
+  ``sample_targets=a,b`` stay put."""
+  from lowmem_jax.policy import CHECKPOINT_NAMES, LINEAR_NAMES
   specs: list[str] = []
   for part in text.split(","):
     part = part.strip()
     if not part:
       continue
-    if specs and "remat:save=" in specs[-1] and part.split("+")[0] in CHECKPOINT_NAMES:
+    head = part.split("+")[0]
+    if specs and (("remat:save=" in specs[-1] and head in CHECKPOINT_NAMES)
+                  or ("sample_targets=" in specs[-1] and head in LINEAR_NAMES)):
       specs[-1] += "," + part
     else:
       specs.append(part)

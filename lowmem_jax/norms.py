@@ -82,6 +82,21 @@ def _mean(a):
   return jnp.mean(a, axis=-1, keepdims=True)
 
 
+def ms_norm_forward(kind: str, x, eps: float):
+  """MS norm forward in jnp: ``(y in x's dtype, fp32 rstd per row)``."""
+  centred, rstd = _STATS[kind](x, eps)
+  return (centred * rstd).astype(x.dtype), rstd[..., 0]
+
+
+def ms_norm_input_grad(kind: str, g, y, rstd):
+  """MS norm backward in jnp from the output ``y`` and ``rstd`` (exact, eps included)."""
+  gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
+  bracket = gf - yf * _mean(gf * yf)
+  if kind == "layer":
+    bracket = bracket - _mean(gf)
+  return (rstd[..., None] * bracket).astype(g.dtype)
+
+
 @functools.cache
 def ms_norm_fn(kind: str, implementation: str = "xla"):
   """The MS norm for ``kind`` in {"layer", "rms"}: ``fn(x, eps=1e-6, *, name=None)``.
@@ -100,10 +115,9 @@ def ms_norm_fn(kind: str, implementation: str = "xla"):
                      f"{', '.join(IMPLEMENTATIONS)}")
   interpret = implementation == "pallas_interpret"
 
-  def ms_norm_forward(x, eps):
+  def forward(x, eps):
     if implementation == "xla":
-      centred, rstd = _STATS[kind](x, eps)
-      return (centred * rstd).astype(x.dtype), rstd[..., 0]
+      return ms_norm_forward(kind, x, eps)
     return pallas_norms.ms_norm_forward(x, kind=kind, eps=eps, interpret=interpret)
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
@@ -111,7 +125,7 @@ def ms_norm_fn(kind: str, implementation: str = "xla"):
     return norm_fwd(x, eps, name)[0]
 
   def norm_fwd(x, eps, name):
-    y, rstd = ms_norm_forward(x, eps)
+    y, rstd = forward(x, eps)
     y = _tag(y, name)
     return y, (y, rstd)
 
@@ -120,11 +134,7 @@ def ms_norm_fn(kind: str, implementation: str = "xla"):
     y, rstd = res
     if implementation != "xla":
       return (pallas_norms.ms_norm_backward(g, y, rstd, kind=kind, interpret=interpret),)
-    gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
-    bracket = gf - yf * _mean(gf * yf)
-    if kind == "layer":
-      bracket = bracket - _mean(gf)
-    return ((rstd[..., None] * bracket).astype(g.dtype),)
+    return (ms_norm_input_grad(kind, g, y, rstd),)
 
   norm.defvjp(norm_fwd, norm_bwd)
 

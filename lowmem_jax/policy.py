@@ -28,6 +28,12 @@ ACTIVATIONS = ("exact", "approx2")
 NORMS = ("standard", "ms")
 ATTENTIONS = ("auto", "xla", "flash", "cudnn")
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
+QUANTS = ("none", "int8")
+SAMPLED_LINEARS = ("none", "wta-crs")
+REVERSIBLES = ("none", "vanilla", "pareprop")
+# Attribute names of the linears in our blocks (WTA-CRS applies to those in
+# ``sample_targets``); heads and embeddings are never sampled.
+LINEAR_NAMES = ("query", "key", "value", "out", "fc1", "fc2", "gate", "up", "down")
 # Backends where kernels="auto" picks Pallas: none until a GPU measurement shows the
 # kernels faster than XLA's fusions (see pallas_kernels/bench.py and docs/).
 AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
@@ -56,6 +62,10 @@ PRESETS: dict[str, dict[str, object]] = {
     "ms-bp": {"norm": "ms"},
     "lowmembp": {"activation": "approx2", "norm": "ms"},
     "remat": {"remat": "full"},
+    "mesa8": {"quant": "int8"},
+    "wta-crs": {"sampled_linear": "wta-crs"},
+    "reversible": {"reversible": "vanilla"},
+    "pareprop": {"reversible": "pareprop"},
 }
 
 # "exact" is what a Flax user writes: jax.nn's activations in the compute dtype, plain
@@ -85,15 +95,38 @@ class MemoryPolicy:
     "pallas" (fused GPU kernels; an error on other backends), "pallas_interpret" (the
     kernels in interpret mode, any backend: for tests), "auto" (Pallas where measured
     faster, see ``AUTO_PALLAS_BACKENDS``; XLA elsewhere).
+  quant: "none" | "int8" (Mesa: linear, activation, norm and attention inputs saved as
+    uint8 codes with per-group EMA ranges, :mod:`lowmem_jax.quant`).
+  sampled_linear: "none" | "wta-crs" (weight gradients of the ``sample_targets`` linears
+    from ``sample_ratio`` of the token rows, :mod:`lowmem_jax.sampling`).
+  reversible: "none" | "vanilla" | "pareprop" (reversible models rebuild block inputs
+    in backward, :mod:`lowmem_jax.reversible`; needs a reversible architecture).
   """
   activation: str = "exact"
   norm: str = "standard"
   attention: str = "auto"
   remat: str | tuple[str, ...] | None = None
   kernels: str = "auto"
+  quant: str = "none"
+  sampled_linear: str = "none"
+  sample_ratio: float = 0.3
+  sample_targets: tuple[str, ...] = LINEAR_NAMES
+  reversible: str = "none"
 
   def __post_init__(self):
     _choice("activation", self.activation, ACTIVATIONS)
+    _choice("quant", self.quant, QUANTS)
+    _choice("sampled_linear", self.sampled_linear, SAMPLED_LINEARS)
+    _choice("reversible", self.reversible, REVERSIBLES)
+    self._check_sampling()
+    if self.reversible != "none":
+      for field, value, default in (("quant", self.quant, "none"),
+                                    ("sampled_linear", self.sampled_linear, "none"),
+                                    ("remat", self.remat, None)):
+        if value != default:
+          raise ValueError(
+              f"MemoryPolicy: reversible={self.reversible!r} keeps no block activations, "
+              f"so {field}={value!r} would change nothing; drop one of them")
     _choice("norm", self.norm, NORMS)
     _choice("attention", self.attention, ATTENTIONS)
     _choice("kernels", self.kernels, KERNELS)
@@ -108,6 +141,26 @@ class MemoryPolicy:
         _choice("checkpoint name in remat", name, CHECKPOINT_NAMES)
     elif remat is not None:
       _choice("remat", remat, ("full",) + REMAT_POLICY_NAMES)
+
+  def _check_sampling(self):
+    ratio = self.sample_ratio
+    try:
+      ratio = float(ratio)
+    except (TypeError, ValueError):
+      raise ValueError(f"MemoryPolicy: sample_ratio must be a number, got {ratio!r}") from None
+    if not 0.0 < ratio <= 1.0:
+      raise ValueError(f"MemoryPolicy: sample_ratio must be in (0, 1], got {ratio}")
+    object.__setattr__(self, "sample_ratio", ratio)
+    targets = self.sample_targets
+    if isinstance(targets, str):
+      targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+    targets = tuple(targets)
+    if not targets:
+      raise ValueError("MemoryPolicy: sample_targets is empty; name at least one of "
+                       f"{', '.join(LINEAR_NAMES)}")
+    for name in targets:
+      _choice("linear in sample_targets", name, LINEAR_NAMES)
+    object.__setattr__(self, "sample_targets", targets)
 
   # -------------------------------------------------------------------------- parsing
   @classmethod
@@ -143,7 +196,9 @@ class MemoryPolicy:
         for k in fields:
           del left[k]
     for field, value in left.items():
-      if field != "remat":
+      if field == "sample_targets":
+        tokens.append(f"{field}={','.join(value)}")
+      elif field != "remat":
         tokens.append(f"{field}={value}")
       elif isinstance(value, tuple):
         tokens.append("remat:save=" + ",".join(value))
@@ -195,6 +250,15 @@ class MemoryPolicy:
   def attention_fn(self) -> Callable:
     """``attention(q, k, v, *, causal, mask)`` with this policy's implementation."""
     return functools.partial(attention, implementation=self.attention)
+
+  @property
+  def quantizes(self) -> bool:
+    """True when activations are saved as 8-bit codes (Mesa)."""
+    return self.quant == "int8"
+
+  def samples(self, linear_name: str) -> bool:
+    """True when the linear called ``linear_name`` takes WTA-CRS weight gradients."""
+    return self.sampled_linear == "wta-crs" and linear_name in self.sample_targets
 
   def checkpoint_policy(self):
     """The ``jax.checkpoint`` policy for a block, or None when blocks are not rematted."""

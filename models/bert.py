@@ -46,13 +46,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowmem_jax import quant
 from lowmem_jax.norms import merge_norm_affine
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import make_config, replace_fields
 from models.hf_state import CheckpointError, StateReader, read_linear, write_linear
+from models.linear import Linear
 from models.mlp import Mlp
 from models.norm import Norm
+from models.sites import as_array, seed_sites
 
 MODEL_TYPES = ("bert", "roberta")
 
@@ -146,7 +149,14 @@ class ResidualAffine(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
 
   def __call__(self, y):
-    return y * self.scale[...].astype(y.dtype) + self.bias[...].astype(y.dtype)
+    """``y`` plain or as a QTensor (Mesa: backward keeps its code, for d gamma)."""
+    if isinstance(y, quant.QTensor):
+      return quant.int8_vjp(_affine, [y], (self.scale[...], self.bias[...]))
+    return _affine(y, self.scale[...], self.bias[...])
+
+
+def _affine(y, scale, bias):
+  return y * scale.astype(y.dtype) + bias.astype(y.dtype)
 
 
 class BertEmbeddings(nnx.Module):
@@ -187,9 +197,9 @@ class BertLayer(nnx.Module):
     """``y``: the previous norm's output, read by q/k/v; the residual stream is
     ``prev_affine(y)`` (``y`` itself when the previous norm keeps its affine). Returns
     this layer's LN2 output."""
-    h = y if prev_affine is None else prev_affine(y)
+    h = as_array(y) if prev_affine is None else prev_affine(y)
     y1 = self.attention_norm(h + self.attention(y, mask=mask))
-    h1 = y1 if self.attention_affine is None else self.attention_affine(y1)
+    h1 = as_array(y1) if self.attention_affine is None else self.attention_affine(y1)
     return self.output_norm(h1 + self.mlp(y1))
 
 
@@ -220,8 +230,9 @@ class Bert(nnx.Module):
     head = dict(dtype=dtype, kernel_init=nnx.initializers.normal(cfg.initializer_range),
                 bias_init=nnx.initializers.zeros_init(), rngs=rngs)
     # Under MS norms the last LN2's affine is merged into ``pooler``.
-    self.pooler = nnx.Linear(cfg.dim, cfg.dim, **head)
-    self.classifier = nnx.Linear(cfg.dim, cfg.num_labels, **head)
+    self.pooler = Linear(cfg.dim, cfg.dim, policy=self.policy, **head)
+    self.classifier = Linear(cfg.dim, cfg.num_labels, policy=self.policy, **head)
+    seed_sites(self, rngs)
 
   # -------------------------------------------------------------------------- inputs
   def _inputs(self, tokens, mask, token_types):
@@ -267,13 +278,13 @@ class Bert(nnx.Module):
     return y, prev_affine
 
   def _logits(self, y):
-    pooled = jnp.tanh(self.pooler(y[:, 0]))
+    pooled = jnp.tanh(self.pooler(as_array(y)[:, 0]))
     return self.classifier(pooled).astype(jnp.float32)
 
   def forward(self, tokens, mask=None, token_types=None):
     """``(hidden [B, T, D], logits [B, num_labels])``, both fp32, from one pass."""
     y, affine = self._encode(tokens, mask, token_types)
-    hidden = y if affine is None else affine(y)
+    hidden = as_array(y) if affine is None else affine(y)
     return hidden.astype(jnp.float32), self._logits(y)
 
   def encode(self, tokens, mask=None, token_types=None):

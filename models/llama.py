@@ -30,8 +30,10 @@ from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import make_config
 from models.hf_state import CheckpointError, StateReader, read_linear, write_linear
+from models.linear import Linear
 from models.mlp import GatedMlp
 from models.norm import Norm
+from models.sites import as_array, seed_sites
 
 
 # ----------------------------------------------------------------------------- config
@@ -188,10 +190,11 @@ class Llama(nnx.Module):
       self.head_scale = (nnx.Param(jnp.ones((cfg.dim,), jnp.float32))
                          if self.policy.merges_norm_affine else None)
     else:
-      self.lm_head = nnx.Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=self.dtype,
-                                preferred_element_type=jnp.float32, kernel_init=init,
-                                rngs=rngs)
+      self.lm_head = Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=self.dtype,
+                            preferred_element_type=jnp.float32, kernel_init=init,
+                            rngs=rngs, policy=self.policy)
       self.head_scale = None
+    seed_sites(self, rngs)
 
   def __call__(self, tokens, mask=None):
     tokens = jnp.asarray(tokens)
@@ -219,6 +222,7 @@ class Llama(nnx.Module):
     h = self.norm(x)
     if self.lm_head is not None:
       return self.lm_head(h).astype(jnp.float32)
+    h = as_array(h)  # the tied head keeps h itself
     weight = self.embed.embedding[...]
     if self.head_scale is not None:
       weight = weight * self.head_scale[...][None, :]

@@ -12,12 +12,16 @@ output), so it adds only the rank-sized ``x @ A`` to what backward keeps.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+
+from lowmem_jax import quant
+from models.sites import as_array
 
 
 class LoRAParam(nnx.Param):
@@ -54,11 +58,19 @@ class LoRALinear(nnx.Module):
     y = self.base(x)
     if self.merged:
       return y
-    axes = tuple(range(x.ndim - self.n_in, x.ndim))
-    a = jnp.tensordot(x, self.lora_a[...].astype(x.dtype), axes=(axes, tuple(range(self.n_in))))
+    lora_a = self.lora_a[...].astype(as_array(x).dtype)
+    if isinstance(x, quant.QTensor):  # Mesa: x @ A keeps the code the base keeps
+      a = quant.int8_vjp(functools.partial(_contract, self.n_in), [x], (lora_a,))
+    else:
+      a = _contract(self.n_in, x, lora_a)
     a = checkpoint_name(a, "lora_a")
-    return y + (self.scale * jnp.tensordot(a, self.lora_b[...].astype(x.dtype), axes=1)
+    return y + (self.scale * jnp.tensordot(a, self.lora_b[...].astype(a.dtype), axes=1)
                 ).astype(y.dtype)
+
+
+def _contract(n_in, x, lora_a):
+  axes = tuple(range(x.ndim - n_in, x.ndim))
+  return jnp.tensordot(x, lora_a, axes=(axes, tuple(range(n_in))))
 
 
 def _targets(model, targets: Sequence[str]):

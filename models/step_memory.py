@@ -54,7 +54,7 @@ def loss_fn(model, inputs, targets):
 def sgd_step(graphdef, params, rest, inputs, targets, lr=1e-3):
   """One full step on the split model: loss, gradients of all Params, SGD update."""
   def loss_of(params):
-    return loss_fn(nnx.merge(graphdef, params, rest), inputs, targets)
+    return loss_fn(nnx.merge(graphdef, params, rest, copy=True), inputs, targets)
   loss, grads = jax.value_and_grad(loss_of)(params)
   return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads)
 
@@ -67,7 +67,7 @@ def measure(model_name, policies, batch, seq, dtype, overrides):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     inputs, targets = jax.eval_shape(lambda: example_batch(model, batch, seq))
     mem = step_memory(sgd_step, graphdef, params, rest, inputs, targets)
-    res = saved_residuals(lambda p, x, t: loss_fn(nnx.merge(graphdef, p, rest), x, t),
+    res = saved_residuals(lambda p, x, t: loss_fn(nnx.merge(graphdef, p, rest, copy=True), x, t),
                           params, inputs, targets)
     rows.append({"policy": MemoryPolicy.parse(spec).spec, "compiled": mem.as_dict(),
                  "saved_residual_bytes": res.total_bytes})

@@ -21,7 +21,9 @@ from models.attention import SelfAttention
 from models.config import make_config
 from models.hf_state import StateReader, read_linear, write_linear
 from models.mlp import Mlp
+from models.linear import Linear
 from models.norm import Norm
+from models.sites import seed_sites
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +107,8 @@ class ViT(nnx.Module):
     self.pos_embed = nnx.Param(init(rngs.params(), (1, c.num_patches + 1, c.dim), jnp.float32))
     self.blocks = nnx.List([ViTBlock(c, self.policy, dtype, rngs) for _ in range(c.num_layers)])
     self.norm = Norm(c.dim, eps=c.eps, policy=self.policy)
-    self.head = nnx.Linear(c.dim, c.num_labels, dtype=dtype, rngs=rngs)
+    self.head = Linear(c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=self.policy)
+    seed_sites(self, rngs)
 
   def __call__(self, images):
     c = self.cfg

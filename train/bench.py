@@ -46,7 +46,8 @@ from lowmem_jax.policy import MemoryPolicy
 from train.config import TrainConfig, add_config_arguments, load_config
 
 DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
-                    "remat:dots_saveable", "remat:save=qkv_proj,attn_out", "lowmembp+remat")
+                    "remat:dots_saveable", "remat:save=qkv_proj,attn_out", "lowmembp+remat",
+                    "mesa8", "lowmembp+mesa8", "wta-crs")
 
 
 def parse_policies(text: str | Sequence[str]) -> list[str]:

@@ -54,6 +54,10 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     load = hf.load_pretrained if load_weights else hf.init_from_config
     model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
                  **cfg.model_overrides)
+  elif cfg.model.startswith("revvit"):
+    from models import revvit
+    model = revvit.RevViT(revvit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
+                          rngs=rngs)
   elif cfg.model.startswith("vit"):
     from models import vit
     model = vit.ViT(vit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype, rngs=rngs)
@@ -66,8 +70,8 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     model = bert.Bert(bert.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
                       rngs=rngs)
   else:
-    raise ValueError(f"unknown model {cfg.model!r}: use a vit-*, llama-*, bert-* or "
-                     "roberta-* preset, or pretrained=<HF directory>")
+    raise ValueError(f"unknown model {cfg.model!r}: use a vit-*, revvit-*, llama-*, bert-* "
+                     "or roberta-* preset, or pretrained=<HF directory>")
   if cfg.trainable == "lora":
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,
@@ -152,31 +156,37 @@ class Trainer:
   @functools.cached_property
   def train_step(self):
     cfg, graphdef, tx = self.cfg, self.graphdef, self.tx
+    trainable = trainable_filter(cfg)
 
     def grads_of(params, rest, batch):
+      """Loss, metrics, gradients and ``rest`` as the forward left it (site state)."""
       def loss_fn(p):
-        return loss_and_metrics(nnx.merge(graphdef, p, rest), batch, cfg.task)
-      (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-      return loss, aux, grads
+        # copy=True: fresh Variables at this trace level, so sites may update them
+        model = nnx.merge(graphdef, p, rest, copy=True)
+        loss, aux = loss_and_metrics(model, batch, cfg.task)
+        return loss, (aux, nnx.split(model, trainable, ...)[2])
+      (loss, (aux, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+      return loss, aux, grads, rest
 
     def step(state, batch):
       params, rest = state["params"], state["rest"]
       if cfg.grad_accum == 1:
-        loss, aux, grads = grads_of(params, rest, batch)
+        loss, aux, grads, rest = grads_of(params, rest, batch)
       else:  # scan over micro-batches: activations of one micro-batch at a time
         micro = jax.tree.map(lambda x: x.reshape((cfg.grad_accum, -1) + x.shape[1:]), batch)
 
-        def body(acc, mb):
-          loss, aux, grads = grads_of(params, rest, mb)
-          return jax.tree.map(jnp.add, acc, (loss, aux, grads)), None
+        def body(carry, mb):
+          acc, rest = carry
+          loss, aux, grads, rest = grads_of(params, rest, mb)
+          return (jax.tree.map(jnp.add, acc, (loss, aux, grads)), rest), None
 
         zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), (jnp.float32(0),) * 3, params))
-        (loss, aux, grads), _ = jax.lax.scan(body, zeros, micro)
+        ((loss, aux, grads), rest), _ = jax.lax.scan(body, (zeros, rest), micro)
         loss, grads = loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads)
       grad_norm = optax.tree.norm(grads)
       updates, opt = tx.update(grads, state["opt"], params)
       new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
-             "rest": rest, "opt": opt}
+             "rest": rest, "opt": opt}  # rest: site state (Mesa ranges, keys) updated
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       new = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, state)
       return new, {"loss": loss, "grad_norm": grad_norm, "finite": finite,
@@ -243,8 +253,9 @@ def make_datasets(cfg: TrainConfig):
   if cfg.task == "image":
     if cfg.data == "digits":
       return data_lib.digits("train", seed=cfg.seed), data_lib.digits("test", seed=cfg.seed)
-    from models import vit  # image size of the model
-    size = vit.config(cfg.model, **cfg.model_overrides)
+    from models import revvit, vit  # image size of the model
+    preset = revvit.config if cfg.model.startswith("revvit") else vit.config
+    size = preset(cfg.model, **cfg.model_overrides)
     train = data_lib.image_folder(cfg.data, image_size=size.image_size, channels=size.channels)
     test = None if cfg.eval_data is None else data_lib.image_folder(
         cfg.eval_data, image_size=size.image_size, channels=size.channels)

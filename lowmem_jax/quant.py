@@ -1,0 +1,315 @@
+"""Mesa 8-bit activations (arXiv 2111.11124): ops that save uint8 codes for backward.
+
+The forward is exact; what backward keeps of an activation is its 8-bit code
+``clip(floor((x - lo) / scale + u), 0, 255)`` with ``scale = (hi - lo) / 255``, ``u``
+uniform noise (stochastic rounding, unbiased inside ``[lo, hi]``), and backward runs on
+``dequantize(code) = lo + code * scale``. Quantization is asymmetric and per group: the
+tensor is viewed, for free, as ``[outer, G, inner]`` with contiguous groups along one
+axis (head-wise for ``[B, N, H, D]``: axis 2, ``G = H``). ``lo``/``hi`` per group are an
+EMA (decay 0.9) of each batch's min/max, the first batch taking its own; values outside
+the range clamp to 0 / 255 (the reference code wraps modulo 256, a bug we do not copy).
+
+Noise comes from an explicit PRNG key: the key gives a 32-bit seed and element ``i`` of
+the flattened tensor gets ``u = hash(i, seed) / 2**24``, a counter-based hash that the
+Pallas kernels compute bit-identically (indices wrap past 2**32 elements: the noise then
+repeats, it stays uniform).
+
+Codes are made once per tensor (:func:`quantize_tensor` -> :class:`QTensor`) and shared
+by every op that reads the tensor: q, k and v projections keep one code of their input,
+not three. :func:`int8_vjp` runs any ``fn`` with exact forward and backward at the
+dequantized inputs; :func:`ms_norm_int8` is MS-BP's norm whose one residual is the code
+of its output, the same code the next linear keeps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from lowmem_jax import norms
+
+DECAY = 0.9       # EMA decay of the per-group range
+LEVELS = 255      # codes 0..255
+IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
+
+
+# ----------------------------------------------------------------------------- layout
+def group_view(shape: Sequence[int], axis: int, groups: int) -> tuple[int, int, int]:
+  """``(outer, G, inner)``: the free 3-D view of a tensor with ``groups`` contiguous
+  groups along ``axis``."""
+  shape = tuple(int(d) for d in shape)
+  if not shape:
+    raise ValueError("quantize: expects at least one axis, got a scalar")
+  axis = axis % len(shape)
+  if groups < 1 or shape[axis] % groups:
+    raise ValueError(f"quantize: {groups} groups do not divide axis {axis} of size "
+                     f"{shape[axis]} (shape {list(shape)})")
+  outer = math.prod(shape[:axis])
+  return outer, groups, math.prod(shape[axis:]) // groups
+
+
+def _hash32(x):
+  """lowbias32 (uint32 -> uint32), a well-mixed integer hash."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def uniform_noise(index, seed):
+  """Uniform ``[0, 1)`` noise (fp32, 24 bits) for uint32 element indices and a seed."""
+  bits = _hash32(index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seed.astype(jnp.uint32))
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
+def seed_of(key) -> jax.Array:
+  """The uint32 seed of a PRNG key (typed or raw ``uint32[2]``)."""
+  if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)
+  return jax.random.bits(key, (), jnp.uint32)
+
+
+def _scale(lo, hi):
+  """Step per group; a flat range gets a tiny positive step (codes then all 0).
+
+  Rounded up to 16 significant bits, so ``code * step`` (8 x 16 bits) is exact in fp32
+  and ``code * step + lo`` rounds once whether or not the compiler fuses it into an FMA
+  (XLA does under jit, not eagerly): dequantized values are then the same bits in every
+  context and in the Pallas kernels.
+  """
+  step = (hi - lo) / LEVELS
+  step = jnp.where(step > 0, step, jnp.float32(1e-30))
+  bits = jax.lax.bitcast_convert_type(step, jnp.uint32)
+  return jax.lax.bitcast_convert_type((bits + 0xFF) & ~jnp.uint32(0xFF), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- reference
+def quantize_reference(x3, lo, hi, seed):
+  """``x3: [O, G, I]`` -> uint8 codes (plain jnp; the kernels' reference)."""
+  o, g, i = x3.shape
+  index = jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 0) * jnp.uint32(g * i)
+  index = index + jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 1) * jnp.uint32(i)
+  index = index + jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 2)
+  lo3, step = lo[None, :, None], _scale(lo, hi)[None, :, None]
+  t = (x3.astype(jnp.float32) - lo3) / step + uniform_noise(index, seed)
+  return jnp.clip(jnp.floor(t), 0, LEVELS).astype(jnp.uint8)
+
+
+def dequantize_reference(codes3, lo, hi, dtype):
+  """uint8 ``[O, G, I]`` codes -> values ``lo + code * scale`` in ``dtype``."""
+  step = _scale(lo, hi)[None, :, None]
+  return (codes3.astype(jnp.float32) * step + lo[None, :, None]).astype(dtype)
+
+
+def _check_implementation(implementation):
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"unknown quantization implementation {implementation!r}; valid: "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+
+
+def quantize(x, lo, hi, seed, *, axis: int = -1, groups: int = 1,
+             implementation: str = "xla"):
+  """Codes of ``x`` (uint8, x's shape) for per-group ranges ``lo``/``hi`` (fp32 ``[G]``)."""
+  _check_implementation(implementation)
+  view = group_view(x.shape, axis, groups)
+  x3 = x.reshape(view)
+  if implementation == "xla":
+    codes = quantize_reference(x3, lo, hi, seed)
+  else:
+    from pallas_kernels import quant as pallas_quant
+    codes = pallas_quant.quantize(x3, lo, hi, seed,
+                                  interpret=implementation == "pallas_interpret")
+  return codes.reshape(x.shape)
+
+
+def dequantize(codes, lo, hi, dtype, *, axis: int = -1, groups: int = 1,
+               implementation: str = "xla"):
+  """Values of uint8 ``codes`` in ``dtype``."""
+  _check_implementation(implementation)
+  c3 = codes.reshape(group_view(codes.shape, axis, groups))
+  if implementation == "xla":
+    x3 = dequantize_reference(c3, lo, hi, dtype)
+  else:
+    from pallas_kernels import quant as pallas_quant
+    x3 = pallas_quant.dequantize(c3, lo, hi, dtype,
+                                 interpret=implementation == "pallas_interpret")
+  return x3.reshape(codes.shape)
+
+
+# ----------------------------------------------------------------------------- EMA range
+def batch_range(x, *, axis: int = -1, groups: int = 1):
+  """Per-group (min, max) of ``x`` in fp32, gradient-free."""
+  x3 = jax.lax.stop_gradient(x).reshape(group_view(x.shape, axis, groups))
+  x3 = x3.astype(jnp.float32)
+  return x3.min(axis=(0, 2)), x3.max(axis=(0, 2))
+
+
+def ema_range(lo, hi, count, batch_lo, batch_hi, decay: float = DECAY):
+  """``decay * old + (1 - decay) * batch``; the first update (count 0) takes the batch's."""
+  first = count == 0
+  new_lo = jnp.where(first, batch_lo, decay * lo + (1 - decay) * batch_lo)
+  new_hi = jnp.where(first, batch_hi, decay * hi + (1 - decay) * batch_hi)
+  return new_lo, new_hi
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantState:
+  """A quantization site's state, carried in the train state: per-group EMA range
+  (fp32 ``[G]``), the number of updates so far, and the site's PRNG key data."""
+  lo: jax.Array
+  hi: jax.Array
+  count: jax.Array
+  key: jax.Array
+
+  @classmethod
+  def create(cls, groups: int = 1, key=None) -> "QuantState":
+    key = jax.random.key(0) if key is None else key
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+      key = jax.random.key_data(key)
+    return cls(jnp.zeros((groups,), jnp.float32), jnp.zeros((groups,), jnp.float32),
+               jnp.zeros((), jnp.int32), jnp.asarray(key, jnp.uint32))
+
+  def step_key(self):
+    """This update's key: the site key folded with the update count."""
+    return jax.random.fold_in(jax.random.wrap_key_data(self.key), self.count)
+
+
+jax.tree_util.register_dataclass(QuantState, data_fields=["lo", "hi", "count", "key"],
+                                 meta_fields=[])
+
+
+# ----------------------------------------------------------------------------- QTensor
+@dataclasses.dataclass(frozen=True)
+class QTensor:
+  """An activation with its 8-bit code: ops that read it save ``codes`` (not ``value``).
+
+  Not a pytree: it lives between ops inside one traced function.
+  """
+  value: jax.Array
+  codes: jax.Array
+  lo: jax.Array
+  hi: jax.Array
+  axis: int
+  groups: int
+  implementation: str = "xla"
+
+  def dequantized(self, codes=None, lo=None, hi=None):
+    return dequantize(self.codes if codes is None else codes,
+                      self.lo if lo is None else lo, self.hi if hi is None else hi,
+                      self.value.dtype, axis=self.axis, groups=self.groups,
+                      implementation=self.implementation)
+
+
+def quantize_tensor(x, state: QuantState, *, axis: int = -1, groups: int = 1,
+                    implementation: str = "xla") -> tuple[QTensor, QuantState]:
+  """Updates the site's EMA range with ``x``'s batch range and codes ``x`` with it."""
+  if state.lo.shape != (groups,):
+    raise ValueError(f"quantize_tensor: state has {state.lo.shape[0]} groups, asked "
+                     f"for {groups}")
+  lo, hi = ema_range(state.lo, state.hi, state.count, *batch_range(x, axis=axis,
+                                                                  groups=groups))
+  codes = quantize(jax.lax.stop_gradient(x), lo, hi, seed_of(state.step_key()), axis=axis,
+                   groups=groups, implementation=implementation)
+  new_state = QuantState(lo, hi, state.count + 1, state.key)
+  return QTensor(x, codes, lo, hi, axis % x.ndim, groups, implementation), new_state
+
+
+# ----------------------------------------------------------------------------- int8 vjp
+def int8_vjp(fn: Callable, quantized: Sequence[QTensor], diff_args: Sequence = (),
+             const_args: Sequence = ()):
+  """``fn(*values, *diff_args, *const_args)``, whose backward keeps the QTensors' codes.
+
+  Residuals: the codes and per-group ranges of ``quantized``, ``diff_args`` (weights:
+  they live anyway) and ``const_args`` (no gradient: masks). Backward dequantizes and
+  takes ``jax.vjp(fn)`` there, so it recomputes ``fn``'s forward where its vjp needs it
+  (a matmul's vjp needs none; an activation's is elementwise). ``fn`` must be hashable
+  (a module-level function or ``functools.partial`` of one).
+  """
+  quantized, diff_args, const_args = tuple(quantized), tuple(diff_args), tuple(const_args)
+  meta = tuple((q.axis, q.groups, q.implementation, q.value.dtype) for q in quantized)
+  values = tuple(q.value for q in quantized)
+  packs = tuple((q.codes, q.lo, q.hi) for q in quantized)
+  return _int8_apply(fn, meta, values, diff_args, const_args, packs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _int8_apply(fn, meta, values, diff_args, const_args, packs):
+  del meta, packs
+  return fn(*values, *diff_args, *const_args)
+
+
+def _int8_fwd(fn, meta, values, diff_args, const_args, packs):
+  out = fn(*values, *diff_args, *const_args)
+  return out, (diff_args, const_args, packs)
+
+
+def _int8_bwd(fn, meta, res, g):
+  diff_args, const_args, packs = res
+  approx = tuple(
+      dequantize(codes, lo, hi, dtype, axis=axis, groups=groups,
+                 implementation=implementation)
+      for (axis, groups, implementation, dtype), (codes, lo, hi) in zip(meta, packs))
+  n = len(approx)
+  _, vjp = jax.vjp(lambda *a: fn(*a, *const_args), *approx, *diff_args)
+  grads = vjp(g)
+  return (grads[:n], grads[n:], _zero_cotangents(const_args), _zero_cotangents(packs))
+
+
+def _zero_cotangents(tree):
+  def zero(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+      return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+  return jax.tree.map(zero, tree)
+
+
+_int8_apply.defvjp(_int8_fwd, _int8_bwd)
+
+
+# ----------------------------------------------------------------------------- MS norm
+def ms_norm_int8(kind: str, x, eps: float, state: QuantState, *, groups: int = 1,
+                 implementation: str = "xla") -> tuple[QTensor, QuantState]:
+  """MS-LayerNorm / MS-RMSNorm (no affine) whose residuals are the uint8 code of its
+  output ``y`` (the same code the next linears keep) and fp32 ``rstd`` per row."""
+  if kind not in ("layer", "rms"):
+    raise ValueError(f"unknown norm kind {kind!r}; valid: 'layer', 'rms'")
+  _check_implementation(implementation)
+  if state.lo.shape != (groups,):
+    raise ValueError(f"ms_norm_int8: state has {state.lo.shape[0]} groups, asked for "
+                     f"{groups}")
+  seed = seed_of(state.step_key())
+  y, codes, lo, hi = _ms_int8(kind, float(eps), groups, implementation, x, state.lo,
+                              state.hi, state.count, seed)
+  qt = QTensor(y, codes, lo, hi, x.ndim - 1, groups, implementation)
+  return qt, QuantState(lo, hi, state.count + 1, state.key)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _ms_int8(kind, eps, groups, implementation, x, lo, hi, count, seed):
+  return _ms_int8_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed)[0]
+
+
+def _ms_int8_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed):
+  y, rstd = norms.ms_norm_forward(kind, x, eps)
+  lo, hi = ema_range(lo, hi, count, *batch_range(y, groups=groups))
+  codes = quantize(y, lo, hi, seed, groups=groups, implementation=implementation)
+  return (y, codes, lo, hi), (codes, lo, hi, rstd)
+
+
+def _ms_int8_bwd(kind, eps, groups, implementation, res, cts):
+  del eps
+  codes, lo, hi, rstd = res
+  g = cts[0]
+  y = dequantize(codes, lo, hi, g.dtype, groups=groups, implementation=implementation)
+  dx = norms.ms_norm_input_grad(kind, g, y, rstd)
+  return (dx, jnp.zeros_like(lo), jnp.zeros_like(hi),
+          jnp.zeros((), jax.dtypes.float0), jnp.zeros((), jax.dtypes.float0))
+
+
+_ms_int8.defvjp(_ms_int8_fwd, _ms_int8_bwd)

@@ -1,0 +1,129 @@
+"""Reversible ViT (RevViT, CVPR 2022), Flax NNX, on the memory policy.
+
+Two residual streams, both starting from the patch embedding: block ``i`` maps
+``(x1, x2)`` to ``y1 = x1 + F_i(x2)``, ``y2 = x2 + G_i(y1)`` with ``F = attn(norm(.))``
+and ``G = mlp(norm(.))`` (ViT's sub-blocks). The head reads the class token of the
+concatenated streams through a ``2 * dim`` LayerNorm, as RevViT does.
+
+Under ``policy.reversible`` ("vanilla" or "pareprop") the whole stack is one custom_vjp
+(:func:`lowmem_jax.reversible.reversible_stack`) that saves only its final outputs and
+rebuilds each block's inputs in backward: activation memory independent of depth. Under
+any other policy the same stack runs under plain autodiff
+(:func:`lowmem_jax.reversible.reference_stack`), the baseline for memory and gradients.
+Norms and activations follow the policy (MS norms, approx2); Mesa and WTA-CRS sites are
+not supported in the blocks (under ``reversible`` they would have nothing to act on).
+Presets ``revvit-*`` mirror ``vit-*``; there is no HF checkpoint format for RevViT.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lowmem_jax import reversible
+from lowmem_jax.policy import MemoryPolicy
+from models import vit
+from models.attention import SelfAttention
+from models.linear import Linear
+from models.mlp import Mlp
+from models.norm import Norm
+
+PRESETS = tuple("rev" + name for name in vit.PRESETS)
+
+
+def config(name: str = "revvit-digits", **overrides) -> vit.ViTConfig:
+  """``revvit-<x>``: the ``vit-<x>`` preset's config (the same sizes)."""
+  if not name.startswith("revvit-"):
+    raise ValueError(f"unknown RevViT preset {name!r}; valid: {', '.join(PRESETS)}")
+  return vit.config(name[len("rev"):], **overrides)
+
+
+class RevAttention(nnx.Module):
+  """``F(x) = attn(norm(x))``."""
+
+  def __init__(self, cfg: vit.ViTConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs):
+    self.norm = Norm(cfg.dim, eps=cfg.eps, policy=policy)
+    self.attn = SelfAttention(cfg.dim, cfg.num_heads, qkv_bias=cfg.qkv_bias, policy=policy,
+                              dtype=dtype, rngs=rngs)
+
+  def __call__(self, x):
+    return self.attn(self.norm(x))
+
+
+class RevMlp(nnx.Module):
+  """``G(x) = mlp(norm(x))``."""
+
+  def __init__(self, cfg: vit.ViTConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs):
+    self.norm = Norm(cfg.dim, eps=cfg.eps, policy=policy)
+    self.mlp = Mlp(cfg.dim, cfg.mlp_dim, activation="gelu", policy=policy, dtype=dtype,
+                   rngs=rngs)
+
+  def __call__(self, x):
+    return self.mlp(self.norm(x))
+
+
+def _apply(graphdef, state, x, key):
+  """One sub-block from its graph definition and (per-layer) state."""
+  del key  # no dropout / drop-path in these blocks
+  return nnx.merge(graphdef, state, copy=True)(x)
+
+
+def _stack_of(make, num_layers: int, rngs: nnx.Rngs):
+  """``num_layers`` modules ``make(rngs)`` as one module whose variables carry a leading
+  layer axis (the layout the stack scans over: no per-call copy of the parameters)."""
+
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num_layers)
+  def create(rngs):
+    return make(rngs)
+
+  return create(rngs)
+
+
+class RevViT(nnx.Module):
+
+  def __init__(self, cfg: vit.ViTConfig | str = "revvit-digits",
+               policy: MemoryPolicy | str = "baseline", *, dtype=jnp.bfloat16,
+               rngs: nnx.Rngs | None = None):
+    self.cfg = config(cfg) if isinstance(cfg, str) else cfg
+    self.policy = policy = MemoryPolicy.parse(policy)
+    if policy.quantizes or policy.sampled_linear != "none" or policy.remat is not None:
+      raise ValueError(f"RevViT: policy {policy.spec!r} is not supported; its blocks take "
+                       "norm/activation/attention choices and reversible=vanilla|pareprop")
+    self.dtype = jnp.dtype(dtype)
+    rngs = nnx.Rngs(0) if rngs is None else rngs
+    c = self.cfg
+    self.patch_embed = nnx.Conv(c.channels, c.dim, kernel_size=(c.patch_size, c.patch_size),
+                                strides=(c.patch_size, c.patch_size), padding="VALID",
+                                dtype=dtype, rngs=rngs)
+    init = nnx.initializers.truncated_normal(0.02)
+    self.cls_token = nnx.Param(init(rngs.params(), (1, 1, c.dim), jnp.float32))
+    self.pos_embed = nnx.Param(init(rngs.params(), (1, c.num_patches + 1, c.dim), jnp.float32))
+    # F and G of all layers, each one module with stacked (leading layer axis) variables
+    self.f_blocks = _stack_of(lambda r: RevAttention(c, policy, dtype, r), c.num_layers, rngs)
+    self.g_blocks = _stack_of(lambda r: RevMlp(c, policy, dtype, r), c.num_layers, rngs)
+    self.norm = Norm(2 * c.dim, eps=c.eps, policy=policy)
+    self.head = Linear(2 * c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=policy)
+
+  def __call__(self, images):
+    c = self.cfg
+    if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.channels):
+      raise ValueError(f"RevViT expects images [B, {c.image_size}, {c.image_size}, "
+                       f"{c.channels}], got {list(images.shape)}")
+    x = self.patch_embed(images.astype(self.dtype))
+    x = x.reshape(x.shape[0], -1, c.dim)
+    cls = jnp.broadcast_to(self.cls_token[...].astype(self.dtype), (x.shape[0], 1, c.dim))
+    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...].astype(self.dtype)
+    graph_f, params_f = nnx.split(self.f_blocks)
+    graph_g, params_g = nnx.split(self.g_blocks)
+    f, g = functools.partial(_apply, graph_f), functools.partial(_apply, graph_g)
+    if self.policy.reversible == "none":
+      y1, y2 = reversible.reference_stack(f, g, params_f, params_g, x, x)
+    else:
+      y1, y2 = reversible.reversible_stack(f, g, params_f, params_g, x, x,
+                                           schedule=self.policy.reversible)
+    h = jnp.concatenate([y1[:, 0], y2[:, 0]], axis=-1)
+    return self.head(self.norm(h)).astype(jnp.float32)

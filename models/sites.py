@@ -1,0 +1,90 @@
+"""Per-call state that a forward pass updates: Mesa's EMA ranges and step PRNG keys.
+
+A *site* is one place in a model where a stateful method acts: an :class:`Int8Site`
+codes one activation for backward (Mesa, :mod:`lowmem_jax.quant`), a :class:`KeySite`
+hands a fresh PRNG key to one sampled linear (WTA-CRS). Their state is
+:class:`SiteState`: not trained, updated by each training forward and carried in the
+train state (so it is checkpointed and resumes exactly). A key comes from the site's key
+folded with its call count; :func:`seed_sites` gives every site of a model its own key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lowmem_jax import quant
+
+
+class SiteState(nnx.Variable):
+  """State a forward pass updates (EMA ranges, call counts, site keys); not trained."""
+
+
+class KeySite(nnx.Module):
+  """A fresh PRNG key per call: the site key folded with the number of calls so far."""
+
+  def __init__(self):
+    self.key = SiteState(jax.random.key_data(jax.random.key(0)))
+    self.count = SiteState(jnp.zeros((), jnp.int32))
+
+  def next_key(self):
+    key = jax.random.fold_in(jax.random.wrap_key_data(self.key[...]), self.count[...])
+    self.count[...] = self.count[...] + 1
+    return key
+
+
+class Int8Site(nnx.Module):
+  """Codes one activation as uint8 for backward, with ``groups`` contiguous groups along
+  ``axis`` (head-wise: ``axis=2, groups=heads`` for ``[B, N, H, D]``)."""
+
+  def __init__(self, groups: int = 1, axis: int = -1, implementation: str = "xla"):
+    state = quant.QuantState.create(groups)
+    self.lo, self.hi = SiteState(state.lo), SiteState(state.hi)
+    self.count, self.key = SiteState(state.count), SiteState(state.key)
+    self.groups, self.axis, self.implementation = groups, axis, implementation
+
+  def _state(self) -> quant.QuantState:
+    return quant.QuantState(self.lo[...], self.hi[...], self.count[...], self.key[...])
+
+  def _store(self, state: quant.QuantState) -> None:
+    self.lo[...], self.hi[...], self.count[...] = state.lo, state.hi, state.count
+
+  def __call__(self, x) -> quant.QTensor:
+    """``x`` with its code (a QTensor made upstream is passed through)."""
+    if isinstance(x, quant.QTensor):
+      return x
+    qt, state = quant.quantize_tensor(x, self._state(), axis=self.axis, groups=self.groups,
+                                      implementation=self.implementation)
+    self._store(state)
+    return qt
+
+  def ms_norm(self, kind: str, x, eps: float) -> quant.QTensor:
+    """MS norm of ``x`` whose only saved activation is this site's code of the output."""
+    qt, state = quant.ms_norm_int8(kind, x, eps, self._state(), groups=self.groups,
+                                   implementation=self.implementation)
+    self._store(state)
+    return qt
+
+
+def int8_site(policy, groups: int = 1, axis: int = -1) -> Int8Site | None:
+  """An Int8Site when the policy quantizes, else None."""
+  if not policy.quantizes:
+    return None
+  return Int8Site(groups, axis, policy.kernel_implementation())
+
+
+def as_array(x):
+  """The activation itself, whether given plain or as a QTensor."""
+  return x.value if isinstance(x, quant.QTensor) else x
+
+
+def seed_sites(model: nnx.Module, rngs: nnx.Rngs) -> int:
+  """Gives each site of ``model`` its own key (``fold_in(key, i)`` in graph order, one
+  key drawn from ``rngs.params`` only when there are sites, so models without any draw
+  nothing); returns the number of sites."""
+  sites = [m for _, m in nnx.iter_graph(model) if isinstance(m, (KeySite, Int8Site))]
+  key = rngs.params() if sites else None
+  for i, site in enumerate(sites):
+    site.key[...] = jax.random.key_data(jax.random.fold_in(key, i))
+  return len(sites)
