@@ -1,0 +1,277 @@
+"""WTA-CRS (arXiv 2305.15265): a linear layer whose weight gradient is estimated from k rows.
+
+The forward is the exact linear. For backward the layer saves only ``k = budget(rows,
+ratio)`` rows of its input (``[k, in]``, the input dtype), their int32 indices and fp32
+scales, plus the kernel: never the ``rows x in`` input. ``dx`` and ``dbias`` are exact
+(they need no input); ``dkernel`` is the unbiased estimate
+``sum_j scale_j * x[idx_j]^T g[idx_j]`` of ``x^T g``.
+
+Winner-take-all column-row sampling picks the rows in forward, from ``p_i`` proportional
+to ``||x_i||`` (times optional ``row_weights``, e.g. per-example output-gradient norms
+cached from the last epoch, since ``g`` is unknown in forward; the paper's optimum is
+``||x_i|| * ||g_i||``): the rows whose probability mass beats the budget are kept
+deterministically with scale 1, the other slots are sampled with replacement from the
+remaining rows and reweighted. Its variance is at most that of plain column-row
+sampling (CRS) with the same k. Shapes are static, so all of it jits.
+"""
+
+from __future__ import annotations
+
+import fractions
+import functools
+import math
+import numbers
+import operator
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_RATIO = 0.3  # the paper's budget: k = 0.3 |D|
+
+
+# ----------------------------------------------------------------------------- budget, p
+def budget(rows: int, ratio: float) -> int:
+  """Rows kept for backward: ``max(1, ceil(ratio * rows))``, at most ``rows``.
+
+  ``ratio`` is read as the decimal it prints as, so ``0.7`` of 10 rows is 7, not the
+  8 that ``ceil(0.7 * 10 = 7.000000000000001)`` would give.
+  """
+  try:
+    rows = operator.index(rows)
+  except TypeError:
+    raise ValueError(f"budget: rows must be an int, got {rows!r}") from None
+  if rows < 1:
+    raise ValueError(f"budget: rows must be >= 1, got {rows}")
+  try:
+    r = float(ratio)
+  except (TypeError, ValueError):
+    raise ValueError(f"budget: ratio must be a number in (0, 1], got {ratio!r}") from None
+  if not 0.0 < r <= 1.0:  # also rejects NaN
+    raise ValueError(f"budget: ratio must be in (0, 1], got {ratio!r}")
+  k = math.ceil(fractions.Fraction(repr(r)) * rows)
+  return min(max(1, k), rows)
+
+
+def sampling_probabilities(x2d, row_weights=None):
+  """fp32 ``p[rows]`` proportional to ``||x_i||_2 * row_weights_i``; uniform if all zero.
+
+  ``row_weights`` (``[rows]``, >= 0) multiplies the row norms; negative weights count
+  as 0. Norms are taken in fp32 whatever the dtype of ``x2d``.
+  """
+  xf = x2d.astype(jnp.float32)
+  w = jnp.sqrt(jnp.sum(xf * xf, axis=-1))
+  if row_weights is not None:
+    w = w * jnp.maximum(row_weights.astype(jnp.float32), 0.0)
+  total = jnp.sum(w)
+  uniform = jnp.full_like(w, 1.0 / w.shape[0])
+  return jnp.where(total > 0, w / jnp.where(total > 0, total, 1.0), uniform)
+
+
+# ----------------------------------------------------------------------------- selection
+def _check_select(p, k):
+  if jnp.ndim(p) != 1:
+    raise ValueError(f"expected a 1-D vector of probabilities, got shape {jnp.shape(p)}")
+  if isinstance(k, bool) or not isinstance(k, numbers.Integral) or not 1 <= k <= p.shape[0]:
+    raise ValueError(f"k must be an int in [1, {p.shape[0]}] (the number of rows), got {k!r}")
+
+
+def _sample_with_replacement(key, weights, m):
+  """``m`` i.i.d. indices with probability ``weights_i / total``, and that ``total``.
+
+  Inverse-CDF sampling: O(rows + m log rows) work and no ``m x rows`` temporary (which
+  ``jax.random.categorical`` would make). A zero-weight row is never drawn, unless
+  every weight is zero (then ``total`` is 0 and callers give those slots scale 0).
+  """
+  cdf = jnp.cumsum(weights)
+  total = cdf[-1]  # the cumsum's own total, so the probabilities below are exact for it
+  u = jax.random.uniform(key, (m,), jnp.float32) * total
+  idx = jnp.searchsorted(cdf, u, side="right")
+  # u may round up to total; clamp to the last row that can be drawn.
+  positive = weights > 0
+  last = weights.shape[0] - 1 - jnp.argmax(positive[::-1])
+  return jnp.minimum(idx, last).astype(jnp.int32), total
+
+
+def wta_crs_select(p, k: int, key):
+  """Winner-take-all column-row sampling of ``k`` slots: ``(idx int32[k], scale f32[k])``.
+
+  ``p``: ``f32[rows]`` summing to 1 (:func:`sampling_probabilities`); ``k`` static.
+  With ``p`` sorted descending, the winner set ``C`` is the top ``c`` rows for every
+  ``c`` in ``1..k-1`` with ``cumsum(p_sorted)[c-1] > c / k`` (a prefix: that difference
+  is concave in ``c`` and 0 at ``c = 0``). Slots ``j < |C|`` hold the winners with
+  scale 1; slots ``j >= |C|`` hold i.i.d. draws, with replacement, from the rows outside
+  ``C`` with probability ``p_i / (1 - P_C)`` and scale ``(1 - P_C) / ((k - |C|) p_i)``.
+  Then ``sum_j scale_j x[idx_j]^T g[idx_j]`` is unbiased for ``x^T g`` (rows with
+  ``p_i = 0`` are taken to contribute nothing). Rows with ``p_i = 0`` get scale 0
+  wherever they land, so nothing is NaN when ``1 - P_C = 0``.
+  """
+  _check_select(p, k)
+  p = p.astype(jnp.float32)
+  top_p, top_idx = jax.lax.top_k(p, k)  # the k largest, descending: enough to find C
+  c = jnp.arange(1, k, dtype=jnp.float32)
+  num_winners = jnp.sum(jnp.cumsum(top_p)[:-1] > c / k)  # |C| in [0, k-1]
+  slot = jnp.arange(k)
+  is_winner = slot < num_winners
+  in_c = jnp.zeros(p.shape, bool).at[top_idx].set(is_winner)
+  rest_p = jnp.where(in_c, 0.0, p)  # p outside C; its total is 1 - P_C
+
+  drawn, rest = _sample_with_replacement(key, rest_p, k)
+  p_drawn = rest_p[drawn]
+  num_drawn = (k - num_winners).astype(jnp.float32)
+  drawn_scale = jnp.where(p_drawn > 0, rest / (num_drawn * jnp.where(p_drawn > 0, p_drawn, 1.0)),
+                          0.0)
+  idx = jnp.where(is_winner, top_idx, drawn).astype(jnp.int32)
+  scale = jnp.where(is_winner, jnp.where(top_p > 0, 1.0, 0.0), drawn_scale)
+  return idx, scale.astype(jnp.float32)
+
+
+def crs_select(p, k: int, key):
+  """Plain column-row sampling: ``k`` i.i.d. rows with probability ``p_i``, scale ``1/(k p_i)``.
+
+  Unbiased like :func:`wta_crs_select`, with higher variance; for comparison and tests.
+  """
+  _check_select(p, k)
+  p = p.astype(jnp.float32)
+  idx, total = _sample_with_replacement(key, p, k)
+  p_idx = p[idx]
+  scale = jnp.where(p_idx > 0, total / (k * jnp.where(p_idx > 0, p_idx, 1.0)), 0.0)
+  return idx, scale.astype(jnp.float32)
+
+
+def _scaled_row_outer_sum(x_rows, g_rows, scale):
+  """``sum_j scale_j x_rows[j]^T g_rows[j]`` in fp32: ``[in, out]``."""
+  xs = x_rows.astype(jnp.float32) * scale[:, None]
+  return jax.lax.dot_general(xs, g_rows.astype(jnp.float32), (((0,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def sampled_weight_grad(x2d, g2d, idx, scale):
+  """The estimator ``sum_j scale_j x2d[idx_j]^T g2d[idx_j]`` of ``x2d^T g2d``, fp32 ``[in, out]``."""
+  return _scaled_row_outer_sum(x2d[idx], g2d[idx], scale)
+
+
+# ----------------------------------------------------------------------------- the layer
+def linear_reference(x, kernel, bias=None, contract_ndim: int = 1):
+  """Plain linear: the trailing ``contract_ndim`` axes of ``x`` against the leading ones
+  of ``kernel``, accumulated in fp32 and cast to ``x.dtype``, then ``+ bias``. Plain autodiff.
+  """
+  y = jnp.tensordot(x, kernel, axes=contract_ndim, preferred_element_type=jnp.float32)
+  y = y.astype(x.dtype)
+  return y if bias is None else y + bias
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _wta_crs_linear(x, kernel, bias, key, row_weights, k, contract_ndim):
+  del key, row_weights, k
+  return linear_reference(x, kernel, bias, contract_ndim)
+
+
+def _wta_crs_linear_fwd(x, kernel, bias, key, row_weights, k, contract_ndim):
+  y = linear_reference(x, kernel, bias, contract_ndim)
+  lead = x.shape[:x.ndim - contract_ndim]
+  x2d = x.reshape(math.prod(lead), -1)
+  rw = None if row_weights is None else row_weights.reshape(-1)
+  idx, scale = wta_crs_select(sampling_probabilities(x2d, rw), k, key)
+  # Residuals: k rows of x (never rows x in), where they came from, and their weights.
+  return y, (x2d[idx], idx, scale, kernel, row_weights)
+
+
+def _wta_crs_linear_bwd(k, contract_ndim, res, g):
+  del k
+  x_sel, idx, scale, kernel, row_weights = res
+  out_ndim = kernel.ndim - contract_ndim
+  lead_ndim = g.ndim - out_ndim
+  out_axes = tuple(range(lead_ndim, g.ndim))
+  # dx = g . kernel^T over the output axes: exact.
+  dx = jax.lax.dot_general(g, kernel, ((out_axes, tuple(range(contract_ndim, kernel.ndim))),
+                                       ((), ())), preferred_element_type=jnp.float32)
+  dx = dx.astype(g.dtype)
+  dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead_ndim))).astype(g.dtype)
+  g2d = g.reshape(-1, math.prod(g.shape[lead_ndim:]))
+  dkernel = _scaled_row_outer_sum(x_sel, g2d[idx], scale)
+  dkernel = dkernel.reshape(kernel.shape).astype(kernel.dtype)
+  d_row_weights = None
+  if row_weights is not None:
+    gf = g2d.astype(jnp.float32)
+    d_row_weights = jnp.sum(gf * gf, axis=-1).reshape(row_weights.shape)
+    d_row_weights = d_row_weights.astype(row_weights.dtype)
+  return dx, dkernel, dbias, None, d_row_weights
+
+
+_wta_crs_linear.defvjp(_wta_crs_linear_fwd, _wta_crs_linear_bwd)
+
+
+def _check_key(key):
+  dtype = getattr(key, "dtype", None)
+  if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+    if key.shape != ():
+      raise ValueError(f"wta_crs_linear: key must be a single PRNG key, got shape {key.shape}")
+    return
+  if dtype != jnp.uint32 or jnp.ndim(key) != 1:
+    raise ValueError("wta_crs_linear: key must be a PRNG key (jax.random.key(...)) or raw "
+                     f"uint32[2] key data (jax.random.PRNGKey(...)), got {key!r}")
+
+
+def wta_crs_linear(x, kernel, bias, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
+                   contract_ndim: int = 1):
+  """Linear layer with an exact forward and a WTA-CRS estimate of the weight gradient.
+
+  ``x``: ``[..., *in_dims]``, its trailing ``contract_ndim`` axes contracted (2 for an
+  out-projection reading ``[B, N, heads, head_dim]``). ``kernel``: ``[*in_dims, *out_dims]``
+  (Flax layout), ``bias``: ``[*out_dims]`` or None, both of ``x``'s dtype (the caller
+  casts). Returns ``tensordot(x, kernel) + bias`` (fp32 accumulation, ``x.dtype``).
+
+  Rows are the leading (non-contracted) positions of ``x``; ``k = budget(rows, ratio)``
+  of them are chosen in forward by :func:`wta_crs_select` from
+  :func:`sampling_probabilities` and saved, with their indices, scales and the kernel;
+  nothing of size ``rows x in``. Backward: ``dx``, ``dbias`` exact; ``dkernel`` from the
+  saved rows and the same rows of the output cotangent (fp32, cast to the kernel dtype).
+  Even ``ratio=1`` (k = rows) is a random estimate, not the exact gradient: draws go
+  with replacement. It is exact when fewer than k rows have ``p_i > 0``.
+
+  ``key``: an explicit PRNG key (typed or raw uint32[2]); the same key gives the same
+  rows. Its cotangent is None.
+
+  ``row_weights``: optional, shape ``x.shape[:-contract_ndim]``, float >= 0; multiplies
+  ``||x_i||`` in the sampling probabilities (e.g. cached per-example output-gradient norms
+  broadcast to tokens; zero-weight rows are never selected, as for padding). **Its
+  cotangent is not a derivative**: the rule returns the per-row squared output-gradient
+  norm ``||g_i||^2`` (fp32, cast to its dtype). So a train step that differentiates
+  w.r.t. a per-example cache, broadcast or gathered into ``row_weights``, receives per
+  example the sum over its rows of ``||g_i||^2``: the squared gradient norms to store
+  for the next epoch. Do not feed ``row_weights`` from parameters you train.
+  """
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
+    raise ValueError(f"wta_crs_linear: x must be floating point, got {jnp.result_type(x)}")
+  if not isinstance(contract_ndim, int) or isinstance(contract_ndim, bool) or not (
+      1 <= contract_ndim <= min(x.ndim, kernel.ndim)):
+    raise ValueError(f"wta_crs_linear: contract_ndim must be an int in [1, "
+                     f"{min(x.ndim, kernel.ndim)}] (x has {x.ndim} axes, kernel "
+                     f"{kernel.ndim}), got {contract_ndim!r}")
+  in_dims = x.shape[x.ndim - contract_ndim:]
+  if kernel.shape[:contract_ndim] != in_dims:
+    raise ValueError(f"wta_crs_linear: x{list(x.shape)} and kernel{list(kernel.shape)} "
+                     f"do not match: kernel's leading {contract_ndim} axes must be "
+                     f"{list(in_dims)}")
+  if kernel.dtype != x.dtype:
+    raise ValueError(f"wta_crs_linear: kernel dtype {kernel.dtype} differs from x dtype "
+                     f"{x.dtype}; cast the kernel to the compute dtype")
+  if bias is not None:
+    out_dims = kernel.shape[contract_ndim:]
+    if bias.shape != out_dims:
+      raise ValueError(f"wta_crs_linear: bias has shape {list(bias.shape)}, expected the "
+                       f"kernel's output axes {list(out_dims)}")
+    if bias.dtype != x.dtype:
+      raise ValueError(f"wta_crs_linear: bias dtype {bias.dtype} differs from x dtype "
+                       f"{x.dtype}; cast the bias to the compute dtype")
+  lead = x.shape[:x.ndim - contract_ndim]
+  if row_weights is not None:
+    if jnp.shape(row_weights) != lead:
+      raise ValueError(f"wta_crs_linear: row_weights has shape {list(jnp.shape(row_weights))}, "
+                       f"expected x's leading axes {list(lead)}")
+    if not jnp.issubdtype(jnp.result_type(row_weights), jnp.floating):
+      raise ValueError("wta_crs_linear: row_weights must be floating point, got "
+                       f"{jnp.result_type(row_weights)}")
+  _check_key(key)
+  k = budget(math.prod(lead), ratio)
+  return _wta_crs_linear(x, kernel, bias, key, row_weights, k, contract_ndim)

@@ -1,0 +1,206 @@
+"""Mesa 8-bit quantize / dequantize as Pallas kernels, bit-identical to the jnp reference
+(``lowmem_jax.quant.quantize_reference`` / ``dequantize_reference``).
+
+On the ``[O, G, I]`` view of a tensor (``G`` contiguous groups, one ``lo``/``hi`` each):
+``code = clip(floor((x - lo) / step + u), 0, 255)`` with ``step = (hi - lo) / 255`` rounded
+up to 16 significant bits (a flat range gets 1e-30) and ``u`` the stochastic-rounding
+noise of flat element ``(o * G + g) * I + i`` (uint32, wrapping); ``value = code * step +
+lo``.
+
+Tiling: a program owns one group ``g`` and a ``[block_outer, block_inner]`` tile of its
+``(o, i)`` plane, so its range is two scalars and a head-wise view with a small inner
+size (head_dim 64) still gives programs of ``block_elements`` elements. Grid
+``(cdiv(O, block_outer), G, cdiv(I, block_inner))``; masks cover ragged O and I. Pallas
+folds grid axes past CUDA's 65535 limit into axis 0 and forms offsets in 64 bits once an
+array passes 4 GiB; a uint8 array of more than 2**31 (and at most 2**32) elements would
+get 32-bit offsets past int32, and tile coordinates are int32: such sizes are refused
+(use the jnp path there).
+
+Bit identity on GPU: Triton divides fp32 with ``div.full.f32`` (approximate) and may
+fuse a multiply and an add into an FMA, which would move ``floor`` and the dequantized
+value by an ulp; the compiled kernels therefore issue ``div.rn`` / ``mul.rn`` /
+``add.rn`` / ``sub.rn`` (IEEE, never fused), as XLA does. Interpret mode runs the same
+arithmetic through XLA. The per-group step is computed once, outside the kernels, by the
+reference's own formula.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels import layout
+
+LEVELS = 255                          # codes 0..255, as lowmem_jax.quant
+BLOCK_ELEMENTS = layout.BLOCK_ELEMENTS  # elements per program (a power of two)
+BLOCK_INNER = 1024                    # widest tile along I (a power of two)
+
+
+# ----------------------------------------------------------------------------- noise
+def _hash32(x):
+  """lowbias32 on uint32 (the constants of ``lowmem_jax.quant._hash32``)."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def uniform_noise(index, seed):
+  """``[0, 1)`` fp32 noise (24 bits) of uint32 element indices: ``lowmem_jax.quant``'s."""
+  bits = _hash32(index * jnp.uint32(0x9E3779B9) + seed)
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
+def group_step(lo, hi):
+  """The reference's per-group step: ``(hi - lo) / 255`` (1e-30 for a flat range) rounded
+  up to 16 significant bits, so ``code * step`` is exact and an FMA changes nothing."""
+  step = (hi - lo) / LEVELS
+  step = jnp.where(step > 0, step, jnp.float32(1e-30))
+  bits = jax.lax.bitcast_convert_type(step, jnp.uint32)
+  return jax.lax.bitcast_convert_type((bits + 0xFF) & ~jnp.uint32(0xFF), jnp.float32)
+
+
+# ----------------------------------------------------------------------------- IEEE ops
+def _ieee(op: str, a, b, interpret: bool):
+  """``a op b`` in fp32, rounded once to nearest even (``op``: add, sub, mul, div)."""
+  if interpret:  # XLA's arithmetic is IEEE already
+    return {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply,
+            "div": jnp.divide}[op](a, b)
+  b = jnp.broadcast_to(b, a.shape)
+  [out] = plgpu.elementwise_inline_asm(
+      f"{op}.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
+  return out
+
+
+# ----------------------------------------------------------------------------- tiling
+def _blocks(outer: int, inner: int, block_inner: int, block_elements: int):
+  for name, v in (("block_inner", block_inner), ("block_elements", block_elements)):
+    if v < 1 or v & (v - 1):
+      raise ValueError(f"{name} must be a power of two, got {v}")
+  bi = min(pl.next_power_of_2(inner), block_inner, block_elements)
+  bo = min(pl.next_power_of_2(outer), max(1, block_elements // bi))
+  return bo, bi
+
+
+def _tile(shape, bo, bi):
+  """Inside a kernel: the group, the tile's outer and inner slices, its ``[bo, bi]``
+  mask and the uint32 flat indices ``(o * G + g) * I + i`` of its elements."""
+  outer, groups, inner = shape
+  g = pl.program_id(1)
+  o = pl.program_id(0) * bo + jnp.arange(bo)
+  i = pl.program_id(2) * bi + jnp.arange(bi)
+  mask = (o < outer)[:, None] & (i < inner)[None, :]
+  row = o.astype(jnp.uint32) * jnp.uint32(groups % 2 ** 32) + g.astype(jnp.uint32)
+  index = row[:, None] * jnp.uint32(inner % 2 ** 32) + i.astype(jnp.uint32)[None, :]
+  return (g, pl.ds(pl.program_id(0) * bo, bo), pl.ds(pl.program_id(2) * bi, bi), mask,
+          index)
+
+
+def _grid(shape, bo, bi):
+  outer, groups, inner = shape
+  return (pl.cdiv(outer, bo), groups, pl.cdiv(inner, bi))
+
+
+def _check_size(shape, what: str):
+  """Sizes the kernels index safely: int32 tile coordinates, and no uint8 array whose
+  offsets Pallas would form in 32 bits past int32."""
+  n = shape[0] * shape[1] * shape[2]
+  if 2 ** 31 < n <= 2 ** 32:
+    raise ValueError(
+        f"{what}: {n} uint8 elements get 32-bit offsets past int32 in the Pallas Triton "
+        "lowering; use the jnp path (implementation='xla') for this size")
+  if max(shape) >= 2 ** 31:
+    raise ValueError(f"{what}: view {list(shape)} has an axis of 2**31 or more elements; "
+                     "use the jnp path (implementation='xla')")
+
+
+def _check_range(lo, hi, groups, what):
+  if lo.shape != (groups,) or hi.shape != (groups,):
+    raise ValueError(f"{what}: lo{list(lo.shape)} / hi{list(hi.shape)} must have shape "
+                     f"[{groups}] (one range per group)")
+
+
+# ----------------------------------------------------------------------------- kernels
+def _quantize_kernel(x_ref, lo_ref, step_ref, seed_ref, codes_ref, *, shape, bo, bi,
+                     interpret):
+  g, outer, inner, mask, index = _tile(shape, bo, bi)
+  lo = plgpu.load(lo_ref.at[pl.ds(g, 1)])
+  step = plgpu.load(step_ref.at[pl.ds(g, 1)])
+  seed = plgpu.load(seed_ref.at[pl.ds(0, 1)])
+  x = plgpu.load(x_ref.at[outer, g, inner], mask=mask, other=0).astype(jnp.float32)
+  t = _ieee("div", _ieee("sub", x, lo, interpret), step, interpret)
+  t = _ieee("add", t, uniform_noise(index, seed), interpret)
+  # clip(floor(t), 0, 255); NaN -> 0 as XLA's float -> uint8 conversion gives.
+  code = jnp.where(t >= 0, jnp.minimum(jnp.floor(t), float(LEVELS)), 0.0)
+  plgpu.store(codes_ref.at[outer, g, inner], code.astype(jnp.uint8), mask=mask)
+
+
+def _dequantize_kernel(codes_ref, lo_ref, step_ref, out_ref, *, shape, bo, bi, interpret):
+  g, outer, inner, mask, _ = _tile(shape, bo, bi)
+  lo = plgpu.load(lo_ref.at[pl.ds(g, 1)])
+  step = plgpu.load(step_ref.at[pl.ds(g, 1)])
+  code = plgpu.load(codes_ref.at[outer, g, inner], mask=mask, other=0).astype(jnp.float32)
+  value = _ieee("add", _ieee("mul", code, step, interpret), lo, interpret)
+  plgpu.store(out_ref.at[outer, g, inner], value.astype(out_ref.dtype), mask=mask)
+
+
+# ----------------------------------------------------------------------------- entry points
+@functools.partial(jax.jit, static_argnames=("interpret", "block_inner", "block_elements"))
+def quantize(x3: jax.Array, lo: jax.Array, hi: jax.Array, seed, *, interpret: bool = False,
+             block_inner: int = BLOCK_INNER,
+             block_elements: int = BLOCK_ELEMENTS) -> jax.Array:
+  """uint8 codes of a float ``x3: [O, G, I]`` for fp32 ranges ``lo``/``hi: [G]`` and a
+  uint32 ``seed`` (stochastic rounding), bit-identical to the jnp reference."""
+  if x3.ndim != 3 or not jnp.issubdtype(x3.dtype, jnp.floating):
+    raise ValueError(f"quantize kernel expects a float [O, G, I] array, got "
+                     f"{x3.dtype}{list(x3.shape)}")
+  _check_range(lo, hi, x3.shape[1], "quantize kernel")
+  if x3.size == 0:
+    return jnp.zeros(x3.shape, jnp.uint8)
+  _check_size(x3.shape, "quantize kernel")
+  lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+  bo, bi = _blocks(x3.shape[0], x3.shape[2], block_inner, block_elements)
+  return pl.pallas_call(
+      functools.partial(_quantize_kernel, shape=x3.shape, bo=bo, bi=bi,
+                        interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct(x3.shape, jnp.uint8),
+      grid=_grid(x3.shape, bo, bi), interpret=interpret,
+      compiler_params=layout.compiler_params(), name="mesa_quantize",
+  )(x3, lo, group_step(lo, hi), jnp.asarray(seed, jnp.uint32).reshape(1))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_inner",
+                                             "block_elements"))
+def _dequantize(codes3, lo, hi, dtype, interpret, block_inner, block_elements):
+  if codes3.size == 0:
+    return jnp.zeros(codes3.shape, dtype)
+  _check_size(codes3.shape, "dequantize kernel")
+  lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+  bo, bi = _blocks(codes3.shape[0], codes3.shape[2], block_inner, block_elements)
+  return pl.pallas_call(
+      functools.partial(_dequantize_kernel, shape=codes3.shape, bo=bo, bi=bi,
+                        interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct(codes3.shape, dtype),
+      grid=_grid(codes3.shape, bo, bi), interpret=interpret,
+      compiler_params=layout.compiler_params(), name="mesa_dequantize",
+  )(codes3, lo, group_step(lo, hi))
+
+
+def dequantize(codes3: jax.Array, lo: jax.Array, hi: jax.Array, dtype, *,
+               interpret: bool = False, block_inner: int = BLOCK_INNER,
+               block_elements: int = BLOCK_ELEMENTS) -> jax.Array:
+  """Values ``code * step + lo`` (fp32 math) in ``dtype`` of uint8 ``codes3: [O, G, I]``."""
+  dtype = jnp.dtype(dtype)
+  if codes3.ndim != 3 or codes3.dtype != jnp.uint8:
+    raise ValueError(f"dequantize kernel expects uint8 [O, G, I] codes, got "
+                     f"{codes3.dtype}{list(codes3.shape)}")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"dequantize kernel: dtype must be floating, got {dtype}")
+  _check_range(lo, hi, codes3.shape[1], "dequantize kernel")
+  return _dequantize(codes3, lo, hi, dtype, interpret, block_inner, block_elements)
