@@ -260,6 +260,13 @@ class MemoryPolicy:
     """True when the linear called ``linear_name`` takes WTA-CRS weight gradients."""
     return self.sampled_linear == "wta-crs" and linear_name in self.sample_targets
 
+  def check_architecture(self, model: str, *, reversible: bool = False) -> None:
+    """ValueError when the policy asks for what ``model`` cannot do (a reversible
+    stack on a standard model)."""
+    if self.reversible != "none" and not reversible:
+      raise ValueError(f"{model}: policy {self.spec!r} needs a reversible architecture "
+                       "(revvit-* models); standard blocks cannot be inverted")
+
   def checkpoint_policy(self):
     """The ``jax.checkpoint`` policy for a block, or None when blocks are not rematted."""
     if self.remat is None:

@@ -223,6 +223,7 @@ class Bert(nnx.Module):
     rngs = nnx.Rngs(0) if rngs is None else rngs
     self.cfg = cfg
     self.policy = MemoryPolicy.parse(policy)
+    self.policy.check_architecture("Bert")
     self.dtype = dtype
     self.embeddings = BertEmbeddings(cfg, dtype=dtype, rngs=rngs)
     self.layers = nnx.List([BertLayer(cfg, self.policy, dtype=dtype, rngs=rngs)

@@ -51,11 +51,26 @@ class _PolicyDense:
     bias = None if self.bias is None else self.bias[...].astype(dtype)
     if self.sampler is not None:
       y = sampling.wta_crs_linear(value.astype(dtype), kernel, bias, self.sampler.next_key(),
-                                  ratio=self.policy.sample_ratio, contract_ndim=contract)
+                                  ratio=self.policy.sample_ratio, contract_ndim=contract,
+                                  row_weights=self._row_weights(value, contract))
       pref = self.preferred_element_type
       return y if pref is None else y.astype(pref)
     fn = functools.partial(_dense, contract, self.preferred_element_type)
     return quant.int8_vjp(fn, [x], (kernel,) if bias is None else (kernel, bias))
+
+
+  def _row_weights(self, x, contract: int):
+    """Cached per-example output-gradient norms broadcast to x's rows (None without a
+    cache, or for a batch that is not the one the ids were set for)."""
+    cache = getattr(self.sampler, "grad_norms", None)
+    if cache is None:
+      return None
+    ids = self.sampler.example_ids[...]
+    lead = x.shape[:x.ndim - contract]
+    if not lead or lead[0] != ids.shape[0]:
+      return None
+    w = cache[...][ids].reshape((ids.shape[0],) + (1,) * (len(lead) - 1))
+    return jnp.broadcast_to(w, lead)
 
 
 class Linear(nnx.Linear, _PolicyDense):

@@ -178,6 +178,7 @@ class Llama(nnx.Module):
     rngs = nnx.Rngs(0) if rngs is None else rngs
     self.cfg = cfg
     self.policy = MemoryPolicy.parse(policy)
+    self.policy.check_architecture("Llama")
     self.dtype = jnp.dtype(dtype)
     init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
     self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)

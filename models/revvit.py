@@ -90,6 +90,7 @@ class RevViT(nnx.Module):
                rngs: nnx.Rngs | None = None):
     self.cfg = config(cfg) if isinstance(cfg, str) else cfg
     self.policy = policy = MemoryPolicy.parse(policy)
+    policy.check_architecture("RevViT", reversible=True)
     if policy.quantizes or policy.sampled_linear != "none" or policy.remat is not None:
       raise ValueError(f"RevViT: policy {policy.spec!r} is not supported; its blocks take "
                        "norm/activation/attention choices and reversible=vanilla|pareprop")

@@ -67,6 +67,36 @@ class Int8Site(nnx.Module):
     return qt
 
 
+class GradNormCache(nnx.Variable):
+  """WTA-CRS: per-example output-gradient norm of one sampled linear, from the last time
+  each example was seen (1 before that). Not trained: the train step differentiates
+  w.r.t. it only to read the squared norms back (``lowmem_jax.sampling``)."""
+
+
+def attach_grad_norm_caches(model: nnx.Module, num_examples: int, batch_size: int) -> int:
+  """Gives every sampled linear of ``model`` a :class:`GradNormCache` over
+  ``num_examples`` examples and an ``example_ids`` slot for ``batch_size`` ids; returns
+  how many linears got one."""
+  samplers = [m for _, m in nnx.iter_graph(model) if isinstance(m, KeySite)]
+  for site in samplers:
+    site.grad_norms = GradNormCache(jnp.ones((num_examples,), jnp.float32))
+    site.example_ids = SiteState(jnp.zeros((batch_size,), jnp.int32))
+  return len(samplers)
+
+
+def set_example_ids(model: nnx.Module, ids) -> None:
+  """Tells the sampled linears which examples the next forward's batch rows are."""
+  for _, site in nnx.iter_graph(model):
+    if isinstance(site, KeySite) and getattr(site, "grad_norms", None) is not None:
+      site.example_ids[...] = jnp.asarray(ids, jnp.int32)
+
+
+def update_grad_norms(cache, squared_norm_sums):
+  """The new cache: ``sqrt`` of the squared output-gradient norms summed over each
+  example's rows, for the examples of this batch (nonzero), the old value elsewhere."""
+  return jnp.where(squared_norm_sums > 0, jnp.sqrt(squared_norm_sums), cache)
+
+
 def int8_site(policy, groups: int = 1, axis: int = -1) -> Int8Site | None:
   """An Int8Site when the policy quantizes, else None."""
   if not policy.quantizes:

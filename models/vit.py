@@ -96,6 +96,7 @@ class ViT(nnx.Module):
                *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
     self.cfg = config(cfg) if isinstance(cfg, str) else cfg
     self.policy = MemoryPolicy.parse(policy)
+    self.policy.check_architecture("ViT")
     self.dtype = jnp.dtype(dtype)
     rngs = nnx.Rngs(0) if rngs is None else rngs
     c = self.cfg

@@ -28,21 +28,31 @@ def _losses(out_dir):
   return {r["step"]: r["loss"] for r in lines if "loss" in r and "step" in r}
 
 
-def _final_params(out_dir, cfg):
+def _restored(out_dir, cfg):
+  from models import sites
   from train.checkpoint import Checkpoints
   from train.data import Batches, digits
-  trainer = Trainer.create(cfg)
+  from train.loop import build_model
+  model = build_model(cfg)
+  if cfg.grad_norm_cache:
+    sites.attach_grad_norm_caches(model, len(digits("train")), cfg.batch_size)
+  trainer = Trainer.create(cfg, model)
   ckpt = Checkpoints(Path(out_dir) / "checkpoints")
   trainer.restore(ckpt, Batches(digits("train"), cfg.batch_size))
   ckpt.close()
-  return [np.asarray(x) for x in jax.tree.leaves(trainer.state["params"])]
+  return trainer
 
 
-def test_resume_continues_bit_for_bit(tmp_path):
-  full = _cfg(tmp_path / "full", "steps=12", "save_every=6")
+def _final_params(out_dir, cfg):
+  return [np.asarray(x) for x in jax.tree.leaves(_restored(out_dir, cfg).state["params"])]
+
+
+@pytest.mark.parametrize("extra", [(), ("policy=mesa8+wta-crs", "grad_norm_cache=true")])
+def test_resume_continues_bit_for_bit(tmp_path, extra):
+  full = _cfg(tmp_path / "full", "steps=12", "save_every=6", *extra)
   train(full)
   # The interrupted run: same config, its last checkpoint lost, resumed from step 6.
-  cut = _cfg(tmp_path / "cut", "steps=12", "save_every=6")
+  cut = _cfg(tmp_path / "cut", "steps=12", "save_every=6", *extra)
   train(cut)
   ckpts = tmp_path / "cut" / "checkpoints"
   import shutil
@@ -56,6 +66,30 @@ def test_resume_continues_bit_for_bit(tmp_path):
     assert loss == full_losses[step], (step, loss, full_losses[step])
   for a, b in zip(_final_params(tmp_path / "full", full), _final_params(tmp_path / "cut", cut)):
     np.testing.assert_array_equal(a, b)
+
+
+def test_site_state_and_grad_norm_cache_are_carried(tmp_path):
+  from flax import nnx
+  from models import sites
+  from train.data import Batches, digits
+  cfg = _cfg(tmp_path, "steps=3", "policy=mesa8+wta-crs", "grad_norm_cache=true")
+  train(cfg)
+  trainer = _restored(tmp_path, cfg)
+  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  found = [m for _, m in nnx.iter_graph(model) if isinstance(m, (sites.Int8Site,
+                                                                   sites.KeySite))]
+  # every site used updates once per step (input sites whose input arrives already
+  # coded by the norm are never used and stay at 0)
+  counts = {int(m.count[...]) for m in found}
+  assert 3 in counts and counts <= {0, 3}, counts
+  batches = Batches(digits("train"), cfg.batch_size, seed=cfg.seed, example_ids=True)
+  seen = np.concatenate([next(batches)["example_id"] for _ in range(3)])
+  caches = [np.asarray(m.grad_norms[...]) for m in found if isinstance(m, sites.KeySite)]
+  assert caches
+  for cache in caches:  # the examples seen got their gradient norm, the others keep 1
+    changed = np.flatnonzero(cache != 1.0)
+    np.testing.assert_array_equal(np.sort(changed), np.sort(np.unique(seen)))
+    assert np.all(np.isfinite(cache)) and np.all(cache > 0)
 
 
 def test_incomplete_checkpoint_is_ignored(tmp_path):

@@ -45,6 +45,7 @@ class TrainConfig:
   warmup_steps: int = 20
   grad_clip: float = 1.0              # global-norm clip; 0 disables
   grad_accum: int = 1                 # micro-batches per update
+  grad_norm_cache: bool = False       # WTA-CRS: p also from last epoch's per-example grad norms
   trainable: str = "full"             # "full" | "lora" | "frozen:<regex>" (matching params frozen)
   lora_rank: int = 8
   lora_alpha: float = 16.0

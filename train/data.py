@@ -516,10 +516,11 @@ class Batches:
   end of an epoch are skipped; without it the last batch of each epoch is smaller.
   ``state()`` is ``{"epoch", "position"}`` (position: rows of the epoch's order already
   yielded); ``restore(state)`` continues exactly there, also with another batch size.
+  ``example_ids``: each batch also carries ``"example_id"`` (int32 row numbers).
   """
 
   def __init__(self, dataset: ArrayDataset, batch_size: int, *, seed: int = 0,
-               shuffle: bool = True, drop_last: bool = True):
+               shuffle: bool = True, drop_last: bool = True, example_ids: bool = False):
     if not isinstance(batch_size, (int, np.integer)) or isinstance(batch_size, bool) \
         or batch_size < 1:
       raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -534,6 +535,7 @@ class Batches:
     self.seed = int(seed)
     self.shuffle = bool(shuffle)
     self.drop_last = bool(drop_last)
+    self.example_ids = bool(example_ids)
     self._n = n
     self._epoch_end = n - n % self.batch_size if self.drop_last else n
     self.steps_per_epoch = n // self.batch_size if self.drop_last else -(-n // self.batch_size)
@@ -563,7 +565,10 @@ class Batches:
     rows = self.order(self._epoch)[self._position:self._position + self.batch_size]
     self._position += len(rows)
     self._roll()
-    return self.dataset.take(rows)
+    batch = self.dataset.take(rows)
+    if self.example_ids:
+      batch["example_id"] = rows.astype(np.int32)
+    return batch
 
   def _roll(self) -> None:
     """Move to the next epoch once the current one has no full (or, without drop_last, any)

@@ -28,7 +28,7 @@ from flax import nnx
 
 from lowmem_jax.memory import MiB, StepMemory, compiled_memory
 from lowmem_jax.policy import MemoryPolicy
-from models import lora
+from models import lora, sites
 from train import data as data_lib
 from train import sharding
 from train.checkpoint import Checkpoints
@@ -160,12 +160,28 @@ class Trainer:
 
     def grads_of(params, rest, batch):
       """Loss, metrics, gradients and ``rest`` as the forward left it (site state)."""
-      def loss_fn(p):
+      batch = dict(batch)
+      ids = batch.pop("example_id", None)
+      # WTA-CRS gradient-norm caches: differentiated only to read back, per example,
+      # the squared output-gradient norms (see lowmem_jax.sampling.wta_crs_linear)
+      caches = nnx.state(nnx.merge(graphdef, params, rest, copy=True), sites.GradNormCache)
+      use_caches = ids is not None and bool(jax.tree.leaves(caches))
+
+      def loss_fn(p, caches):
         # copy=True: fresh Variables at this trace level, so sites may update them
         model = nnx.merge(graphdef, p, rest, copy=True)
+        if use_caches:
+          nnx.update(model, caches)
+          sites.set_example_ids(model, ids)
         loss, aux = loss_and_metrics(model, batch, cfg.task)
         return loss, (aux, nnx.split(model, trainable, ...)[2])
-      (loss, (aux, rest)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+
+      (loss, (aux, rest)), (grads, cache_grads) = jax.value_and_grad(
+          loss_fn, argnums=(0, 1), has_aux=True)(params, caches)
+      if use_caches:
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        nnx.update(model, jax.tree.map(sites.update_grad_norms, caches, cache_grads))
+        rest = nnx.split(model, trainable, ...)[2]
       return loss, aux, grads, rest
 
     def step(state, batch):
@@ -339,8 +355,12 @@ def train(cfg: TrainConfig) -> dict:
                      f"{cfg.grad_accum}")
   out = Path(cfg.out_dir)
   train_set, eval_set = make_datasets(cfg)
-  batches = data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed)
-  trainer = Trainer.create(cfg)
+  batches = data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed,
+                             example_ids=cfg.grad_norm_cache)
+  model = build_model(cfg)
+  if cfg.grad_norm_cache:
+    sites.attach_grad_norm_caches(model, len(train_set), cfg.batch_size // cfg.grad_accum)
+  trainer = Trainer.create(cfg, model)
   ckpt = Checkpoints(out / "checkpoints")
   start = 0
   if cfg.resume and ckpt.latest_step() is not None:
