@@ -22,18 +22,22 @@ from flax import nnx
 from lowmem_jax.memory import MiB, format_table, saved_residuals, step_memory, write_json
 from lowmem_jax.policy import MemoryPolicy
 
-DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat", "lowmembp+remat")
+DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat", "lowmembp+remat",
+                    "mesa8", "lowmembp+mesa8", "wta-crs")
 
 
 def build(model_name: str, policy, dtype, overrides: dict):
-  """A model by preset name (``vit-*`` or ``llama-*``) under ``policy``."""
+  """A model by preset name (``vit-*``, ``revvit-*`` or ``llama-*``) under ``policy``."""
+  if model_name.startswith("revvit"):
+    from models import revvit
+    return revvit.RevViT(revvit.config(model_name, **overrides), policy, dtype=dtype)
   if model_name.startswith("vit"):
     from models import vit
     return vit.ViT(vit.config(model_name, **overrides), policy, dtype=dtype)
   if model_name.startswith("llama"):
     from models import llama
     return llama.Llama(llama.config(model_name, **overrides), policy, dtype=dtype)
-  raise ValueError(f"unknown model {model_name!r}: use a vit-* or llama-* preset")
+  raise ValueError(f"unknown model {model_name!r}: use a vit-*, revvit-* or llama-* preset")
 
 
 def example_batch(model, batch: int, seq: int):

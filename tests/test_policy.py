@@ -23,13 +23,22 @@ from lowmem_jax.policy import CHECKPOINT_NAMES, PRESETS, REMAT_POLICY_NAMES, Mem
     ("remat:save=qkv_proj,attn_out", MemoryPolicy(remat=("qkv_proj", "attn_out"))),
     ("lowmembp + attention=xla", MemoryPolicy(activation="approx2", norm="ms", attention="xla")),
     ("kernels=xla", MemoryPolicy(kernels="xla")),
+    ("mesa8", MemoryPolicy(quant="int8")),
+    ("lowmembp+mesa8", MemoryPolicy(activation="approx2", norm="ms", quant="int8")),
+    ("wta-crs", MemoryPolicy(sampled_linear="wta-crs")),
+    ("wta-crs+sample_ratio=0.5+sample_targets=fc1,fc2",
+     MemoryPolicy(sampled_linear="wta-crs", sample_ratio=0.5, sample_targets=("fc1", "fc2"))),
+    ("reversible", MemoryPolicy(reversible="vanilla")),
+    ("pareprop", MemoryPolicy(reversible="pareprop")),
 ])
 def test_parse(spec, expected):
   assert MemoryPolicy.parse(spec) == expected
 
 
 @pytest.mark.parametrize("spec", ["baseline", "lowmembp", "lowmembp+remat", "ms-bp+remat:dots_saveable",
-                                  "remat:save=norm_out,mlp_act", "approx-bp+attention=flash+kernels=xla"])
+                                  "remat:save=norm_out,mlp_act", "approx-bp+attention=flash+kernels=xla",
+                                  "lowmembp+mesa8", "mesa8+wta-crs+sample_ratio=0.25",
+                                  "wta-crs+sample_targets=query,fc2", "lowmembp+pareprop"])
 def test_spec_round_trips(spec):
   policy = MemoryPolicy.parse(spec)
   assert MemoryPolicy.parse(policy.spec) == policy
@@ -67,6 +76,13 @@ def test_every_remat_policy_name_maps_to_jax():
     ("remat+remat:dots_saveable", "already set remat"),
     ("attention=xla+attention=flash", "already set attention"),
     ("", "non-empty"),
+    ("quant=int4", "unknown quant 'int4'"),
+    ("wta-crs+sample_ratio=0", r"sample_ratio must be in \(0, 1\]"),
+    ("wta-crs+sample_ratio=lots", "sample_ratio must be a number"),
+    ("wta-crs+sample_targets=proj", "unknown linear in sample_targets 'proj'"),
+    ("reversible+mesa8", "keeps no block activations"),
+    ("pareprop+remat", "keeps no block activations"),
+    ("reversible=fast", "unknown reversible 'fast'"),
 ])
 def test_bad_specs_are_clear_errors(spec, match):
   with pytest.raises(ValueError, match=match):

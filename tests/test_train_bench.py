@@ -62,6 +62,8 @@ def test_parse_policies():
   assert bench.parse_policies("lowmembp,remat:save=qkv_proj,attn_out") == [
       "baseline", "lowmembp", "remat:save=qkv_proj,attn_out"]
   assert bench.parse_policies(["remat", "baseline"]) == ["remat", "baseline"]
+  assert bench.parse_policies("wta-crs+sample_targets=fc1,fc2,mesa8") == [
+      "baseline", "wta-crs+sample_targets=fc1,fc2", "mesa8"]
   with pytest.raises(ValueError, match="listed twice"):  # the same policy, spelled twice
     bench.parse_policies("baseline,lowmembp,approx-bp+ms-bp")
   with pytest.raises(ValueError, match="no policy"):
