@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -97,12 +96,7 @@ class RevViT(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     rngs = nnx.Rngs(0) if rngs is None else rngs
     c = self.cfg
-    self.patch_embed = nnx.Conv(c.channels, c.dim, kernel_size=(c.patch_size, c.patch_size),
-                                strides=(c.patch_size, c.patch_size), padding="VALID",
-                                dtype=dtype, rngs=rngs)
-    init = nnx.initializers.truncated_normal(0.02)
-    self.cls_token = nnx.Param(init(rngs.params(), (1, 1, c.dim), jnp.float32))
-    self.pos_embed = nnx.Param(init(rngs.params(), (1, c.num_patches + 1, c.dim), jnp.float32))
+    vit.init_embeddings(self, c, dtype, rngs)
     # F and G of all layers, each one module with stacked (leading layer axis) variables
     self.f_blocks = _stack_of(lambda r: RevAttention(c, policy, dtype, r), c.num_layers, rngs)
     self.g_blocks = _stack_of(lambda r: RevMlp(c, policy, dtype, r), c.num_layers, rngs)
@@ -110,14 +104,7 @@ class RevViT(nnx.Module):
     self.head = Linear(2 * c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=policy)
 
   def __call__(self, images):
-    c = self.cfg
-    if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.channels):
-      raise ValueError(f"RevViT expects images [B, {c.image_size}, {c.image_size}, "
-                       f"{c.channels}], got {list(images.shape)}")
-    x = self.patch_embed(images.astype(self.dtype))
-    x = x.reshape(x.shape[0], -1, c.dim)
-    cls = jnp.broadcast_to(self.cls_token[...].astype(self.dtype), (x.shape[0], 1, c.dim))
-    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...].astype(self.dtype)
+    x = vit.embed(self, images)
     graph_f, params_f = nnx.split(self.f_blocks)
     graph_g, params_g = nnx.split(self.g_blocks)
     f, g = functools.partial(_apply, graph_f), functools.partial(_apply, graph_g)

@@ -71,8 +71,9 @@ def measure(model_name, policies, batch, seq, dtype, overrides):
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     inputs, targets = jax.eval_shape(lambda: example_batch(model, batch, seq))
     mem = step_memory(sgd_step, graphdef, params, rest, inputs, targets)
-    res = saved_residuals(lambda p, x, t: loss_fn(nnx.merge(graphdef, p, rest, copy=True), x, t),
-                          params, inputs, targets)
+    res = saved_residuals(
+        lambda p, r, x, t: loss_fn(nnx.merge(graphdef, p, r, copy=True), x, t),
+        params, rest, inputs, targets)
     rows.append({"policy": MemoryPolicy.parse(spec).spec, "compiled": mem.as_dict(),
                  "saved_residual_bytes": res.total_bytes})
   return rows

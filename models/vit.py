@@ -100,30 +100,40 @@ class ViT(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     rngs = nnx.Rngs(0) if rngs is None else rngs
     c = self.cfg
-    self.patch_embed = nnx.Conv(c.channels, c.dim, kernel_size=(c.patch_size, c.patch_size),
-                                strides=(c.patch_size, c.patch_size), padding="VALID",
-                                dtype=dtype, rngs=rngs)
-    init = nnx.initializers.truncated_normal(0.02)
-    self.cls_token = nnx.Param(init(rngs.params(), (1, 1, c.dim), jnp.float32))
-    self.pos_embed = nnx.Param(init(rngs.params(), (1, c.num_patches + 1, c.dim), jnp.float32))
+    init_embeddings(self, c, dtype, rngs)
     self.blocks = nnx.List([ViTBlock(c, self.policy, dtype, rngs) for _ in range(c.num_layers)])
     self.norm = Norm(c.dim, eps=c.eps, policy=self.policy)
     self.head = Linear(c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=self.policy)
     seed_sites(self, rngs)
 
   def __call__(self, images):
-    c = self.cfg
-    if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.channels):
-      raise ValueError(f"ViT expects images [B, {c.image_size}, {c.image_size}, "
-                       f"{c.channels}], got {list(images.shape)}")
-    x = self.patch_embed(images.astype(self.dtype))
-    x = x.reshape(x.shape[0], -1, c.dim)
-    cls = jnp.broadcast_to(self.cls_token[...].astype(self.dtype), (x.shape[0], 1, c.dim))
-    x = jnp.concatenate([cls, x], axis=1) + self.pos_embed[...].astype(self.dtype)
+    x = embed(self, images)
     run = _block_runner(self.policy)
     for block in self.blocks:
       x = run(block, x)
     return self.head(self.norm(x[:, 0])).astype(jnp.float32)
+
+
+def init_embeddings(model: nnx.Module, c: ViTConfig, dtype, rngs: nnx.Rngs) -> None:
+  """Gives ``model`` ViT's patch embedding, class token and position embedding."""
+  model.patch_embed = nnx.Conv(c.channels, c.dim, kernel_size=(c.patch_size, c.patch_size),
+                               strides=(c.patch_size, c.patch_size), padding="VALID",
+                               dtype=dtype, rngs=rngs)
+  init = nnx.initializers.truncated_normal(0.02)
+  model.cls_token = nnx.Param(init(rngs.params(), (1, 1, c.dim), jnp.float32))
+  model.pos_embed = nnx.Param(init(rngs.params(), (1, c.num_patches + 1, c.dim), jnp.float32))
+
+
+def embed(model: nnx.Module, images):
+  """``[B, H, W, C]`` images -> ``[B, 1 + patches, dim]`` tokens in ``model.dtype``."""
+  c = model.cfg
+  if images.ndim != 4 or images.shape[1:] != (c.image_size, c.image_size, c.channels):
+    raise ValueError(f"{type(model).__name__} expects images [B, {c.image_size}, "
+                     f"{c.image_size}, {c.channels}], got {list(images.shape)}")
+  x = model.patch_embed(images.astype(model.dtype))
+  x = x.reshape(x.shape[0], -1, c.dim)
+  cls = jnp.broadcast_to(model.cls_token[...].astype(model.dtype), (x.shape[0], 1, c.dim))
+  return jnp.concatenate([cls, x], axis=1) + model.pos_embed[...].astype(model.dtype)
 
 
 def _block_runner(policy: MemoryPolicy):

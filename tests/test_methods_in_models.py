@@ -1,7 +1,6 @@
 """Mesa 8-bit, WTA-CRS and the policy's sites inside the real models (ViT, LLaMA, BERT):
 same forward as baseline, gradients close to exact, less saved, site state carried."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -143,3 +142,14 @@ def test_wta_crs_targets_pick_the_linears():
   block = model.blocks[0]
   assert block.mlp.fc1.sampler is not None and block.mlp.fc2.sampler is not None
   assert block.attn.query.sampler is None and model.head.sampler is None
+
+
+def test_mesa8_pallas_kernels_match_the_jnp_path_in_a_model():
+  vit_cfg = vit.config("vit-tiny", num_layers=1)
+  models = [vit.ViT(vit_cfg, p, dtype=jnp.float32)
+            for p in ("mesa8+kernels=xla", "mesa8+kernels=pallas_interpret")]
+  inputs = (jax.random.normal(jax.random.key(1), (2, 32, 32, 3)),)
+  (la, ga, _), (lb, gb, _) = (_loss_and_grads(m, inputs) for m in models)
+  assert la == lb
+  for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

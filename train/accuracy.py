@@ -15,7 +15,6 @@ and writes JSON and a Markdown table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import tempfile
 from collections.abc import Sequence
