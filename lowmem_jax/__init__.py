@@ -2,7 +2,10 @@
 
 Ops are functions of arrays (no Flax here): ``regelu2``/``resilu2`` save a 2-bit code,
 ``ms_layer_norm``/``ms_rms_norm`` share their output with the next linear,
-``lowmem_jax.attention.attention`` saves no N x N array. :class:`MemoryPolicy` picks them for a whole model.
+``lowmem_jax.attention.attention`` saves no N x N array, :mod:`lowmem_jax.quant` (Mesa)
+saves uint8 codes, :mod:`lowmem_jax.sampling` (WTA-CRS) saves a sample of token rows,
+:mod:`lowmem_jax.reversible` saves only a stack's outputs. :class:`MemoryPolicy` picks
+them for a whole model.
 """
 
 from lowmem_jax.activations import (REGELU2, RESILU2, StepDerivative, gelu, regelu2,
