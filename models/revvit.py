@@ -6,10 +6,9 @@ and ``G = mlp(norm(.))`` (ViT's sub-blocks). The head reads the class token of t
 concatenated streams through a ``2 * dim`` LayerNorm, as RevViT does.
 
 Under ``policy.reversible`` ("vanilla" or "pareprop") the whole stack is one custom_vjp
-(:func:`lowmem_jax.reversible.reversible_stack`) that saves only its final outputs and
-rebuilds each block's inputs in backward: activation memory independent of depth. Under
-any other policy the same stack runs under plain autodiff
-(:func:`lowmem_jax.reversible.reference_stack`), the baseline for memory and gradients.
+that saves only its final outputs and rebuilds each block's inputs in backward:
+activation memory independent of depth. Under any other policy the same stack runs under
+plain autodiff, the baseline for memory and gradients (:mod:`models.reversible_stack`).
 Norms and activations follow the policy (MS norms, approx2); Mesa and WTA-CRS sites are
 not supported in the blocks (under ``reversible`` they would have nothing to act on).
 Presets ``revvit-*`` mirror ``vit-*``; there is no HF checkpoint format for RevViT.
@@ -17,18 +16,16 @@ Presets ``revvit-*`` mirror ``vit-*``; there is no HF checkpoint format for RevV
 
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from flax import nnx
 
-from lowmem_jax import reversible
 from lowmem_jax.policy import MemoryPolicy
 from models import vit
 from models.attention import SelfAttention
 from models.linear import Linear
 from models.mlp import Mlp
 from models.norm import Norm
+from models.reversible_stack import ReversibleStack, check_policy
 
 PRESETS = tuple("rev" + name for name in vit.PRESETS)
 
@@ -64,24 +61,6 @@ class RevMlp(nnx.Module):
     return self.mlp(self.norm(x))
 
 
-def _apply(graphdef, state, x, key):
-  """One sub-block from its graph definition and (per-layer) state."""
-  del key  # no dropout / drop-path in these blocks
-  return nnx.merge(graphdef, state, copy=True)(x)
-
-
-def _stack_of(make, num_layers: int, rngs: nnx.Rngs):
-  """``num_layers`` modules ``make(rngs)`` as one module whose variables carry a leading
-  layer axis (the layout the stack scans over: no per-call copy of the parameters)."""
-
-  @nnx.split_rngs(splits=num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num_layers)
-  def create(rngs):
-    return make(rngs)
-
-  return create(rngs)
-
-
 class RevViT(nnx.Module):
 
   def __init__(self, cfg: vit.ViTConfig | str = "revvit-digits",
@@ -89,29 +68,19 @@ class RevViT(nnx.Module):
                rngs: nnx.Rngs | None = None):
     self.cfg = config(cfg) if isinstance(cfg, str) else cfg
     self.policy = policy = MemoryPolicy.parse(policy)
-    policy.check_architecture("RevViT", reversible=True)
-    if policy.quantizes or policy.sampled_linear != "none" or policy.remat is not None:
-      raise ValueError(f"RevViT: policy {policy.spec!r} is not supported; its blocks take "
-                       "norm/activation/attention choices and reversible=vanilla|pareprop")
+    check_policy(policy, "RevViT")
     self.dtype = jnp.dtype(dtype)
     rngs = nnx.Rngs(0) if rngs is None else rngs
     c = self.cfg
     vit.init_embeddings(self, c, dtype, rngs)
-    # F and G of all layers, each one module with stacked (leading layer axis) variables
-    self.f_blocks = _stack_of(lambda r: RevAttention(c, policy, dtype, r), c.num_layers, rngs)
-    self.g_blocks = _stack_of(lambda r: RevMlp(c, policy, dtype, r), c.num_layers, rngs)
+    self.stack = ReversibleStack(lambda r: RevAttention(c, policy, dtype, r),
+                                 lambda r: RevMlp(c, policy, dtype, r), c.num_layers, policy,
+                                 rngs)
     self.norm = Norm(2 * c.dim, eps=c.eps, policy=policy)
     self.head = Linear(2 * c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=policy)
 
   def __call__(self, images):
     x = vit.embed(self, images)
-    graph_f, params_f = nnx.split(self.f_blocks)
-    graph_g, params_g = nnx.split(self.g_blocks)
-    f, g = functools.partial(_apply, graph_f), functools.partial(_apply, graph_g)
-    if self.policy.reversible == "none":
-      y1, y2 = reversible.reference_stack(f, g, params_f, params_g, x, x)
-    else:
-      y1, y2 = reversible.reversible_stack(f, g, params_f, params_g, x, x,
-                                           schedule=self.policy.reversible)
+    y1, y2 = self.stack(x, x)
     h = jnp.concatenate([y1[:, 0], y2[:, 0]], axis=-1)
     return self.head(self.norm(h)).astype(jnp.float32)

@@ -31,13 +31,16 @@ def build(model_name: str, policy, dtype, overrides: dict):
   if model_name.startswith("revvit"):
     from models import revvit
     return revvit.RevViT(revvit.config(model_name, **overrides), policy, dtype=dtype)
+  if model_name.startswith("revllama"):
+    from models import revllama
+    return revllama.RevLlama(revllama.config(model_name, **overrides), policy, dtype=dtype)
   if model_name.startswith("vit"):
     from models import vit
     return vit.ViT(vit.config(model_name, **overrides), policy, dtype=dtype)
   if model_name.startswith("llama"):
     from models import llama
     return llama.Llama(llama.config(model_name, **overrides), policy, dtype=dtype)
-  raise ValueError(f"unknown model {model_name!r}: use a vit-*, revvit-* or llama-* preset")
+  raise ValueError(f"unknown model {model_name!r}: use a vit-*, revvit-*, llama-* or revllama-* preset")
 
 
 def example_batch(model, batch: int, seq: int):

@@ -58,6 +58,10 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     from models import revvit
     model = revvit.RevViT(revvit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
                           rngs=rngs)
+  elif cfg.model.startswith("revllama"):
+    from models import revllama
+    model = revllama.RevLlama(revllama.config(cfg.model, **cfg.model_overrides), policy,
+                              dtype=dtype, rngs=rngs)
   elif cfg.model.startswith("vit"):
     from models import vit
     model = vit.ViT(vit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype, rngs=rngs)
@@ -70,8 +74,8 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     model = bert.Bert(bert.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
                       rngs=rngs)
   else:
-    raise ValueError(f"unknown model {cfg.model!r}: use a vit-*, revvit-*, llama-*, bert-* "
-                     "or roberta-* preset, or pretrained=<HF directory>")
+    raise ValueError(f"unknown model {cfg.model!r}: use a vit-*, revvit-*, llama-*, revllama-*, "
+                     "bert-* or roberta-* preset, or pretrained=<HF directory>")
   if cfg.trainable == "lora":
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,

@@ -1,0 +1,65 @@
+"""A reversible two-stream stack of Flax modules, on the memory policy.
+
+``ReversibleStack(make_f, make_g, num_layers, policy, rngs)`` builds ``num_layers``
+pairs of sub-blocks as two modules whose variables carry a leading layer axis (the
+layout the stack scans over, so no per-call copy of the parameters) and maps
+``(x1, x2)`` to ``(y1, y2)``: ``y1 = x1 + F_i(x2)``, ``y2 = x2 + G_i(y1)``. Under
+``policy.reversible`` ("vanilla" | "pareprop") it runs
+:func:`lowmem_jax.reversible.reversible_stack` (saves only the outputs, rebuilds block
+inputs in backward); otherwise :func:`lowmem_jax.reversible.reference_stack` (plain
+autodiff of the same blocks: the baseline). Mesa, WTA-CRS and remat do not apply to its
+blocks (a ValueError says so).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+from flax import nnx
+
+from lowmem_jax import reversible
+from lowmem_jax.policy import MemoryPolicy
+
+
+def _apply(graphdef, state, x, key):
+  """One sub-block from its graph definition and (per-layer) state."""
+  del key  # the sub-blocks here draw no randomness
+  return nnx.merge(graphdef, state, copy=True)(x)
+
+
+def _stack_of(make: Callable, num_layers: int, rngs: nnx.Rngs):
+  """``num_layers`` modules ``make(rngs)`` as one module with stacked variables."""
+
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num_layers)
+  def create(rngs):
+    return make(rngs)
+
+  return create(rngs)
+
+
+def check_policy(policy: MemoryPolicy, model: str) -> None:
+  """ValueError for the policies a reversible model cannot take."""
+  policy.check_architecture(model, reversible=True)
+  if policy.quantizes or policy.sampled_linear != "none" or policy.remat is not None:
+    raise ValueError(f"{model}: policy {policy.spec!r} is not supported; its blocks take "
+                     "norm/activation/attention choices and reversible=vanilla|pareprop")
+
+
+class ReversibleStack(nnx.Module):
+
+  def __init__(self, make_f: Callable, make_g: Callable, num_layers: int,
+               policy: MemoryPolicy, rngs: nnx.Rngs):
+    self.policy = policy
+    self.f_blocks = _stack_of(make_f, num_layers, rngs)
+    self.g_blocks = _stack_of(make_g, num_layers, rngs)
+
+  def __call__(self, x1, x2):
+    graph_f, params_f = nnx.split(self.f_blocks)
+    graph_g, params_g = nnx.split(self.g_blocks)
+    f, g = functools.partial(_apply, graph_f), functools.partial(_apply, graph_g)
+    if self.policy.reversible == "none":
+      return reversible.reference_stack(f, g, params_f, params_g, x1, x2)
+    return reversible.reversible_stack(f, g, params_f, params_g, x1, x2,
+                                       schedule=self.policy.reversible)
