@@ -189,7 +189,8 @@ jax.tree_util.register_dataclass(QuantState, data_fields=["lo", "hi", "count", "
 class QTensor:
   """An activation with its 8-bit code: ops that read it save ``codes`` (not ``value``).
 
-  Not a pytree: it lives between ops inside one traced function.
+  A pytree (arrays as leaves, layout as static metadata), so it may cross ``jax.checkpoint``
+  and other transformation boundaries, e.g. between rematted layers.
   """
   value: jax.Array
   codes: jax.Array
@@ -204,6 +205,10 @@ class QTensor:
                       self.lo if lo is None else lo, self.hi if hi is None else hi,
                       self.value.dtype, axis=self.axis, groups=self.groups,
                       implementation=self.implementation)
+
+
+jax.tree_util.register_dataclass(QTensor, data_fields=["value", "codes", "lo", "hi"],
+                                 meta_fields=["axis", "groups", "implementation"])
 
 
 def quantize_tensor(x, state: QuantState, *, axis: int = -1, groups: int = 1,

@@ -153,3 +153,15 @@ def test_mesa8_pallas_kernels_match_the_jnp_path_in_a_model():
   assert la == lb
   for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind,policy", [("bert", "mesa8+remat"),
+                                         ("vit", "lowmembp+mesa8+wta-crs")])
+def test_combinations_run_with_an_exact_forward(kind, policy):
+  ours = TINY[kind](policy)
+  base = _same_params(ours, TINY[kind]("ms-bp" if ours.policy.merges_norm_affine
+                                       else "baseline"))
+  inputs = _inputs(kind)
+  (lo, go, _), (lb, _, _) = _loss_and_grads(ours, inputs), _loss_and_grads(base, inputs)
+  np.testing.assert_allclose(lo, lb, rtol=1e-6, atol=1e-6)
+  assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(go))
