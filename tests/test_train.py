@@ -220,14 +220,16 @@ def test_text_task_with_real_minilm_and_lora(tmp_path):
 
 
 @pytest.mark.slow
-def test_lm_task_with_instruction_data(tmp_path):
+@pytest.mark.parametrize("model,policy", [("llama-tiny", "lowmembp"),
+                                          ("revllama-tiny", "pareprop")])
+def test_lm_task_with_instruction_data(tmp_path, model, policy):
   tokenizer = _minilm_dir() / "tokenizer.json"
   data = tmp_path / "instructions.jsonl"
   rows = [{"instruction": "Add the numbers.", "input": f"{i} and {i + 1}",
            "output": str(2 * i + 1)} for i in range(16)]
   data.write_text("\n".join(json.dumps(r) for r in rows))
   cfg = config_lib.load_config("digits-vit", None, [
-      "task=lm", "model=llama-tiny", "model.vocab_size=30522", f"data={data}",
+      "task=lm", f"model={model}", f"policy={policy}", "model.vocab_size=30522", f"data={data}",
       f"tokenizer={tokenizer}", "max_len=96", "batch_size=8", "steps=2", "eval_every=0",
       "compare_baseline=false", f"out_dir={tmp_path}", "dtype=float32"])
   result = train(cfg)
