@@ -146,7 +146,8 @@ def _scaled_row_outer_sum(x_rows, g_rows, scale):
 
 
 def sampled_weight_grad(x2d, g2d, idx, scale):
-  """The estimator ``sum_j scale_j x2d[idx_j]^T g2d[idx_j]`` of ``x2d^T g2d``, fp32 ``[in, out]``."""
+  """The estimator ``sum_j scale_j x2d[idx_j]^T g2d[idx_j]`` of ``x2d^T g2d``, fp32
+  ``[in, out]``."""
   return _scaled_row_outer_sum(x2d[idx], g2d[idx], scale)
 
 

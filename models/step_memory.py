@@ -40,7 +40,8 @@ def build(model_name: str, policy, dtype, overrides: dict):
   if model_name.startswith("llama"):
     from models import llama
     return llama.Llama(llama.config(model_name, **overrides), policy, dtype=dtype)
-  raise ValueError(f"unknown model {model_name!r}: use a vit-*, revvit-*, llama-* or revllama-* preset")
+  raise ValueError(f"unknown model {model_name!r}: use a vit-*, revvit-*, llama-* or "
+                   "revllama-* preset")
 
 
 def example_batch(model, batch: int, seq: int):
