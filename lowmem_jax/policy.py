@@ -119,6 +119,11 @@ class MemoryPolicy:
     _choice("sampled_linear", self.sampled_linear, SAMPLED_LINEARS)
     _choice("reversible", self.reversible, REVERSIBLES)
     self._check_sampling()
+    if self.sampled_linear == "none":
+      for field in ("sample_ratio", "sample_targets"):
+        if getattr(self, field) != _DEFAULTS[field]:
+          raise ValueError(f"MemoryPolicy: {field} is set but sampled_linear is 'none'; "
+                           "add 'wta-crs' to the spec")
     if self.reversible != "none":
       for field, value, default in (("quant", self.quant, "none"),
                                     ("sampled_linear", self.sampled_linear, "none"),
@@ -281,6 +286,9 @@ class MemoryPolicy:
     """``fn`` wrapped in ``jax.checkpoint`` per the policy (``fn`` itself if no remat)."""
     policy = self.checkpoint_policy()
     return fn if policy is None else jax.checkpoint(fn, policy=policy)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MemoryPolicy)}
 
 
 def _token_fields(token: str) -> dict[str, object]:

@@ -24,7 +24,7 @@ from flax import nnx
 
 from lowmem_jax import quant, sampling
 from lowmem_jax.policy import MemoryPolicy
-from models.sites import KeySite
+from models.sites import KeySite, cached_weights
 
 
 def _dense(contract: int, preferred, x, kernel, bias=None):
@@ -69,7 +69,7 @@ class _PolicyDense:
     lead = x.shape[:x.ndim - contract]
     if not lead or lead[0] != ids.shape[0]:
       return None
-    w = cache[...][ids].reshape((ids.shape[0],) + (1,) * (len(lead) - 1))
+    w = cached_weights(cache[...], ids).reshape((ids.shape[0],) + (1,) * (len(lead) - 1))
     return jnp.broadcast_to(w, lead)
 
 

@@ -95,8 +95,15 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
                     if p and isinstance(n, (nnx.Linear, nnx.LinearGeneral))})
     raise ValueError(f"apply_lora: no linear named {list(targets)}; this model has "
                      f"{', '.join(map(str, names))}")
+  from models.reversible_stack import ReversibleStack
+  if any(isinstance(n, ReversibleStack) for _, n in nnx.iter_graph(model)):
+    raise ValueError("apply_lora: reversible models (revvit-*, revllama-*) keep their "
+                     "blocks' weights stacked on a layer axis; LoRA is not supported there")
   rngs = nnx.Rngs(seed)
   for path, node in found:
+    # The base kernel is frozen: a WTA-CRS sample for its (discarded) weight gradient
+    # would only add saved rows, so the base runs unsampled.
+    node.sampler = None
     setattr(_parent(model, path), path[-1], LoRALinear(node, rank=rank, alpha=alpha, rngs=rngs))
   return model
 

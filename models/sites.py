@@ -69,8 +69,9 @@ class Int8Site(nnx.Module):
 
 class GradNormCache(nnx.Variable):
   """WTA-CRS: per-example output-gradient norm of one sampled linear, from the last time
-  each example was seen (1 before that). Not trained: the train step differentiates
-  w.r.t. it only to read the squared norms back (``lowmem_jax.sampling``)."""
+  each example was seen (0 before that: such examples weigh the mean of the seen ones).
+  Not trained: the train step differentiates w.r.t. it only to read the squared norms
+  back (``lowmem_jax.sampling``)."""
 
 
 def attach_grad_norm_caches(model: nnx.Module, num_examples: int, batch_size: int) -> int:
@@ -79,7 +80,7 @@ def attach_grad_norm_caches(model: nnx.Module, num_examples: int, batch_size: in
   how many linears got one."""
   samplers = [m for _, m in nnx.iter_graph(model) if isinstance(m, KeySite)]
   for site in samplers:
-    site.grad_norms = GradNormCache(jnp.ones((num_examples,), jnp.float32))
+    site.grad_norms = GradNormCache(jnp.zeros((num_examples,), jnp.float32))
     site.example_ids = SiteState(jnp.zeros((batch_size,), jnp.int32))
   return len(samplers)
 
@@ -89,6 +90,18 @@ def set_example_ids(model: nnx.Module, ids) -> None:
   for _, site in nnx.iter_graph(model):
     if isinstance(site, KeySite) and getattr(site, "grad_norms", None) is not None:
       site.example_ids[...] = jnp.asarray(ids, jnp.int32)
+
+
+def cached_weights(cache, ids):
+  """Row weights of examples ``ids``: their cached norm, or the mean of the cached norms
+  for examples not seen yet (1 while none is), so both are on one scale. The cotangent
+  goes to ``cache[ids]`` unchanged (straight through), seen or not: that is how the
+  train step reads each example's squared gradient norm back."""
+  seen = cache > 0
+  count = jnp.sum(seen)
+  fill = jnp.where(count > 0, jnp.sum(cache) / jnp.maximum(count, 1), 1.0)
+  w = cache[ids]
+  return w + jax.lax.stop_gradient(jnp.where(w > 0, w, fill) - w)
 
 
 def update_grad_norms(cache, squared_norm_sums):

@@ -165,3 +165,22 @@ def test_combinations_run_with_an_exact_forward(kind, policy):
   (lo, go, _), (lb, _, _) = _loss_and_grads(ours, inputs), _loss_and_grads(base, inputs)
   np.testing.assert_allclose(lo, lb, rtol=1e-6, atol=1e-6)
   assert all(np.all(np.isfinite(g)) for g in jax.tree.leaves(go))
+
+
+def test_cached_weights_put_unseen_examples_on_the_seen_scale():
+  from models.sites import cached_weights
+  cache = jnp.array([0.0, 0.02, 0.04, 0.0])
+  np.testing.assert_allclose(cached_weights(cache, jnp.array([0, 1, 2, 3])),
+                             [0.03, 0.02, 0.04, 0.03], rtol=1e-6)
+  np.testing.assert_array_equal(cached_weights(jnp.zeros(3), jnp.array([0, 2])), [1.0, 1.0])
+
+
+def test_lora_bases_run_unsampled_and_reversible_models_refuse_lora():
+  from models import lora, revvit
+  model = lora.apply_lora(TINY["vit"]("wta-crs"), targets=("query", "fc1"))
+  block = model.blocks[0]
+  assert block.attn.query.base.sampler is None and block.mlp.fc1.base.sampler is None
+  assert block.attn.key.sampler is not None
+  rev = revvit.RevViT(revvit.config("revvit-digits", num_layers=1), "reversible")
+  with pytest.raises(ValueError, match="LoRA is not supported"):
+    lora.apply_lora(rev, targets=("query",))

@@ -83,6 +83,8 @@ def test_every_remat_policy_name_maps_to_jax():
     ("reversible+mesa8", "keeps no block activations"),
     ("pareprop+remat", "keeps no block activations"),
     ("reversible=fast", "unknown reversible 'fast'"),
+    ("sample_targets=fc1", "sampled_linear is 'none'"),
+    ("lowmembp+sample_ratio=0.5", "sampled_linear is 'none'"),
 ])
 def test_bad_specs_are_clear_errors(spec, match):
   with pytest.raises(ValueError, match=match):

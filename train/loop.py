@@ -362,8 +362,10 @@ def train(cfg: TrainConfig) -> dict:
   batches = data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed,
                              example_ids=cfg.grad_norm_cache)
   model = build_model(cfg)
-  if cfg.grad_norm_cache:
-    sites.attach_grad_norm_caches(model, len(train_set), cfg.batch_size // cfg.grad_accum)
+  if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
+      model, len(train_set), cfg.batch_size // cfg.grad_accum):
+    raise ValueError(f"grad_norm_cache=true needs sampled linears, but policy "
+                     f"{cfg.policy!r} samples none (use wta-crs)")
   trainer = Trainer.create(cfg, model)
   ckpt = Checkpoints(out / "checkpoints")
   start = 0
