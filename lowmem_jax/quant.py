@@ -10,9 +10,10 @@ EMA (decay 0.9) of each batch's min/max, the first batch taking its own; values 
 the range clamp to 0 / 255 (the reference code wraps modulo 256, a bug we do not copy).
 
 Noise comes from an explicit PRNG key: the key gives a 32-bit seed and element ``i`` of
-the flattened tensor gets ``u = hash(i, seed) / 2**24``, a counter-based hash that the
-Pallas kernels compute bit-identically (indices wrap past 2**32 elements: the noise then
-repeats, it stays uniform).
+the flattened tensor gets ``u = hash(i, seed) / 2**24``, a counter-based hash (indices
+wrap past 2**32 elements: the noise then repeats, it stays uniform). The hash and the
+per-group step are :mod:`pallas_kernels.quant`'s, so the kernels and this reference
+compute them identically by construction.
 
 Codes are made once per tensor (:func:`quantize_tensor` -> :class:`QTensor`) and shared
 by every op that reads the tensor: q, k and v projections keep one code of their input,
@@ -32,6 +33,8 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import norms
+from pallas_kernels import quant as pallas_quant
+from pallas_kernels.quant import group_step, uniform_noise
 
 DECAY = 0.9       # EMA decay of the per-group range
 LEVELS = 255      # codes 0..255
@@ -53,40 +56,11 @@ def group_view(shape: Sequence[int], axis: int, groups: int) -> tuple[int, int, 
   return outer, groups, math.prod(shape[axis:]) // groups
 
 
-def _hash32(x):
-  """lowbias32 (uint32 -> uint32), a well-mixed integer hash."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
-def uniform_noise(index, seed):
-  """Uniform ``[0, 1)`` noise (fp32, 24 bits) for uint32 element indices and a seed."""
-  bits = _hash32(index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seed.astype(jnp.uint32))
-  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
-
-
 def seed_of(key) -> jax.Array:
   """The uint32 seed of a PRNG key (typed or raw ``uint32[2]``)."""
   if not jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     key = jax.random.wrap_key_data(key)
   return jax.random.bits(key, (), jnp.uint32)
-
-
-def _scale(lo, hi):
-  """Step per group; a flat range gets a tiny positive step (codes then all 0).
-
-  Rounded up to 16 significant bits, so ``code * step`` (8 x 16 bits) is exact in fp32
-  and ``code * step + lo`` rounds once whether or not the compiler fuses it into an FMA
-  (XLA does under jit, not eagerly): dequantized values are then the same bits in every
-  context and in the Pallas kernels.
-  """
-  step = (hi - lo) / LEVELS
-  step = jnp.where(step > 0, step, jnp.float32(1e-30))
-  bits = jax.lax.bitcast_convert_type(step, jnp.uint32)
-  return jax.lax.bitcast_convert_type((bits + 0xFF) & ~jnp.uint32(0xFF), jnp.float32)
 
 
 # ----------------------------------------------------------------------------- reference
@@ -96,14 +70,16 @@ def quantize_reference(x3, lo, hi, seed):
   index = jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 0) * jnp.uint32(g * i)
   index = index + jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 1) * jnp.uint32(i)
   index = index + jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 2)
-  lo3, step = lo[None, :, None], _scale(lo, hi)[None, :, None]
+  # group_step keeps 16 significant bits: code * step is exact in fp32, so dequantized
+  # values are the same bits whether or not XLA fuses ``code * step + lo`` into an FMA
+  lo3, step = lo[None, :, None], group_step(lo, hi)[None, :, None]
   t = (x3.astype(jnp.float32) - lo3) / step + uniform_noise(index, seed)
   return jnp.clip(jnp.floor(t), 0, LEVELS).astype(jnp.uint8)
 
 
 def dequantize_reference(codes3, lo, hi, dtype):
   """uint8 ``[O, G, I]`` codes -> values ``lo + code * scale`` in ``dtype``."""
-  step = _scale(lo, hi)[None, :, None]
+  step = group_step(lo, hi)[None, :, None]
   return (codes3.astype(jnp.float32) * step + lo[None, :, None]).astype(dtype)
 
 
@@ -122,7 +98,6 @@ def quantize(x, lo, hi, seed, *, axis: int = -1, groups: int = 1,
   if implementation == "xla":
     codes = quantize_reference(x3, lo, hi, seed)
   else:
-    from pallas_kernels import quant as pallas_quant
     codes = pallas_quant.quantize(x3, lo, hi, seed,
                                   interpret=implementation == "pallas_interpret")
   return codes.reshape(x.shape)
@@ -136,7 +111,6 @@ def dequantize(codes, lo, hi, dtype, *, axis: int = -1, groups: int = 1,
   if implementation == "xla":
     x3 = dequantize_reference(c3, lo, hi, dtype)
   else:
-    from pallas_kernels import quant as pallas_quant
     x3 = pallas_quant.dequantize(c3, lo, hi, dtype,
                                  interpret=implementation == "pallas_interpret")
   return x3.reshape(codes.shape)
@@ -156,6 +130,15 @@ def ema_range(lo, hi, count, batch_lo, batch_hi, decay: float = DECAY):
   new_lo = jnp.where(first, batch_lo, decay * lo + (1 - decay) * batch_lo)
   new_hi = jnp.where(first, batch_hi, decay * hi + (1 - decay) * batch_hi)
   return new_lo, new_hi
+
+
+def _update_and_code(x, lo, hi, count, seed, *, axis, groups, implementation):
+  """The EMA range updated with ``x``'s batch range, and ``x``'s codes under it:
+  ``(codes, lo, hi)``."""
+  lo, hi = ema_range(lo, hi, count, *batch_range(x, axis=axis, groups=groups))
+  codes = quantize(jax.lax.stop_gradient(x), lo, hi, seed, axis=axis, groups=groups,
+                   implementation=implementation)
+  return codes, lo, hi
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,11 +183,10 @@ class QTensor:
   groups: int
   implementation: str = "xla"
 
-  def dequantized(self, codes=None, lo=None, hi=None):
-    return dequantize(self.codes if codes is None else codes,
-                      self.lo if lo is None else lo, self.hi if hi is None else hi,
-                      self.value.dtype, axis=self.axis, groups=self.groups,
-                      implementation=self.implementation)
+  def dequantized(self):
+    """What backward sees: the codes' values in the activation's dtype."""
+    return dequantize(self.codes, self.lo, self.hi, self.value.dtype, axis=self.axis,
+                      groups=self.groups, implementation=self.implementation)
 
 
 jax.tree_util.register_dataclass(QTensor, data_fields=["value", "codes", "lo", "hi"],
@@ -217,10 +199,9 @@ def quantize_tensor(x, state: QuantState, *, axis: int = -1, groups: int = 1,
   if state.lo.shape != (groups,):
     raise ValueError(f"quantize_tensor: state has {state.lo.shape[0]} groups, asked "
                      f"for {groups}")
-  lo, hi = ema_range(state.lo, state.hi, state.count, *batch_range(x, axis=axis,
-                                                                  groups=groups))
-  codes = quantize(jax.lax.stop_gradient(x), lo, hi, seed_of(state.step_key()), axis=axis,
-                   groups=groups, implementation=implementation)
+  codes, lo, hi = _update_and_code(x, state.lo, state.hi, state.count,
+                                   seed_of(state.step_key()), axis=axis, groups=groups,
+                                   implementation=implementation)
   new_state = QuantState(lo, hi, state.count + 1, state.key)
   return QTensor(x, codes, lo, hi, axis % x.ndim, groups, implementation), new_state
 
@@ -302,8 +283,8 @@ def _ms_int8(kind, eps, groups, implementation, x, lo, hi, count, seed):
 
 def _ms_int8_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed):
   y, rstd = norms.ms_norm_forward(kind, x, eps)
-  lo, hi = ema_range(lo, hi, count, *batch_range(y, groups=groups))
-  codes = quantize(y, lo, hi, seed, groups=groups, implementation=implementation)
+  codes, lo, hi = _update_and_code(y, lo, hi, count, seed, axis=-1, groups=groups,
+                                   implementation=implementation)
   return (y, codes, lo, hi), (codes, lo, hi, rstd)
 
 

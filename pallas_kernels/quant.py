@@ -16,10 +16,14 @@ array passes 4 GiB; a uint8 array of more than 2**31 (and at most 2**32) element
 get 32-bit offsets past int32, and tile coordinates are int32: such sizes are refused
 (use the jnp path there).
 
-Bit identity on GPU: Triton divides fp32 with ``div.full.f32`` (approximate) and may
-fuse a multiply and an add into an FMA, which would move ``floor`` and the dequantized
-value by an ulp; the compiled kernels therefore issue ``div.rn`` / ``mul.rn`` /
-``add.rn`` / ``sub.rn`` (IEEE, never fused), as XLA does. Interpret mode runs the same
+Bit identity on GPU: the kernels do what XLA:GPU does, op by op. XLA:GPU lowers an fp32
+``/`` to ``div.full.f32`` (LLVM ``-nvptx-prec-divf32=1``: approximate, within 2 ulp, not
+IEEE), so the compiled quantize kernel issues ``div.full.f32`` too; its ``-``, ``+`` and
+``*`` are the IEEE ``.rn`` forms, which a compiler never fuses into an FMA (the reference's
+``code * step`` is exact, so an FMA there changes nothing either). On a GPU the codes are
+therefore the reference's codes on that GPU; they can differ from the CPU's by one step
+where ``(x - lo) / step + u`` lies within ~2 ulp of an integer (a division that rounds
+differently), which stochastic rounding makes harmless. Interpret mode runs the same
 arithmetic through XLA. The per-group step is computed once, outside the kernels, by the
 reference's own formula.
 """
@@ -42,7 +46,7 @@ BLOCK_INNER = 1024                    # widest tile along I (a power of two)
 
 # ----------------------------------------------------------------------------- noise
 def _hash32(x):
-  """lowbias32 on uint32 (the constants of ``lowmem_jax.quant._hash32``)."""
+  """lowbias32 on uint32 -> uint32, a well-mixed integer hash."""
   x = x ^ (x >> 16)
   x = x * jnp.uint32(0x7FEB352D)
   x = x ^ (x >> 15)
@@ -51,14 +55,16 @@ def _hash32(x):
 
 
 def uniform_noise(index, seed):
-  """``[0, 1)`` fp32 noise (24 bits) of uint32 element indices: ``lowmem_jax.quant``'s."""
-  bits = _hash32(index * jnp.uint32(0x9E3779B9) + seed)
+  """``[0, 1)`` fp32 noise (24 bits) of uint32 element indices and a seed: the noise of
+  the kernels and of ``lowmem_jax.quant``'s reference."""
+  bits = _hash32(index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seed.astype(jnp.uint32))
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
 
 
 def group_step(lo, hi):
-  """The reference's per-group step: ``(hi - lo) / 255`` (1e-30 for a flat range) rounded
-  up to 16 significant bits, so ``code * step`` is exact and an FMA changes nothing."""
+  """The per-group step ``(hi - lo) / 255`` (1e-30 for a flat range: codes all 0),
+  rounded up to 16 significant bits, so ``code * step`` is exact in fp32 and a fused
+  multiply-add changes nothing."""
   step = (hi - lo) / LEVELS
   step = jnp.where(step > 0, step, jnp.float32(1e-30))
   bits = jax.lax.bitcast_convert_type(step, jnp.uint32)
@@ -67,13 +73,16 @@ def group_step(lo, hi):
 
 # ----------------------------------------------------------------------------- IEEE ops
 def _ieee(op: str, a, b, interpret: bool):
-  """``a op b`` in fp32, rounded once to nearest even (``op``: add, sub, mul, div)."""
-  if interpret:  # XLA's arithmetic is IEEE already
+  """``a op b`` in fp32 as XLA computes it on this backend: ``add``, ``sub``, ``mul``
+  rounded once to nearest even (never fused into an FMA), ``div`` as XLA:GPU's
+  ``div.full.f32``."""
+  if interpret:  # the same XLA arithmetic as the reference
     return {"add": jnp.add, "sub": jnp.subtract, "mul": jnp.multiply,
             "div": jnp.divide}[op](a, b)
   b = jnp.broadcast_to(b, a.shape)
+  instruction = "div.full.f32" if op == "div" else f"{op}.rn.f32"
   [out] = plgpu.elementwise_inline_asm(
-      f"{op}.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
+      f"{instruction} $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
   return out
 

@@ -54,25 +54,6 @@ def check(shape, dtype="float32", seed=0, interpret=True, **blocks):
   return codes
 
 
-# ----------------------------------------------------------------------------- noise
-def test_noise_is_the_reference_hash():
-  """Same constants as lowmem_jax.quant: the noise agrees bit for bit, wrap-around
-  indices and extreme seeds included."""
-  rng = np.random.default_rng(0)
-  index = np.concatenate([np.arange(1000), [2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1],
-                          rng.integers(0, 2 ** 32, 1000)]).astype(np.uint32)
-  for seed in (0, 1, 2 ** 31, 2 ** 32 - 1, 123456789):
-    want = quant.uniform_noise(jnp.asarray(index), jnp.uint32(seed))
-    got = pq.uniform_noise(jnp.asarray(index), jnp.uint32(seed))
-    np.testing.assert_array_equal(bits(got), bits(want))
-
-
-def test_group_step_is_the_reference_step():
-  lo = jnp.asarray([-1.0, 0.5, 2.0, -3.0, 0.0, 1e-3], jnp.float32)
-  hi = jnp.asarray([1.0, 0.5, 1.0, 7.0, 1e-37, 1e-3 + 1e-6], jnp.float32)  # flat, inverted
-  np.testing.assert_array_equal(bits(pq.group_step(lo, hi)), bits(quant._scale(lo, hi)))
-
-
 # ----------------------------------------------------------------------------- kernels
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_kernels_fp32(shape):
@@ -240,13 +221,14 @@ def _gpu_ir(fn, *args):
 
 
 def test_gpu_lowering_uses_ieee_arithmetic():
-  """Triton's fp32 ``/`` is ``div.full.f32`` (approximate) and a multiply-add may become
-  an FMA: the compiled kernels must use the ``.rn`` forms, never fused, to stay
-  bit-identical with XLA."""
+  """The compiled kernels do XLA:GPU's arithmetic: its fp32 division is ``div.full.f32``
+  (``-nvptx-prec-divf32=1``), and ``-``, ``+``, ``*`` are the unfused ``.rn`` forms (with an IEEE
+  division here the large GPU cases below disagreed with XLA's codes on an H100)."""
   x = jnp.zeros((300, 12, 64), jnp.bfloat16)
   lo, hi = jnp.zeros((12,), jnp.float32), jnp.ones((12,), jnp.float32)
   ir = _gpu_ir(lambda x, lo, hi: pq.quantize(x, lo, hi, jnp.uint32(3)), x, lo, hi)
-  assert "mesa_quantize" in ir and all(f"{op}.rn.f32" in ir for op in ("sub", "div", "add"))
+  assert "mesa_quantize" in ir and "div.full.f32" in ir
+  assert all(f"{op}.rn.f32" in ir for op in ("sub", "add")) and "div.rn.f32" not in ir
   ir = _gpu_ir(lambda c, lo, hi: pq.dequantize(c, lo, hi, jnp.bfloat16),
                jnp.zeros(x.shape, jnp.uint8), lo, hi)
   assert "mesa_dequantize" in ir and all(f"{op}.rn.f32" in ir for op in ("mul", "add"))

@@ -101,12 +101,26 @@ def np_noise(index, seed):
 
 
 def test_noise_is_the_documented_hash():
-  index = np.concatenate([np.arange(2000), [2 ** 31, 2 ** 32 - 1]]).astype(np.uint32)
-  for seed in (0, 1, 2 ** 32 - 1):
+  """The noise the reference and the kernels share (pallas_kernels.quant.uniform_noise)
+  is the documented hash, wrap-around indices and extreme seeds included."""
+  rng = np.random.default_rng(0)
+  index = np.concatenate([np.arange(2000), [2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1],
+                          rng.integers(0, 2 ** 32, 1000)]).astype(np.uint32)
+  for seed in (0, 1, 2 ** 31, 2 ** 32 - 1, 123456789):
     got = np.asarray(quant.uniform_noise(jnp.asarray(index), jnp.uint32(seed)))
     np.testing.assert_array_equal(got, np_noise(index, seed))
   u = np_noise(np.arange(2 ** 16, dtype=np.uint32), 5)
   assert u.min() >= 0 and u.max() < 1 and abs(u.mean() - 0.5) < 0.01
+
+
+def test_group_step_of_flat_and_inverted_ranges_is_a_positive_rounded_step():
+  lo = jnp.asarray([0.5, 2.0, 0.0, 1e-3], jnp.float32)
+  hi = jnp.asarray([0.5, 1.0, 1e-37, 1e-3 + 1e-6], jnp.float32)  # flat, inverted, tiny
+  step = np.asarray(quant.group_step(lo, hi))
+  assert np.all(step > 0) and np.all(step.view(np.uint32) & 0xFF == 0)
+  flat = np.array(1e-30, np.float32).view(np.uint32)  # a flat range: 1e-30, rounded up
+  np.testing.assert_array_equal(step[:2].view(np.uint32), (flat + 0xFF) & ~np.uint32(0xFF))
+  assert step[3] >= np.float32(1e-6) / 255
 
 
 def test_reference_is_ieee_fp32_in_every_context():
@@ -118,7 +132,7 @@ def test_reference_is_ieee_fp32_in_every_context():
   lo = jnp.asarray([-3.0, -1.7, -5.1], jnp.float32)
   hi = jnp.asarray([2.9, 1.3, 4.3], jnp.float32)
   seed = 4242
-  step = np.asarray(quant._scale(lo, hi))
+  step = np.asarray(quant.group_step(lo, hi))
   assert np.all(step >= (np.asarray(hi) - np.asarray(lo)) / 255)  # rounded up
   assert np.all(step.view(np.uint32) & 0xFF == 0)                 # 16 significant bits
   index = np.arange(o * g * i, dtype=np.uint32).reshape(o, g, i)
@@ -154,7 +168,7 @@ def test_error_below_one_step_inside_the_range(shape, axis, groups):
   np.testing.assert_array_equal(np.asarray(hi), np.asarray(batch_hi))
   view = quant.group_view(shape, axis, groups)
   err = np.abs(np.asarray(values) - np.asarray(x)).reshape(view)
-  step = np.asarray(quant._scale(lo, hi))
+  step = np.asarray(quant.group_step(lo, hi))
   assert np.all(err < step[None, :, None])
   assert np.all(np.asarray(codes).reshape(view).max(axis=(0, 2)) >= 254)
   assert np.all(np.asarray(codes).reshape(view).min(axis=(0, 2)) <= 1)
@@ -176,7 +190,7 @@ def test_values_outside_the_range_clamp_without_wrapping():
   """Far above hi gives 255, far below lo gives 0: no modulo-256 wrap-around (the
   reference Mesa code's bug), including values whose unclipped code is 256, 511, 512."""
   lo, hi = jnp.asarray([-1.0], jnp.float32), jnp.asarray([1.0], jnp.float32)
-  step = float(quant._scale(lo, hi)[0])
+  step = float(quant.group_step(lo, hi)[0])
   k = np.asarray([1, 2, 3.5, 255.5, 256, 257, 300, 510, 511, 512, 1000, 1e6, 1e30 / step])
   above = jnp.asarray((1.0 + k * step).astype(np.float32).reshape(1, 1, -1))
   below = jnp.asarray((-1.0 - k * step).astype(np.float32).reshape(1, 1, -1))
@@ -203,7 +217,7 @@ def test_stochastic_rounding_is_unbiased_over_elements():
   so the bound has the power to catch a biased rounding."""
   n, k = 200_000, 100
   lo, hi = jnp.asarray([-2.0], jnp.float32), jnp.asarray([3.0], jnp.float32)
-  step = float(quant._scale(lo, hi)[0])
+  step = float(quant.group_step(lo, hi)[0])
   v = np.float32(-2.0 + (k + 0.3) * step)
   frac = (float(v) + 2.0) / step - k  # 0.3, up to v's fp32 rounding
   x = jnp.full((1, 1, n), v, jnp.float32)
@@ -223,7 +237,7 @@ def test_stochastic_rounding_is_unbiased_over_seeds():
   seeds = jnp.arange(4000, dtype=jnp.uint32)
   x = jnp.linspace(-0.9, 0.9, 37, dtype=jnp.float32).reshape(1, 1, -1)
   lo, hi = jnp.asarray([-1.0], jnp.float32), jnp.asarray([1.0], jnp.float32)
-  step = float(quant._scale(lo, hi)[0])
+  step = float(quant.group_step(lo, hi)[0])
   codes = jax.vmap(lambda s: quant.quantize_reference(x, lo, hi, s))(seeds)
   values = np.asarray(jax.vmap(lambda c: quant.dequantize_reference(c, lo, hi, jnp.float32))(
       codes), np.float64)
@@ -298,7 +312,7 @@ def test_quantize_tensor_head_wise_ranges():
   np.testing.assert_array_equal(np.asarray(state.hi), np.asarray(x).max(axis=(0, 1, 3)))
   assert qt.axis == 2 and qt.groups == h and qt.codes.shape == x.shape
   err = np.abs(np.asarray(qt.dequantized()) - np.asarray(x))
-  step = np.asarray(quant._scale(state.lo, state.hi))
+  step = np.asarray(quant.group_step(state.lo, state.hi))
   assert np.all(err < step[None, None, :, None])
   # Per-head steps: the error of the narrow head is far below the wide head's step.
   assert err[:, :, 0].max() < step[3] / 4
