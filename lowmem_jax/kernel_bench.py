@@ -1,19 +1,27 @@
 """Benchmark of the Pallas kernels against the jnp/XLA path, and a block step ratio.
 
-``python -m lowmem_jax.kernel_bench [--json FILE]`` on a GPU: for each kernel (2-bit
+``python -m lowmem_jax.kernel_bench [--json FILE]`` on a GPU. Kernels are timed on the
+device, not by a host clock around one call: each op runs ``iters`` times inside one
+jitted program (:func:`looped`), and the program's time is divided by ``iters``.
+First the bench measures an XLA copy (``a + 1``: bytes read + written / time) and
+compares it with the device's HBM bandwidth (:data:`PEAK_BANDWIDTH`); a copy below
+:data:`COPY_FLAG_FRACTION` of it is flagged, in the printout and the JSON, because the
+timings then measure overhead rather than memory traffic. Then for each kernel (2-bit
 pack/unpack, fused approx2 forward/backward, fused MS norm forward/backward) it checks
-the Pallas result against the jnp reference on the device, times both (interleaved,
-median), and reports achieved GB/s and % of the GPU's memory bandwidth (spec sheet, and
-a measured XLA copy as a practical ceiling). Then it times a ViT-B block stack train
-step under ``baseline``, ``lowmembp`` (XLA) and ``lowmembp+kernels=pallas``, as ratios
-to baseline in the same process. ``--interpret`` runs a tiny smoke version on any
-backend (timings then mean nothing).
+the Pallas result against the jnp reference, times both (interleaved, median), and
+reports GB/s (bytes read + written), % of peak and % of the measured copy. Last, a
+ViT-B block stack train step under ``baseline``, ``lowmembp`` (XLA) and
+``lowmembp+kernels=pallas``, as speed ratios to baseline (steps are milliseconds long:
+a host clock is fine there). ``--interpret`` runs a tiny smoke version on any backend
+(timings then mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
+import re
 import statistics
 import sys
 import time
@@ -22,6 +30,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from lowmem_jax import activations, block_stack, norms, packing
 from lowmem_jax.memory import format_table, write_json
@@ -30,18 +39,28 @@ from pallas_kernels import activations as pallas_activations
 from pallas_kernels import norms as pallas_norms
 from pallas_kernels import packing as pallas_packing
 
-# Spec-sheet HBM bandwidth, bytes/s, by a substring of jax's device_kind.
-SPEC_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 0.3e12}
+# HBM bandwidth from the spec sheets, bytes/s, by a substring of jax's device_kind;
+# the first match wins (so "H100 PCIe" before "H100"). Unknown device: no flag.
+PEAK_BANDWIDTH = (
+    ("H100 PCIe", 2.0e12), ("H100 NVL", 3.9e12), ("H100", 3.35e12),  # "H100 80GB HBM3": SXM
+    ("H200", 4.8e12), ("GH200", 4.0e12),
+    ("A100-SXM4-40GB", 1.555e12), ("A100-PCIE-40GB", 1.555e12), ("A100", 2.039e12),
+    ("L40S", 0.864e12), ("L4", 0.3e12),
+)
+# A measured copy below this fraction of the peak: the timings are not kernel times.
+COPY_FLAG_FRACTION = 0.6
 
 
 def spec_bandwidth(device) -> float | None:
+  """The device's HBM bandwidth in bytes/s from :data:`PEAK_BANDWIDTH`, or None."""
   kind = getattr(device, "device_kind", "")
-  return next((bw for name, bw in SPEC_BANDWIDTH.items() if name in kind), None)
+  return next((bw for name, bw in PEAK_BANDWIDTH if name in kind), None)
 
 
 def time_interleaved(fns: dict[str, Callable], args: dict[str, tuple], rounds: int,
                      warmup: int = 2) -> dict[str, float]:
-  """Median seconds per call of each fn, run round-robin so drift hits all alike."""
+  """Median host seconds per call of each fn, run round-robin so drift hits all alike.
+  For calls of many milliseconds (train steps); kernels use :func:`device_seconds`."""
   for name, fn in fns.items():
     for _ in range(warmup):
       jax.block_until_ready(fn(*args[name]))
@@ -54,133 +73,277 @@ def time_interleaved(fns: dict[str, Callable], args: dict[str, tuple], rounds: i
   return {name: statistics.median(t) for name, t in times.items()}
 
 
+# ----------------------------------------------------------------------------- device timing
+def looped(fn: Callable, iters: int):
+  """``jit`` of a program that calls ``fn(*args)`` ``iters`` times and returns the last
+  outputs.
+
+  Each iteration passes the inputs and the previous outputs through one
+  ``lax.optimization_barrier``, so to XLA every call's inputs depend on the call before:
+  it can neither hoist the call out of the loop nor merge calls (on the GPU the barrier
+  is only removed after scheduling). The trip count is static, so XLA knows it and the
+  GPU runs the loop without reading a predicate back each iteration.
+  """
+  def run(*args):
+    init = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+
+    def body(_, carry):
+      inputs, _ = lax.optimization_barrier(carry)
+      return inputs, fn(*inputs)
+
+    return lax.fori_loop(0, iters, body, (args, init))[1]
+
+  return jax.jit(run)
+
+
+def _computation(hlo: str, name: str) -> str:
+  """The text of computation ``name`` in an HLO module dump ("" when absent)."""
+  m = re.search(r"^(?:ENTRY )?%?" + re.escape(name) + r" [^\n]*\{\n(.*?)^\}", hlo,
+                re.S | re.M)
+  return m.group(1) if m else ""
+
+
+def loop_intact(hlo: str, iters: int) -> bool:
+  """Whether a compiled :func:`looped` program still runs the op ``iters`` times: a
+  while loop with that known trip count whose body holds real work (a fusion or custom
+  call producing an array, not only the loop counter)."""
+  for m in re.finditer(r"while\([^\n]*body=%?([\w.\-]+)[^\n]*", hlo):
+    trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', m.group(0))
+    if trip is None or int(trip.group(1)) != iters:
+      continue
+    body = _computation(hlo, m.group(1))
+    if re.search(r"= \w+\[\d[\d,]*\]\S* (fusion|custom-call)\(", body):
+      return True
+  return False
+
+
+def device_seconds(fns: dict[str, Callable], args: dict[str, tuple], *, target_s: float,
+                   rounds: int, max_iters: int = 100_000) -> dict[str, dict]:
+  """Seconds per call of each fn, timed on the device: ``{name: {"seconds", "iters",
+  "loop_intact"}}``.
+
+  ``iters`` is picked so one looped program runs about ``target_s`` (from a host-timed
+  single call, which overstates the time: the loop then runs a bit shorter); the looped
+  programs run round-robin ``rounds`` times, median, divided by ``iters``.
+  """
+  progs, out = {}, {}
+  for name, fn in fns.items():
+    single = jax.jit(fn)
+    jax.block_until_ready(single(*args[name]))
+    t = []
+    for _ in range(3):
+      start = time.perf_counter()
+      jax.block_until_ready(single(*args[name]))
+      t.append(time.perf_counter() - start)
+    iters = int(min(max(math.ceil(target_s / max(min(t), 1e-9)), 2), max_iters))
+    compiled = looped(fn, iters).lower(*args[name]).compile()
+    progs[name] = compiled
+    out[name] = {"iters": iters, "loop_intact": loop_intact(compiled.as_text(), iters)}
+  seconds = time_interleaved(progs, args, rounds, warmup=1)
+  for name in fns:
+    out[name]["seconds"] = seconds[name] / out[name]["iters"]
+  return out
+
+
+def measure_copy(n: int, dtype, *, target_s: float, rounds: int, device=None) -> dict:
+  """Bandwidth of an XLA elementwise copy (``a + 1`` over ``n`` elements): bytes read +
+  written / device time, against the device's peak; ``low`` flags a copy below
+  ``COPY_FLAG_FRACTION`` of the peak (None: peak unknown)."""
+  device = jax.devices()[0] if device is None else device
+  a = jnp.zeros((n,), dtype)
+  timing = device_seconds({"copy": lambda a: a + 1}, {"copy": (a,)}, target_s=target_s,
+                          rounds=rounds)["copy"]
+  nbytes = 2 * n * jnp.dtype(dtype).itemsize
+  bps = nbytes / timing["seconds"]
+  peak = spec_bandwidth(device)
+  return {"op": "a + 1", "bytes": nbytes, "seconds": timing["seconds"],
+          "iters": timing["iters"], "loop_intact": timing["loop_intact"], "Bps": bps,
+          "peak_Bps": peak, "pct_peak": None if peak is None else 100 * bps / peak,
+          "low": None if peak is None else bps < COPY_FLAG_FRACTION * peak}
+
+
+def copy_line(copy: dict, device_kind: str) -> str:
+  """One line saying the measured copy bandwidth, and whether it is flagged."""
+  text = (f"measured copy ({copy['op']}, bytes read + written): {copy['Bps'] / 1e9:.0f} GB/s")
+  if copy["peak_Bps"] is None:
+    return text + f"; peak of {device_kind!r} unknown: not checked"
+  text += f" = {copy['pct_peak']:.0f}% of the {copy['peak_Bps'] / 1e9:.0f} GB/s peak"
+  if copy["low"]:
+    text += (f"  LOW (< {100 * COPY_FLAG_FRACTION:.0f}%): the timings below measure "
+             "overhead, not memory traffic; do not trust their GB/s")
+  return text
+
+
+# ----------------------------------------------------------------------------- kernels
 def _max_err(a, b) -> float:
   a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
   return float(np.max(np.abs(a - b))) if a.size else 0.0
 
 
 def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
-  """(name, pallas fn, xla fn, args, bytes moved) for every kernel; the xla fn is the
-  jnp path of the same op (the reference)."""
+  """(name, pallas fn, xla fn, args, bytes read + written) for every kernel; the xla fn
+  is the jnp path of the same op (the reference)."""
   x = jax.random.normal(jax.random.key(0), (n // hidden, hidden), jnp.float32) * 3
   x = x.astype(dtype)
   g = jax.random.normal(jax.random.key(1), x.shape, jnp.float32).astype(dtype)
-  s, rows = jnp.dtype(dtype).itemsize, x.shape[0]
+  s, rows, n = jnp.dtype(dtype).itemsize, x.shape[0], x.size
   step = activations.REGELU2
   codes = step.code(x)
   packed = packing.pack_2bit(codes)
-  ln_y, ln_rstd = pallas_norms.ms_norm_forward(x, kind="layer", eps=1e-6, interpret=interpret)
-  ref_ln = jax.vjp(norms.ms_layer_norm, x)
+  ln_y, ln_rstd = norms.ms_norm_forward("layer", x, 1e-6)
   p = dict(interpret=interpret)
-  cases = [
-      ("pack_2bit", jax.jit(functools.partial(pallas_packing.pack_2bit, **p)),
-       jax.jit(packing.pack_2bit), (codes,), n + n // 4),
-      ("unpack_2bit", jax.jit(lambda b: pallas_packing.unpack_2bit(b, x.shape, **p)),
-       jax.jit(lambda b: packing.unpack_2bit(b, x.shape)), (packed,), n // 4 + n),
+  return [
+      ("pack_2bit", functools.partial(pallas_packing.pack_2bit, **p), packing.pack_2bit,
+       (codes,), n + n // 4),
+      ("unpack_2bit", lambda b: pallas_packing.unpack_2bit(b, x.shape, **p),
+       lambda b: packing.unpack_2bit(b, x.shape), (packed,), n // 4 + n),
       ("regelu2_forward",
-       jax.jit(lambda x: pallas_activations.approx2_forward(
-           x, kind="gelu", thresholds=step.thresholds, **p)),
-       jax.jit(lambda x: (activations.gelu(x), packing.pack_2bit(step.code(x)))),
+       lambda x: pallas_activations.approx2_forward(
+           x, kind="gelu", thresholds=step.thresholds, **p),
+       lambda x: (activations.gelu(x), packing.pack_2bit(step.code(x))),
        (x,), 2 * n * s + n // 4),
       ("approx2_backward",
-       jax.jit(lambda g, b: pallas_activations.approx2_backward(g, b, levels=step.levels, **p)),
-       jax.jit(lambda g, b: (g.astype(jnp.float32) * step.derivative_of_code(
-           packing.unpack_2bit(b, g.shape))).astype(g.dtype)),
+       lambda g, b: pallas_activations.approx2_backward(g, b, levels=step.levels, **p),
+       lambda g, b: (g.astype(jnp.float32) * step.derivative_of_code(
+           packing.unpack_2bit(b, g.shape))).astype(g.dtype),
        (g, packed), 2 * n * s + n // 4),
       ("ms_layer_norm_forward",
-       jax.jit(lambda x: pallas_norms.ms_norm_forward(x, kind="layer", eps=1e-6, **p)),
-       jax.jit(lambda x: norms.ms_layer_norm(x)), (x,), 2 * n * s + 4 * rows),
+       lambda x: pallas_norms.ms_norm_forward(x, kind="layer", eps=1e-6, **p),
+       lambda x: norms.ms_norm_forward("layer", x, 1e-6), (x,), 2 * n * s + 4 * rows),
       ("ms_layer_norm_backward",
-       jax.jit(lambda g, y, r: pallas_norms.ms_norm_backward(g, y, r, kind="layer", **p)),
-       jax.jit(lambda g, y, r: ref_ln[1](g)[0]), (g, ln_y, ln_rstd), 3 * n * s + 4 * rows),
+       lambda g, y, r: pallas_norms.ms_norm_backward(g, y, r, kind="layer", **p),
+       lambda g, y, r: norms.ms_norm_input_grad("layer", g, y, r),
+       (g, ln_y, ln_rstd), 3 * n * s + 4 * rows),
   ]
-  return cases
 
 
-def bench_kernels(n, hidden, dtype, rounds, interpret):
+def bench_kernels(n, hidden, dtype, rounds, interpret, target_s=0.025, max_iters=100_000):
+  """The copy check, then each kernel's error vs its reference and device-timed GB/s."""
   device = jax.devices()[0]
-  spec = spec_bandwidth(device)
-  copy = jax.jit(lambda a: a + 1)
-  big = jnp.zeros((n,), dtype)
-  copy_time = time_interleaved({"copy": copy}, {"copy": (big,)}, rounds)["copy"]
-  copy_bw = 2 * n * jnp.dtype(dtype).itemsize / copy_time
-  rows = []
+  copy = measure_copy(n, dtype, target_s=target_s, rounds=rounds, device=device)
+  print(copy_line(copy, device.device_kind), flush=True)  # before any kernel's GB/s
+  peak, rows = copy["peak_Bps"], []
   for name, pallas_fn, xla_fn, args, nbytes in kernel_cases(n, hidden, dtype, interpret):
-    out_p, out_x = pallas_fn(*args), xla_fn(*args)
-    errs = [_max_err(a, b) for a, b in zip(jax.tree.leaves(out_p), jax.tree.leaves(out_x))]
-    t = time_interleaved({"pallas": pallas_fn, "xla": xla_fn},
-                         {"pallas": args, "xla": args}, rounds)
+    out_p, out_x = jax.jit(pallas_fn)(*args), jax.jit(xla_fn)(*args)
+    errs = [_max_err(a, b) for a, b in zip(jax.tree.leaves(out_p), jax.tree.leaves(out_x),
+                                           strict=True)]
+    t = device_seconds({"pallas": pallas_fn, "xla": xla_fn}, {"pallas": args, "xla": args},
+                       target_s=target_s, rounds=rounds, max_iters=max_iters)
+    tp, tx = t["pallas"]["seconds"], t["xla"]["seconds"]
     rows.append({
         "kernel": name, "max_abs_err_vs_xla": max(errs), "bytes": nbytes,
-        "pallas_us": t["pallas"] * 1e6, "xla_us": t["xla"] * 1e6,
-        "pallas_GBps": nbytes / t["pallas"] / 1e9, "xla_GBps": nbytes / t["xla"] / 1e9,
-        "pallas_pct_spec": None if spec is None else 100 * nbytes / t["pallas"] / spec,
-        "pallas_pct_copy": 100 * nbytes / t["pallas"] / copy_bw,
-        "speedup_vs_xla": t["xla"] / t["pallas"],
+        "pallas_us": tp * 1e6, "xla_us": tx * 1e6,
+        "pallas_GBps": nbytes / tp / 1e9, "xla_GBps": nbytes / tx / 1e9,
+        "pallas_pct_spec": None if peak is None else 100 * nbytes / tp / peak,
+        "pallas_pct_copy": 100 * nbytes / tp / copy["Bps"],
+        "speedup_vs_xla": tx / tp,
+        "pallas_iters": t["pallas"]["iters"], "xla_iters": t["xla"]["iters"],
+        "loop_intact": t["pallas"]["loop_intact"] and t["xla"]["loop_intact"],
+        "copy_low": copy["low"],
     })
-  return {"device": device.device_kind, "spec_bandwidth_Bps": spec,
-          "measured_copy_Bps": copy_bw, "n": n, "hidden": hidden,
-          "dtype": jnp.dtype(dtype).name, "rows": rows}
+  return {"device": device.device_kind, "spec_bandwidth_Bps": peak,
+          "measured_copy_Bps": copy["Bps"], "copy": copy, "copy_low": copy["low"],
+          "timing": "device: many calls in one jitted program (lax.fori_loop) / iters",
+          "n": n, "hidden": hidden, "dtype": jnp.dtype(dtype).name, "rows": rows}
 
 
+def kernel_table(kernels: dict) -> str:
+  """The kernel table; its first row is the copy check, with its flag."""
+  copy = kernels["copy"]
+  flag = "-" if copy["low"] is None else ("LOW" if copy["low"] else "ok")
+  pct = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+  rows = [("copy (XLA a+1)", "-", "-", f"{copy['seconds'] * 1e6:.1f}", "-",
+           f"{copy['Bps'] / 1e9:.0f}", pct(copy["pct_peak"]), "100", "-", flag)]
+  for r in kernels["rows"]:
+    note = "LOW copy" if r["copy_low"] else ("" if r["loop_intact"] else "loop?")
+    rows.append((r["kernel"], f"{r['max_abs_err_vs_xla']:.2e}", f"{r['pallas_us']:.1f}",
+                 f"{r['xla_us']:.1f}", f"{r['pallas_GBps']:.0f}", f"{r['xla_GBps']:.0f}",
+                 pct(r["pallas_pct_spec"]), f"{r['pallas_pct_copy']:.0f}",
+                 f"{r['speedup_vs_xla']:.2f}", note or "ok"))
+  return format_table(("kernel", "max err", "pallas us", "xla us", "pallas GB/s",
+                       "xla GB/s", "% peak", "% copy", "speedup", "flag"), rows)
+
+
+# ----------------------------------------------------------------------------- block step
 def bench_block_step(cfg, batch, seq, dtype, rounds, policies):
+  """Step time of each policy (host clock, interleaved) and its speed ratio to the
+  first; a policy that fails to compile or run is recorded with its error."""
   x = jax.random.normal(jax.random.key(0), (batch, seq, cfg.dim), jnp.float32).astype(dtype)
-  fns, args = {}, {}
+  fns, args, errors = {}, {}, {}
   for spec in policies:
-    policy = MemoryPolicy.parse(spec)
-    params = block_stack.init_stack(jax.random.key(0), cfg, policy)
-    fns[spec] = jax.jit(functools.partial(block_stack.sgd_step, cfg=cfg, policy=policy))
-    args[spec] = (params, x)
-  t = time_interleaved(fns, args, rounds)
-  base = t[policies[0]]
-  return [{"policy": spec, "step_ms": t[spec] * 1e3, "ratio_vs_baseline": base / t[spec]}
-          for spec in policies]
+    try:
+      policy = MemoryPolicy.parse(spec)
+      params = block_stack.init_stack(jax.random.key(0), cfg, policy)
+      fn = jax.jit(functools.partial(block_stack.sgd_step, cfg=cfg, policy=policy))
+      jax.block_until_ready(fn(params, x))
+      fns[spec], args[spec] = fn, (params, x)
+    except Exception as e:  # noqa: BLE001  (report the rest; a crash names its policy)
+      errors[spec] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      print(f"block step [{spec}] failed: {errors[spec]}", file=sys.stderr, flush=True)
+  t = time_interleaved(fns, args, rounds) if fns else {}
+  base = t.get(policies[0])
+  rows = []
+  for spec in policies:
+    if spec in errors:
+      rows.append({"policy": spec, "error": errors[spec]})
+    else:
+      rows.append({"policy": spec, "step_ms": t[spec] * 1e3,
+                   "ratio_vs_baseline": None if base is None else base / t[spec]})
+  return rows
+
+
+def _step_table(step) -> str:
+  def cells(r):
+    if "error" in r:
+      return (r["policy"], "error", r["error"][:60])
+    ratio = r["ratio_vs_baseline"]
+    return (r["policy"], f"{r['step_ms']:.2f}", "-" if ratio is None else f"{ratio:.3f}")
+  return format_table(("policy", "step ms", "speed vs baseline"), [cells(r) for r in step])
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-  ap = argparse.ArgumentParser(prog="python -m lowmem_jax.kernel_bench", description=__doc__)
+  ap = argparse.ArgumentParser(prog="python -m lowmem_jax.kernel_bench", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--elements", type=int, default=64 * 197 * 3072)
   ap.add_argument("--hidden", type=int, default=3072)
   ap.add_argument("--dtype", default="bfloat16")
-  ap.add_argument("--rounds", type=int, default=50)
+  ap.add_argument("--rounds", type=int, default=5,
+                  help="timed runs of each looped kernel program (median)")
+  ap.add_argument("--target-ms", type=float, default=25.0,
+                  help="about how long one looped kernel program runs")
+  ap.add_argument("--step-rounds", type=int, default=10, help="timed block steps per policy")
   ap.add_argument("--layers", type=int, default=12)
   ap.add_argument("--batch", type=int, default=64)
+  ap.add_argument("--no-step", action="store_true", help="kernels only, no block step")
   ap.add_argument("--interpret", action="store_true",
                   help="tiny sizes, kernels in interpret mode (smoke test on any backend)")
   ap.add_argument("--json", metavar="FILE")
   args = ap.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   cfg = block_stack.StackConfig(num_layers=args.layers)
-  seq, batch = 197, args.batch
+  seq, batch, max_iters = 197, args.batch, 100_000
   policies = ["baseline", "lowmembp+kernels=xla", "lowmembp+kernels=pallas"]
   if args.interpret:
-    args.elements, args.hidden, args.rounds = 4096, 64, 2
+    args.elements, args.hidden, args.rounds, args.step_rounds = 4096, 64, 2, 2
+    args.target_ms, max_iters = 1.0, 3
     cfg = block_stack.StackConfig(num_layers=1, dim=32, num_heads=4, mlp_dim=64)
     seq, batch = 8, 2
     policies = ["baseline", "lowmembp+kernels=xla", "lowmembp+kernels=pallas_interpret"]
-  kernels = bench_kernels(args.elements, args.hidden, dtype, args.rounds, args.interpret)
-  step = bench_block_step(cfg, batch, seq, dtype, max(args.rounds // 5, 2), policies)
-
-  print(f"device: {kernels['device']}  backend: {jax.default_backend()}  jax {jax.__version__}")
-  print(f"{args.elements} elements, hidden {args.hidden}, {dtype.name}; measured XLA copy "
-        f"{kernels['measured_copy_Bps'] / 1e9:.0f} GB/s; spec "
-        + ("-" if kernels["spec_bandwidth_Bps"] is None
-           else f"{kernels['spec_bandwidth_Bps'] / 1e9:.0f} GB/s"))
-  print(format_table(
-      ("kernel", "max err", "pallas us", "xla us", "pallas GB/s", "% spec", "% copy",
-       "speedup"),
-      [(r["kernel"], f"{r['max_abs_err_vs_xla']:.2e}", f"{r['pallas_us']:.1f}",
-        f"{r['xla_us']:.1f}", f"{r['pallas_GBps']:.0f}",
-        "-" if r["pallas_pct_spec"] is None else f"{r['pallas_pct_spec']:.0f}",
-        f"{r['pallas_pct_copy']:.0f}", f"{r['speedup_vs_xla']:.2f}")
-       for r in kernels["rows"]]))
-  print(f"\ntrain step, {cfg.kind} block stack: {cfg.num_layers} layers, D={cfg.dim}, "
-        f"batch {batch}, seq {seq}")
-  print(format_table(("policy", "step ms", "speed vs baseline"),
-                     [(r["policy"], f"{r['step_ms']:.2f}", f"{r['ratio_vs_baseline']:.3f}")
-                      for r in step]))
+  print(f"device: {jax.devices()[0].device_kind}  backend: {jax.default_backend()}  "
+        f"jax {jax.__version__}", flush=True)
+  kernels = bench_kernels(args.elements, args.hidden, dtype, args.rounds, args.interpret,
+                          target_s=args.target_ms / 1e3, max_iters=max_iters)
+  print(f"{args.elements} elements, hidden {args.hidden}, {dtype.name}; device-timed: "
+        "many calls in one jitted program / iters; GB/s = bytes read + written / time")
+  print(kernel_table(kernels), flush=True)
   result = {"jax_version": jax.__version__, "backend": jax.default_backend(),
-            "interpret": args.interpret, "kernels": kernels, "block_step": step}
+            "interpret": args.interpret, "kernels": kernels, "block_step": []}
+  if not args.no_step:
+    step = bench_block_step(cfg, batch, seq, dtype, args.step_rounds, policies)
+    print(f"\ntrain step, {cfg.kind} block stack: {cfg.num_layers} layers, D={cfg.dim}, "
+          f"batch {batch}, seq {seq} (host clock, median of {args.step_rounds})")
+    print(_step_table(step))
+    result["block_step"] = step
   write_json(args.json, result)
   return result
 

@@ -1,8 +1,87 @@
-"""The kernel benchmark runs end to end (interpret mode: a smoke test, not a timing)."""
+"""The kernel benchmark: device timing in one looped program, the copy check, the CLI
+(interpret mode: a smoke test, not a timing). No assertion looks at a time."""
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax import lax
 
 from lowmem_jax import kernel_bench
+
+pytestmark = pytest.mark.precision("default")
+
+
+def test_looped_returns_the_op_result():
+  x = jnp.arange(12.0).reshape(3, 4)
+  out = kernel_bench.looped(lambda a, b: (a * 2, a + b), 5)(x, x)
+  np.testing.assert_allclose(out[0], x * 2)
+  np.testing.assert_allclose(out[1], x + x)
+
+
+def test_loop_runs_the_op_every_iteration():
+  """The compiled loop keeps the op in its body with the asked trip count: XLA neither
+  hoists it out nor folds the calls into one."""
+  x = jnp.ones((256, 128), jnp.bfloat16)
+  hlo = kernel_bench.looped(lambda a: jnp.sin(a) * 2, 7).lower(x).compile().as_text()
+  assert kernel_bench.loop_intact(hlo, 7)
+  assert not kernel_bench.loop_intact(hlo, 8)
+  body = hlo.split("while(")[1]
+  assert '"known_trip_count":{"n":"7"}' in body
+
+
+def test_loop_check_catches_a_hoisted_op():
+  """Without the barrier the op is loop-invariant: XLA hoists it and the check says so."""
+  x = jnp.ones((256, 128), jnp.float32)
+
+  @jax.jit
+  def naive(a):
+    return lax.fori_loop(0, 7, lambda i, o: jnp.sin(a) * 2, jnp.zeros_like(a))
+
+  assert not kernel_bench.loop_intact(naive.lower(x).compile().as_text(), 7)
+  assert not kernel_bench.loop_intact(jax.jit(jnp.sin).lower(x).compile().as_text(), 7)
+
+
+def test_device_seconds_reports_iters_and_loop():
+  x = jnp.ones((64, 64), jnp.float32)
+  t = kernel_bench.device_seconds({"neg": jnp.negative}, {"neg": (x,)}, target_s=1e-4,
+                                  rounds=2, max_iters=4)
+  assert set(t["neg"]) == {"seconds", "iters", "loop_intact"}
+  assert 2 <= t["neg"]["iters"] <= 4 and t["neg"]["loop_intact"]
+  assert t["neg"]["seconds"] > 0
+
+
+def test_copy_counts_bytes_read_and_written():
+  copy = kernel_bench.measure_copy(1000, jnp.bfloat16, target_s=1e-4, rounds=2)
+  assert copy["bytes"] == 2 * 1000 * 2
+  assert copy["Bps"] == pytest.approx(copy["bytes"] / copy["seconds"])
+  assert copy["loop_intact"]
+  assert copy["peak_Bps"] is None and copy["low"] is None  # CPU: no known peak, no flag
+
+
+class _Device:
+  def __init__(self, kind):
+    self.device_kind = kind
+
+
+@pytest.mark.parametrize("kind, peak", [
+    ("NVIDIA H100 80GB HBM3", 3.35e12), ("NVIDIA H100 PCIe", 2.0e12),
+    ("NVIDIA H200", 4.8e12), ("NVIDIA A100-SXM4-80GB", 2.039e12), ("NVIDIA L4", 0.3e12),
+    ("NVIDIA L40S", 0.864e12), ("cpu", None)])
+def test_spec_bandwidth_lookup(kind, peak):
+  assert kernel_bench.spec_bandwidth(_Device(kind)) == peak
+
+
+def test_copy_below_60_percent_of_peak_is_flagged(monkeypatch):
+  monkeypatch.setattr(kernel_bench, "spec_bandwidth", lambda device: 1e15)  # unreachable
+  copy = kernel_bench.measure_copy(1000, jnp.float32, target_s=1e-4, rounds=2,
+                                   device=_Device("NVIDIA H100 80GB HBM3"))
+  assert copy["low"] is True and copy["pct_peak"] < 60
+  assert "LOW" in kernel_bench.copy_line(copy, "NVIDIA H100 80GB HBM3")
+  monkeypatch.setattr(kernel_bench, "spec_bandwidth", lambda device: 1.0)
+  copy = kernel_bench.measure_copy(1000, jnp.float32, target_s=1e-4, rounds=2)
+  assert copy["low"] is False
+  assert "LOW" not in kernel_bench.copy_line(copy, "x")
 
 
 @pytest.mark.slow
@@ -10,18 +89,16 @@ def test_kernel_bench_smoke(tmp_path, capsys):
   out = tmp_path / "bench.json"
   result = kernel_bench.main(["--interpret", "--json", str(out)])
   assert out.exists()
-  names = [r["kernel"] for r in result["kernels"]["rows"]]
+  kernels = result["kernels"]
+  names = [r["kernel"] for r in kernels["rows"]]
   assert names == ["pack_2bit", "unpack_2bit", "regelu2_forward", "approx2_backward",
                    "ms_layer_norm_forward", "ms_layer_norm_backward"]
-  for row in result["kernels"]["rows"]:  # Pallas (interpreted) agrees with the jnp path
+  for row in kernels["rows"]:  # Pallas (interpreted) agrees with the jnp path
     assert row["max_abs_err_vs_xla"] < 1e-2, row
+    assert row["loop_intact"], row
+    assert "copy_low" in row
+  assert {"Bps", "bytes", "low", "pct_peak"} <= set(kernels["copy"])
   assert [r["policy"] for r in result["block_step"]][0] == "baseline"
-  assert "speed vs baseline" in capsys.readouterr().out
-
-
-def test_spec_bandwidth_lookup():
-  class Device:
-    device_kind = "NVIDIA H100 80GB HBM3"
-  assert kernel_bench.spec_bandwidth(Device()) == 3.35e12
-  Device.device_kind = "cpu"
-  assert kernel_bench.spec_bandwidth(Device()) is None
+  text = capsys.readouterr().out
+  assert text.index("measured copy") < text.index("pallas GB/s")  # copy checked first
+  assert "speed vs baseline" in text
