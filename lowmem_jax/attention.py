@@ -5,10 +5,16 @@
     softmax; a custom_vjp that saves only q, k, v, o and the fp32 row log-sum-exp and
     recomputes the scores block by block in backward. No ``N x M`` array is saved, and
     the largest temporary is ``N x block_k`` per head. Runs on every backend.
-  * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (GPU, 16-bit).
+  * ``"cudnn"``: ``jax.nn.dot_product_attention(implementation="cudnn")`` (CUDA GPU,
+    16-bit; saves q, k, v, o and the row log-sum-exp). A shape it refuses (see
+    :func:`cudnn_refusal`) is a ValueError naming the shape, raised before jax is called.
+  * ``"cudnn_padded"``: cuDNN on q, k, v zero-padded to even lengths; the padded keys
+    are hidden by cuDNN's own key-length mask (``key_value_seq_lengths``, no bias array)
+    and the padded query rows are sliced off. Saves what ``"cudnn"`` saves, padded.
   * ``"xla"``: ``jax.nn.dot_product_attention(implementation="xla")``, plain autodiff;
     it saves the ``N x M`` probabilities. The reference.
-  * ``"auto"``: cuDNN on GPU for bf16/fp16 inputs, otherwise ``"flash"``.
+  * ``"auto"``: :func:`choose_implementation` (cuDNN where it takes the shape and is
+    known to be the fast path, else ``"flash"``; never a path that keeps ``N x M``).
 
 Grouped-query attention: k and v may have fewer heads ``K`` than q (``H % K == 0``);
 query head ``h`` reads kv head ``h // (H // K)``, as in ``jax.nn.dot_product_attention``.
@@ -22,12 +28,13 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-IMPLEMENTATIONS = ("auto", "flash", "cudnn", "xla")
+IMPLEMENTATIONS = ("auto", "flash", "cudnn", "cudnn_padded", "xla")
 DEFAULT_BLOCK_K = 512
 
 
@@ -76,14 +83,188 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
   if block_k < 1:
     raise ValueError(f"attention: block_k must be positive, got {block_k}")
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+  mask_shape = None if mask is None else tuple(mask.shape)
+  if implementation in ("auto", "cudnn", "cudnn_padded"):
+    backend, version, capability = jax.default_backend(), cudnn_version(), compute_capability()
   if implementation == "auto":
-    on_gpu = jax.default_backend() == "gpu"
-    implementation = "cudnn" if on_gpu and q.dtype in (jnp.bfloat16, jnp.float16) else "flash"
+    implementation = choose_implementation(
+        q.shape, k.shape, q.dtype, backend=backend, causal=causal, mask_shape=mask_shape,
+        cudnn_version=version, compute_capability=capability).implementation
+  elif implementation in ("cudnn", "cudnn_padded"):
+    padded = implementation == "cudnn_padded"
+    reason = cudnn_refusal(q.shape, k.shape, q.dtype, mask_shape=mask_shape, backend=backend,
+                           cudnn_version=version, compute_capability=capability,
+                           padded=padded)
+    if reason is not None:
+      raise ValueError(
+          f"attention(implementation={implementation!r}): cuDNN refuses q{list(q.shape)} "
+          f"k{list(k.shape)} {jnp.dtype(q.dtype).name} (causal={causal}, mask="
+          f"{None if mask is None else list(mask.shape)}): {reason}. "
+          "implementation='auto' picks a path that takes this shape.")
   if implementation in ("xla", "cudnn"):
     out = jax.nn.dot_product_attention(
         q, k, v, mask=mask, scale=scale, is_causal=causal, implementation=implementation)
-    return out if name is None else checkpoint_name(out, name)
-  return _flash(q, k, v, mask, causal, scale, min(block_k, max(k.shape[1], 1)), name)
+  elif implementation == "cudnn_padded":
+    out = _padded(q, k, v, mask, causal, scale, "cudnn")
+  else:
+    return _flash(q, k, v, mask, causal, scale, min(block_k, max(k.shape[1], 1)), name)
+  return out if name is None else checkpoint_name(out, name)
+
+
+# ----------------------------------------------------------------------------- dispatch
+# cuDNN's limits as jax states them (jax 0.10.2, jax/_src/cudnn/fused_attention_stablehlo.py,
+# `check_layout` and `check_is_flash_attention`; seen again on jax 0.11.2 / H100).
+CUDNN_DTYPES = ("bfloat16", "float16")
+CUDNN_MIN_VERSION = 8904     # 8.9.4: jax's floor for cuDNN flash attention
+# Training needs even lengths: the VJP rule checks `is_training and has_bias and (T or S
+# odd)`, and `has_bias` is always true there (an absent bias is a zero-size placeholder),
+# so any odd length raises `NotImplementedError: Unsupported sequence length Q 17, KV 17`
+# at the first grad. The forward alone would run; we cannot know at the call, so both.
+CUDNN_SEQ_MULTIPLE = 2
+
+
+def padded_length(n: int) -> int:
+  """The least length >= ``n`` that cuDNN takes."""
+  return -(-n // CUDNN_SEQ_MULTIPLE) * CUDNN_SEQ_MULTIPLE
+
+
+def cudnn_refusal(q_shape, k_shape, dtype, *, mask_shape=None, backend: str = "gpu",
+                  cudnn_version: int | None = None,
+                  compute_capability: tuple[int, int] | None = None,
+                  padded: bool = False) -> str | None:
+  """Why ``jax.nn.dot_product_attention(implementation="cudnn")`` would refuse these
+  ``[B, N, H, D]`` inputs (train or eval), or None if it takes them. ``padded``: after
+  ``"cudnn_padded"`` pads N and M to :func:`padded_length`. ``cudnn_version`` is cuDNN's
+  integer version (9.8.0 -> 90800), None where there is no cuDNN; ``compute_capability``
+  the GPU's ``(major, minor)``, None if unknown (then the pre-Hopper head-dim limit)."""
+  n, d = q_shape[1], q_shape[3]
+  m = k_shape[1]
+  if padded:
+    n, m = padded_length(n), padded_length(m)
+  if backend != "gpu":
+    return f"backend {backend!r}: cuDNN runs only on CUDA GPUs"
+  if cudnn_version is None:
+    return "no cuDNN found on this GPU backend"
+  if cudnn_version < CUDNN_MIN_VERSION:
+    return f"cuDNN {cudnn_version} is older than {CUDNN_MIN_VERSION}, jax's floor"
+  if compute_capability == (10, 3) and cudnn_version < 91100:
+    return "compute capability 10.3 needs cuDNN >= 9.11"
+  if jnp.dtype(dtype).name not in CUDNN_DTYPES:
+    return f"dtype {jnp.dtype(dtype).name} (cuDNN takes {' or '.join(CUDNN_DTYPES)})"
+  hopper = compute_capability is not None and tuple(compute_capability) >= (9, 0)
+  max_d = 256 if hopper and cudnn_version >= 90500 else 128
+  if d % 8 or d > max_d:
+    return f"head dim {d} (cuDNN takes multiples of 8 up to {max_d} on this GPU)"
+  if mask_shape is not None and tuple(mask_shape[-2:]) != (q_shape[1], k_shape[1]):
+    return (f"mask {list(mask_shape)} broadcasts over queries or keys; cuDNN takes a "
+            "mask only as a full [.., N, M] bias")
+  if n % CUDNN_SEQ_MULTIPLE or m % CUDNN_SEQ_MULTIPLE:
+    return (f"sequence length Q {n}, KV {m}: cuDNN's backward takes only multiples of "
+            f"{CUDNN_SEQ_MULTIPLE} (jax: 'Unsupported sequence length')")
+  return None
+
+
+# What "auto" runs on a GPU, by the longest sequence length max(N, M): rows of (largest
+# length the row covers, None = any; implementation), the first row that covers wins.
+#   "as_is": cuDNN takes the shape unpadded.  "paddable": only padded to even lengths.
+# NOT MEASURED: re-derive both from `python -m lowmem_jax.attention_bench` on a GPU
+# (its "fastest" column, among paths that keep no N x N array). Known so far (H100,
+# jax 0.11.2): cuDNN ran LLaMA at N = 1024 (even); ours ran ViT-B at 197 about as fast
+# as XLA's attention. Where no GPU figure exists, ours: no N x N array, never refused.
+AUTO_GPU_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {
+    "as_is": ((None, "cudnn"),),
+    "paddable": ((None, "flash"),),
+}
+
+
+class Choice(NamedTuple):
+  implementation: str   # "cudnn", "cudnn_padded" or "flash"
+  reason: str           # why not cuDNN on the shape as it is ("" when cuDNN)
+
+
+def _from_table(kind: str, length: int) -> str:
+  return next(impl for limit, impl in AUTO_GPU_TABLE[kind] if limit is None or length <= limit)
+
+
+def choose_implementation(q_shape, k_shape, dtype, *, backend: str, causal: bool = False,
+                          mask_shape=None, cudnn_version: int | None = None,
+                          compute_capability: tuple[int, int] | None = None) -> Choice:
+  """What ``implementation="auto"`` runs: a pure function of the shapes, dtype, mask,
+  backend and cuDNN/GPU version (:func:`cudnn_version`, :func:`compute_capability`
+  query them). Never ``"xla"``: every choice keeps no ``N x M`` array."""
+  n, m = q_shape[1], k_shape[1]
+  versions = dict(backend=backend, cudnn_version=cudnn_version,
+                  compute_capability=compute_capability)
+  reason = cudnn_refusal(q_shape, k_shape, dtype, mask_shape=mask_shape, **versions)
+  if reason is None and mask_shape is not None:
+    reason = "a mask: cuDNN would keep it as an N x M bias for backward"
+  if reason is None and causal and n != m:
+    reason = f"causal with N {n} != M {m}: cuDNN's causal alignment is not checked here"
+  if reason is None:
+    return Choice(_from_table("as_is", max(n, m)), "")
+  if mask_shape is None and not (causal and n != m) and cudnn_refusal(
+      q_shape, k_shape, dtype, padded=True, **versions) is None:
+    return Choice(_from_table("paddable", max(n, m)), reason)
+  return Choice("flash", reason)
+
+
+@functools.lru_cache(maxsize=None)
+def _gpu_facts(backend: str) -> tuple[int | None, tuple[int, int] | None]:
+  if backend != "gpu":
+    return None, None
+  try:
+    from jax._src.lib import cuda_versions  # None on ROCm and CPU-only builds
+    version = None if cuda_versions is None else int(cuda_versions.cudnn_get_version())
+  except Exception:  # a private helper: absent or failing means "unknown"
+    version = None
+  try:
+    major, minor = jax.devices("gpu")[0].compute_capability.split(".")[:2]
+    capability = (int(major), int(minor))
+  except Exception:
+    capability = None
+  return version, capability
+
+
+def cudnn_version() -> int | None:
+  """The loaded cuDNN's version (9.8.0 -> 90800) on a CUDA GPU backend, else None."""
+  return _gpu_facts(jax.default_backend())[0]
+
+
+def compute_capability() -> tuple[int, int] | None:
+  """The first GPU's compute capability ``(major, minor)``, None off CUDA GPUs."""
+  return _gpu_facts(jax.default_backend())[1]
+
+
+# ----------------------------------------------------------------------------- padded
+def _pad_axis(x, axis, length, value=0):
+  if x.shape[axis] == length:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, length - x.shape[axis])
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def _padded(q, k, v, mask, causal, scale, implementation):
+  """``jax.nn.dot_product_attention`` on q, k, v zero-padded to :func:`padded_length`.
+
+  Padded keys are hidden by ``key_value_seq_lengths`` (the kernel's own padding mask, no
+  bias array), padded query rows by ``query_seq_lengths`` and sliced off; their
+  cotangent is zero, so no gradient reaches q, k, v from them. Saves what
+  ``implementation`` saves, at the padded length.
+  """
+  b, n = q.shape[:2]
+  m = k.shape[1]
+  n_pad, m_pad = padded_length(n), padded_length(m)
+  q = _pad_axis(q, 1, n_pad)
+  k, v = _pad_axis(k, 1, m_pad), _pad_axis(v, 1, m_pad)
+  if mask is not None:
+    mask = _pad_axis(mask, 2, n_pad, False) if mask.shape[2] == n else mask
+    mask = _pad_axis(mask, 3, m_pad, False) if mask.shape[3] == m else mask
+  out = jax.nn.dot_product_attention(
+      q, k, v, mask=mask, scale=scale, is_causal=causal,
+      query_seq_lengths=jnp.full((b,), n, jnp.int32),
+      key_value_seq_lengths=jnp.full((b,), m, jnp.int32), implementation=implementation)
+  return out[:, :n]
 
 
 # ----------------------------------------------------------------------------- flash
