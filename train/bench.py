@@ -4,6 +4,8 @@
     python -m train.bench --policies baseline,lowmembp --steps 50 --json bench.json
     python -m train.bench --config-name minilm-text --set batch_size=32 --png bench.png
     python -m train.bench --peak                            # GPU: allocator peak per policy
+    python -m train.bench --synthetic 64 --set model=llama-7b --set task=lm \
+        --set model.num_layers=4 --set max_len=1024 --set batch_size=4   # no data files
 
 For the config's model and batch, each policy gets its own :class:`train.loop.Trainer`
 (``cfg.replace(policy=spec)``), its own state and its own :class:`train.data.Batches`.
@@ -25,6 +27,10 @@ schedules differently). CPU compiled memory also does not show the savings of re
 for models that loop over their blocks in Python (ViT, LLaMA, BERT here): XLA's CPU
 scheduler is not memory-aware, so recomputed activations end up live as long as saved
 ones. GPU runs are the reference for both memory and speed.
+
+``--synthetic N`` replaces the config's data by N random examples shaped for its model
+(images and labels; or tokens, targets and a full loss mask; or tokens, mask and labels):
+full-size models (ViT-B/16 at 224 px, LLaMA-7B widths) need no image folder or tokenizer.
 """
 
 from __future__ import annotations
@@ -105,6 +111,42 @@ class _Runner:
     return t.state
 
 
+def synthetic_dataset(cfg: TrainConfig, n: int):
+  """``n`` random examples shaped for the config's (preset) model, for speed and memory
+  runs without data files."""
+  from models import bert, llama, revllama, revvit, vit
+  from train import data as data_lib
+  if cfg.pretrained:
+    raise ValueError("--synthetic works with model presets, not pretrained=<dir>")
+  presets = (("revvit", revvit), ("revllama", revllama), ("vit", vit), ("llama", llama),
+             ("bert", bert), ("roberta", bert))
+  module = next((m for prefix, m in presets if cfg.model.startswith(prefix)), None)
+  if module is None:
+    raise ValueError(f"--synthetic: unknown model {cfg.model!r}")
+  mc = module.config(cfg.model, **cfg.model_overrides)
+  rng = np.random.default_rng(cfg.seed)
+  if cfg.task == "image":
+    shape = (n, mc.image_size, mc.image_size, mc.channels)
+    return data_lib.ArrayDataset({
+        "image": rng.standard_normal(shape, np.float32),
+        "label": rng.integers(0, mc.num_labels, n).astype(np.int32)})
+  tokens = rng.integers(0, mc.vocab_size, (n, cfg.max_len + 1)).astype(np.int32)
+  if cfg.task == "lm":
+    return data_lib.ArrayDataset({"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+                                  "loss_mask": np.ones((n, cfg.max_len), bool)})
+  return data_lib.ArrayDataset({"tokens": tokens[:, :-1],
+                                "mask": np.ones((n, cfg.max_len), bool),
+                                "label": rng.integers(0, mc.num_labels, n).astype(np.int32)})
+
+
+def train_dataset(cfg: TrainConfig, synthetic: int = 0):
+  """The config's training set, or ``synthetic`` random examples when > 0."""
+  if synthetic:
+    return synthetic_dataset(cfg, synthetic)
+  from train.loop import make_datasets
+  return make_datasets(cfg)[0]
+
+
 def _make_runner(cfg: TrainConfig, spec: str, train_set):
   from train import data as data_lib
   from train.loop import Trainer
@@ -120,15 +162,15 @@ def _device_info() -> dict:
 
 
 # ----------------------------------------------------------------------------- peak (GPU)
-def _peak_child(cfg: TrainConfig, spec: str, steps: int, out: str) -> None:
+def _peak_child(cfg: TrainConfig, spec: str, steps: int, out: str,
+                synthetic: int = 0) -> None:
   """In a fresh process: run ``steps`` train steps of one policy, write its allocator peak."""
   import jax
 
-  from train.loop import make_datasets
   stats = jax.devices()[0].memory_stats()
   peak = None
   if stats is not None and "peak_bytes_in_use" in stats:
-    runner = _make_runner(cfg, spec, make_datasets(cfg)[0])
+    runner = _make_runner(cfg, spec, train_dataset(cfg, synthetic))
     for _ in range(steps):
       jax.block_until_ready(runner())
     peak = int(jax.devices()[0].memory_stats()["peak_bytes_in_use"])
@@ -164,15 +206,14 @@ def measure_peaks(argv_base: list[str], specs: Sequence[str], steps: int) -> dic
 
 # ----------------------------------------------------------------------------- the bench
 def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
-        peaks: dict | None = None) -> dict:
+        peaks: dict | None = None, synthetic: int = 0) -> dict:
   """Compiled memory and interleaved step times of each policy; the JSON result."""
   from lowmem_jax.kernel_bench import time_interleaved
-  from train.loop import make_datasets
 
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
-  train_set = make_datasets(cfg)[0]
+  train_set = train_dataset(cfg, synthetic)
   runners, memory = {}, {}
   for spec in specs:
     runner = _make_runner(cfg, spec, train_set)
@@ -210,7 +251,8 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
     rows.append(row)
   return {**_device_info(), "config": _jsonable(cfg), "policies": list(specs),
           "baseline": base, "timed_steps": steps, "warmup_steps": warmup,
-          "items_per_step": items, "throughput_unit": unit, "rows": rows}
+          "items_per_step": items, "throughput_unit": unit, "synthetic": synthetic,
+          "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -288,29 +330,34 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                        "(default: %(default)s)")
   ap.add_argument("--peak", action="store_true",
                   help="GPU: also measure peak_bytes_in_use, each policy in a fresh subprocess")
+  ap.add_argument("--synthetic", type=int, default=0, metavar="N",
+                  help="N random examples shaped for the model instead of the config's data")
   ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")
   ap.add_argument("--png", metavar="FILE", help="draw memory and throughput bars (matplotlib)")
   ap.add_argument("--peak-child", metavar="FILE", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
     ap.error("--steps and --warmup must be >= 1")
+  if args.synthetic < 0:
+    ap.error("--synthetic must be >= 0")
   cfg = load_config(args.config_name, args.config, args.set)
   specs = parse_policies(args.policies)
 
   if args.peak_child:  # the subprocess of --peak: one policy, one number
     # parse_policies puts baseline first when missing: the policy asked for is the last
-    _peak_child(cfg, specs[-1], args.warmup + args.steps, args.peak_child)
+    _peak_child(cfg, specs[-1], args.warmup + args.steps, args.peak_child, args.synthetic)
     return None
 
   peaks = None
   if args.peak:  # before this process allocates on the device (XLA preallocates)
-    base_argv = ["--config-name", args.config_name, "--warmup", str(args.warmup)]
+    base_argv = ["--config-name", args.config_name, "--warmup", str(args.warmup),
+                 "--synthetic", str(args.synthetic)]
     base_argv += ["--config", args.config] if args.config else []
     for item in args.set:
       base_argv += ["--set", item]
     peaks = measure_peaks(base_argv, specs, min(args.steps, 3))
 
-  result = run(cfg, specs, args.steps, args.warmup, peaks)
+  result = run(cfg, specs, args.steps, args.warmup, peaks, args.synthetic)
   model = cfg.pretrained or cfg.model
   print(f"\n{model} ({cfg.task}), batch {cfg.batch_size}, {cfg.dtype}, "
         f"overrides {cfg.model_overrides or '{}'}; {result['device_kind']} "
