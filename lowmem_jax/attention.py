@@ -85,7 +85,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   mask_shape = None if mask is None else tuple(mask.shape)
   if implementation in ("auto", "cudnn", "cudnn_padded"):
-    backend, version, capability = jax.default_backend(), cudnn_version(), compute_capability()
+    backend, version, capability = _platform()
   if implementation == "auto":
     implementation = choose_implementation(
         q.shape, k.shape, q.dtype, backend=backend, causal=causal, mask_shape=mask_shape,
@@ -223,6 +223,12 @@ def _gpu_facts(backend: str) -> tuple[int | None, tuple[int, int] | None]:
   except Exception:
     capability = None
   return version, capability
+
+
+def _platform() -> tuple[str, int | None, tuple[int, int] | None]:
+  """(backend, cuDNN version, compute capability) that the dispatch decides for."""
+  backend = jax.default_backend()
+  return (backend, *_gpu_facts(backend))
 
 
 def cudnn_version() -> int | None:

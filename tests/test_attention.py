@@ -1,4 +1,6 @@
-"""Flash attention vs jax.nn.dot_product_attention (XLA): values, grads, residuals, memory."""
+"""Flash attention vs jax.nn.dot_product_attention (XLA): values, grads, residuals, memory;
+the dispatch decision ("auto", "cudnn" refusals) on CPU; the padded cuDNN path's padding
+logic (run through XLA on CPU); every model preset's attention at N = 17 .. 2048 on GPU."""
 
 import functools
 
@@ -7,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowmem_jax import attention as attn
 from lowmem_jax.attention import attention
 from lowmem_jax.memory import saved_residuals, step_memory
 
@@ -75,7 +78,7 @@ def test_bf16_close_to_fp32_reference():
 def test_auto_is_flash_on_cpu():
   q, k, v = _qkv(1, 9, 9, 2, 2, 4)
   if jax.default_backend() != "cpu":
-    pytest.skip("auto picks cuDNN on GPU")
+    pytest.skip("auto may pick cuDNN on GPU")
   np.testing.assert_array_equal(attention(q, k, v), attention(q, k, v, implementation="flash"))
 
 
@@ -147,3 +150,302 @@ def test_bad_input_is_a_clear_error(bad, match):
   args.update(bad)
   with pytest.raises((ValueError, TypeError), match=match):
     attention(args["q"], args["k"], args["v"], **kwargs)
+
+
+# ----------------------------------------------------------------------------- dispatch
+H100 = dict(backend="gpu", cudnn_version=90800, compute_capability=(9, 0))
+A100 = dict(backend="gpu", cudnn_version=90800, compute_capability=(8, 0))
+
+
+def _shapes(n, m=None, heads=12, kv_heads=None, d=64, b=2):
+  m = n if m is None else m
+  return (b, n, heads, d), (b, m, heads if kv_heads is None else kv_heads, d)
+
+
+def _choose(n, m=None, heads=12, kv_heads=None, d=64, dtype=jnp.bfloat16, causal=False,
+            mask_shape=None, **platform):
+  return attn.choose_implementation(*_shapes(n, m, heads, kv_heads, d), dtype, causal=causal,
+                                    mask_shape=mask_shape, **(platform or H100))
+
+
+@pytest.mark.parametrize("n", [18, 198, 1024, 2048])
+@pytest.mark.parametrize("causal,heads,kv_heads,d", [
+    (False, 12, 12, 64),    # ViT-B
+    (True, 32, 32, 128),    # LLaMA-7B
+    (True, 4, 2, 16),       # llama-tiny: GQA
+    (True, 32, 1, 128),     # multi-query
+])
+def test_auto_takes_cudnn_where_it_accepts_the_shape(n, causal, heads, kv_heads, d):
+  for dtype in (jnp.bfloat16, jnp.float16):
+    choice = _choose(n, heads=heads, kv_heads=kv_heads, d=d, dtype=dtype, causal=causal)
+    assert choice == attn.Choice("cudnn", ""), choice
+
+
+@pytest.mark.parametrize("n", [17, 197, 577])
+def test_odd_lengths_are_refused_and_auto_falls_back_to_flash(n):
+  choice = _choose(n)
+  assert choice.implementation == "flash"   # AUTO_GPU_TABLE["paddable"] until measured
+  assert f"sequence length Q {n}, KV {n}" in choice.reason
+  assert attn.cudnn_refusal(*_shapes(n), jnp.bfloat16, **H100, padded=True) is None
+  assert "Q 16, KV 17" in _choose(16, 17).reason  # either length odd
+
+
+@pytest.mark.parametrize("kwargs,implementation,reason", [
+    (dict(dtype=jnp.float32), "flash", "dtype float32"),
+    (dict(dtype=jnp.float32, n=17), "flash", "dtype float32"),   # padding does not help
+    (dict(d=20), "flash", "head dim 20"),
+    (dict(d=256), "cudnn", ""),                                  # Hopper, cuDNN >= 9.5
+    (dict(d=256, **A100), "flash", "up to 128"),
+    (dict(d=256, backend="gpu", cudnn_version=90400, compute_capability=(9, 0)), "flash",
+     "up to 128"),
+    (dict(d=256, backend="gpu", cudnn_version=90800, compute_capability=None), "flash",
+     "up to 128"),                                              # unknown GPU: conservative
+    (dict(backend="cpu"), "flash", "backend 'cpu'"),
+    (dict(backend="tpu", cudnn_version=90800), "flash", "backend 'tpu'"),
+    (dict(backend="gpu", cudnn_version=None), "flash", "no cuDNN"),
+    (dict(backend="gpu", cudnn_version=8903), "flash", "older than 8904"),
+    (dict(backend="gpu", cudnn_version=8904), "cudnn", ""),
+    (dict(backend="gpu", cudnn_version=91000, compute_capability=(10, 3)), "flash", "10.3"),
+    (dict(backend="gpu", cudnn_version=91100, compute_capability=(10, 3)), "cudnn", ""),
+    (dict(mask_shape=(2, 1, 1, 198)), "flash", "broadcasts over queries or keys"),
+    (dict(mask_shape=(2, 12, 198, 198)), "flash", "N x M bias"),
+    (dict(mask_shape=(2, 1, 197, 197), n=197), "flash", "sequence length Q 197"),
+    (dict(causal=True, m=256), "flash", "causal with N 198 != M 256"),
+    (dict(m=256), "cudnn", ""),                                   # cross-length, not causal
+])
+def test_dispatch_decision(kwargs, implementation, reason):
+  kwargs = dict(kwargs)
+  n = kwargs.pop("n", 198)
+  platform = {key: kwargs.pop(key) for key in list(kwargs)
+              if key in ("backend", "cudnn_version", "compute_capability")}
+  choice = _choose(n, **kwargs, **platform)
+  assert choice.implementation == implementation, choice
+  assert reason in choice.reason if reason else choice.reason == "", choice
+
+
+def test_explicit_cudnn_takes_a_full_mask_auto_does_not():
+  q_shape, k_shape = _shapes(198)
+  assert attn.cudnn_refusal(q_shape, k_shape, jnp.bfloat16, mask_shape=(2, 1, 198, 198),
+                            **H100) is None
+  assert "broadcasts" in attn.cudnn_refusal(q_shape, k_shape, jnp.bfloat16,
+                                            mask_shape=(2, 1, 1, 198), **H100)
+
+
+def test_auto_table_rows_pick_by_length(monkeypatch):
+  monkeypatch.setitem(attn.AUTO_GPU_TABLE, "paddable", ((256, "cudnn_padded"), (None, "flash")))
+  assert _choose(197).implementation == "cudnn_padded"
+  assert _choose(577).implementation == "flash"
+  assert _choose(198).implementation == "cudnn"       # "as_is" row untouched
+  assert _choose(197, mask_shape=(2, 1, 1, 197)).implementation == "flash"  # no padding masks
+  assert _choose(197, dtype=jnp.float32).implementation == "flash"
+
+
+def test_auto_never_picks_a_path_that_keeps_n_by_n_or_is_refused(monkeypatch):
+  monkeypatch.setitem(attn.AUTO_GPU_TABLE, "paddable", ((None, "cudnn_padded"),))
+  platforms = [H100, A100, dict(backend="cpu"), dict(backend="gpu", cudnn_version=None)]
+  for platform in platforms:
+    for dtype in (jnp.bfloat16, jnp.float32):
+      for n, m in [(1, 1), (17, 17), (17, 30), (64, 64), (197, 197)]:
+        for causal in (False, True):
+          for mask in (None, (2, 1, 1, m), (2, 12, n, m)):
+            for d in (16, 64, 72, 256):
+              choice = _choose(n, m, d=d, dtype=dtype, causal=causal, mask_shape=mask,
+                               **platform)
+              assert choice.implementation in ("cudnn", "cudnn_padded", "flash")
+              if choice.implementation != "flash":
+                assert attn.cudnn_refusal(
+                    *_shapes(n, m, d=d), dtype, mask_shape=mask, **platform,
+                    padded=choice.implementation == "cudnn_padded") is None, choice
+
+
+def test_padded_length():
+  assert [attn.padded_length(n) for n in (1, 2, 17, 18, 197, 577, 1024)] == [
+      2, 2, 18, 18, 198, 578, 1024]
+
+
+def test_runtime_queries_are_none_off_gpu():
+  if jax.default_backend() == "gpu":
+    pytest.skip("on GPU they return the real versions")
+  assert attn.cudnn_version() is None and attn.compute_capability() is None
+
+
+@pytest.mark.parametrize("implementation", ["cudnn", "cudnn_padded"])
+def test_cudnn_on_a_refused_shape_is_a_clear_error_before_jax(monkeypatch, implementation):
+  q, k, v = (t.astype(jnp.bfloat16) for t in _qkv(2, 17, 17, 4, 4, 64))
+  if implementation == "cudnn":
+    monkeypatch.setattr(attn, "_platform", lambda: ("gpu", 90800, (9, 0)))
+    match = r"cuDNN refuses q\[2, 17, 4, 64\] k\[2, 17, 4, 64\] bfloat16.*sequence length Q 17"
+  else:  # padding fixes the length, not the dtype
+    monkeypatch.setattr(attn, "_platform", lambda: ("gpu", 90800, (9, 0)))
+    q, k, v = (t.astype(jnp.float32) for t in (q, k, v))
+    match = r"cuDNN refuses q\[2, 17, 4, 64\].*float32.*dtype float32"
+  called = []
+  monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, **kw: called.append(1))
+  for run in (lambda: attention(q, k, v, implementation=implementation),
+              lambda: jax.jit(functools.partial(attention, implementation=implementation))(
+                  q, k, v),
+              lambda: jax.grad(lambda q: jnp.sum(attention(
+                  q, k, v, implementation=implementation).astype(jnp.float32)))(q)):
+    with pytest.raises(ValueError, match=match):
+      run()
+  assert called == []   # refused before jax's attention was called
+
+
+def test_cudnn_on_cpu_names_the_backend():
+  if jax.default_backend() != "cpu":
+    pytest.skip("CPU only")
+  q, k, v = _qkv(1, 8, 8, 2, 2, 8, jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"q\[1, 8, 2, 8\].*backend 'cpu'"):
+    attention(q, k, v, implementation="cudnn")
+
+
+def test_auto_on_a_gpu_refused_shape_runs_flash(monkeypatch):
+  """Simulated H100 (decision only): N = 17 bf16 goes to ours, which runs anywhere."""
+  monkeypatch.setattr(attn, "_platform", lambda: ("gpu", 90800, (9, 0)))
+  q, k, v = _qkv(2, 17, 17, 4, 4, 64, jnp.bfloat16)
+  np.testing.assert_array_equal(attention(q, k, v, implementation="auto"),
+                                attention(q, k, v, implementation="flash"))
+
+
+# ----------------------------------------------------------------------------- padded path
+@pytest.mark.parametrize("causal,heads,kv_heads,mask_kind,n,m", [
+    (False, 4, 4, None, 17, 17),        # ViT digits length
+    (True, 4, 4, None, 17, 17),
+    (False, 4, 2, None, 15, 22),        # GQA, only the query padded
+    (True, 6, 1, None, 9, 9),           # multi-query, causal
+    (False, 4, 2, "padding", 19, 19),   # key-padding mask [B, 1, 1, M]
+    (True, 4, 4, "full", 13, 13),       # per-head [B, H, N, M] mask, causal
+    (False, 2, 2, None, 1, 7),          # a single query
+])
+def test_padded_path_matches_xla(causal, heads, kv_heads, mask_kind, n, m):
+  """The padding/slicing of "cudnn_padded", run through XLA's attention in fp32."""
+  b, d = 2, 8
+  q, k, v = _qkv(b, n, m, heads, kv_heads, d, seed=3)
+  mask = {None: None, "padding": _padding_mask(b, m),
+          "full": (jax.random.uniform(jax.random.key(2), (b, heads, n, m)) > 0.4
+                   ).at[..., 0].set(True)}[mask_kind]
+  weights = jnp.cos(jnp.arange(b * n * heads * d, dtype=jnp.float32)).reshape(b, n, heads, d)
+
+  def loss(fn):
+    return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * weights),
+                                      argnums=(0, 1, 2)))
+
+  padded = loss(lambda q, k, v: attn._padded(q, k, v, mask, causal, 0.35, "xla"))
+  ref = loss(lambda q, k, v: attention(q, k, v, causal=causal, mask=mask, scale=0.35,
+                                       implementation="xla"))
+  (lp, gp), (lr, gr) = padded(q, k, v), ref(q, k, v)
+  np.testing.assert_allclose(lp, lr, rtol=1e-6, atol=1e-5)
+  for a, r in zip(gp, gr):
+    assert a.shape == r.shape
+    np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
+  # The key-length mask does the work: without it the padded zero key changes the result
+  # (not under causal, where no real query sees the key past the last).
+  kp = attn._pad_axis(k, 1, attn.padded_length(m))
+  if kp.shape[1] != m and mask is None and not causal:
+    unmasked = jax.nn.dot_product_attention(
+        attn._pad_axis(q, 1, attn.padded_length(n)), kp,
+        attn._pad_axis(v, 1, attn.padded_length(m)), scale=0.35, is_causal=causal)[:, :n]
+    assert np.abs(np.asarray(unmasked) - np.asarray(attention(
+        q, k, v, causal=causal, scale=0.35, implementation="xla"))).max() > 1e-3
+
+
+# ----------------------------------------------------------------------------- GPU
+def _preset_geometries():
+  """(name, heads, kv_heads, head_dim, causal, key mask) of every model preset the tests
+  and the README use (rev* presets share their base's attention; roberta-* BERT's)."""
+  from models import bert, llama, vit
+  out = {}
+  for name in vit.PRESETS:
+    cfg = vit.config(name)
+    out.setdefault((cfg.num_heads, cfg.num_heads, cfg.dim // cfg.num_heads, False, False),
+                   name)
+  for name in llama.PRESETS:
+    cfg = llama.config(name)
+    geometry = (cfg.num_heads, cfg.num_kv_heads, cfg.dim // cfg.num_heads, True)
+    out.setdefault(geometry + (False,), name)
+  out.setdefault(geometry[:0] + (4, 2, 16, True, True), "llama-tiny+mask")
+  for name in ("bert-base", "bert-tiny"):
+    cfg = bert.config(name)
+    out.setdefault((cfg.num_heads, cfg.num_heads, cfg.dim // cfg.num_heads, False, True),
+                   name)
+  return [(name,) + geometry for geometry, name in out.items()]
+
+
+def _max_err(a, b):
+  return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def _fwd_bwd(implementation, causal, mask, cotangent):
+  def f(q, k, v):
+    o, vjp = jax.vjp(lambda q, k, v: attention(q, k, v, causal=causal, mask=mask,
+                                               implementation=implementation), q, k, v)
+    return (o,) + vjp(cotangent.astype(o.dtype))
+  return jax.jit(f)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="GPU only")
+@pytest.mark.parametrize("n", [17, 197, 577, 1024, 2048])
+@pytest.mark.parametrize("name,heads,kv_heads,d,causal,with_mask", _preset_geometries())
+def test_gpu_auto_runs_every_preset_in_bf16(name, heads, kv_heads, d, causal, with_mask, n):
+  """attention("auto") in bf16, forward and backward, at least as close to the fp32 XLA
+  result as XLA's own bf16 attention (twice its error, plus 1e-3 of the largest value),
+  and it keeps no N x N array."""
+  b = 2
+  q, k, v = _qkv(b, n, n, heads, kv_heads, d, seed=n)
+  mask = _padding_mask(b, n) if with_mask else None
+  cotangent = jax.random.normal(jax.random.key(7), q.shape)
+  ref = _fwd_bwd("xla", causal, mask, cotangent)(q, k, v)
+  bf16 = tuple(t.astype(jnp.bfloat16) for t in (q, k, v))
+  got = _fwd_bwd("auto", causal, mask, cotangent)(*bf16)
+  xla = _fwd_bwd("xla", causal, mask, cotangent)(*bf16)
+  choice = attn.choose_implementation(
+      q.shape, k.shape, jnp.bfloat16, causal=causal,
+      mask_shape=None if mask is None else mask.shape, backend="gpu",
+      cudnn_version=attn.cudnn_version(), compute_capability=attn.compute_capability())
+  for what, g, x, r in zip(("o", "dq", "dk", "dv"), got, xla, ref):
+    assert g.dtype == jnp.bfloat16 and g.shape == r.shape
+    scale = float(jnp.max(jnp.abs(r)))
+    assert _max_err(g, r) <= 2 * _max_err(x, r) + 1e-3 * scale, (
+        what, choice, _max_err(g, r), _max_err(x, r), scale)
+  if n >= 577:  # N > head_dim: an N x N residual would be the largest thing saved
+    res = saved_residuals(lambda q, k, v: jnp.sum(attention(
+        q, k, v, causal=causal, mask=mask).astype(jnp.float32) ** 2), *bf16)
+    assert not [r for r in res.items if int(np.prod(r.shape)) >= b * heads * n * n], (
+        choice, res.table())
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="GPU only")
+@pytest.mark.parametrize("n,causal", [(17, False), (197, False), (577, True), (1024, True)])
+def test_gpu_cudnn_padded_matches_xla(n, causal):
+  """The padded path on cuDNN itself (auto may not pick it until the bench says so)."""
+  if attn.cudnn_refusal(*_shapes(n, heads=4), jnp.bfloat16, backend="gpu", padded=True,
+                        cudnn_version=attn.cudnn_version(),
+                        compute_capability=attn.compute_capability()) is not None:
+    pytest.skip("no cuDNN")
+  q, k, v = _qkv(2, n, n, 4, 4, 64, seed=n)
+  cotangent = jax.random.normal(jax.random.key(7), q.shape)
+  ref = _fwd_bwd("xla", causal, None, cotangent)(q, k, v)
+  bf16 = tuple(t.astype(jnp.bfloat16) for t in (q, k, v))
+  got = _fwd_bwd("cudnn_padded", causal, None, cotangent)(*bf16)
+  xla = _fwd_bwd("xla", causal, None, cotangent)(*bf16)
+  for g, x, r in zip(got, xla, ref):
+    assert _max_err(g, r) <= 2 * _max_err(x, r) + 1e-3 * float(jnp.max(jnp.abs(r)))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="GPU only")
+@pytest.mark.parametrize("n", [16, 17])
+def test_gpu_cudnn_rule_matches_jax(n):
+  """cudnn_refusal says what this jax/cuDNN does: if jax now trains odd lengths, the
+  rule (CUDNN_SEQ_MULTIPLE) is stricter than needed; if it refuses even ones, too lax."""
+  q, k, v = _qkv(2, n, n, 4, 4, 64, jnp.bfloat16)
+  refused = attn.cudnn_refusal(q.shape, k.shape, q.dtype, backend="gpu",
+                               cudnn_version=attn.cudnn_version(),
+                               compute_capability=attn.compute_capability())
+  grad = jax.jit(jax.grad(lambda q: jnp.sum(jax.nn.dot_product_attention(
+      q, k, v, implementation="cudnn").astype(jnp.float32))))
+  try:
+    jax.block_until_ready(grad(q))
+    jax_refused = None
+  except NotImplementedError as e:
+    jax_refused = str(e)
+  assert (refused is None) == (jax_refused is None), (refused, jax_refused)
