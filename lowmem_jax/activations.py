@@ -54,7 +54,7 @@ class StepDerivative:
     return sum(a * jnp.maximum(xf - c, 0.0) for a, c in zip(self.slopes, self.thresholds))
 
 
-# Constants from the LowMemoryBP reference code (see shared/DESIGN.md).
+# Constants from the LowMemoryBP reference code (arXiv 2406.16282).
 REGELU2 = StepDerivative(
     "regelu2",
     thresholds=(-3.1858810036855245, -0.001178821281161997, 3.190832613414926),

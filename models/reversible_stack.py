@@ -62,8 +62,9 @@ class ReversibleStack(nnx.Module):
     self.g_blocks = _stack_of(make_g, num_layers, rngs)
 
   def __call__(self, x1, x2):
-    """``(y1, y2)`` in fp32 from inputs of any float dtype."""
-    x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
+    """``(y1, y2)`` in fp32 (float64 for float64 inputs) from inputs of any float dtype."""
+    stream = jnp.promote_types(jnp.result_type(x1, x2), jnp.float32)
+    x1, x2 = x1.astype(stream), x2.astype(stream)
     graph_f, params_f = nnx.split(self.f_blocks)
     graph_g, params_g = nnx.split(self.g_blocks)
     f, g = functools.partial(_apply, graph_f), functools.partial(_apply, graph_g)

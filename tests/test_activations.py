@@ -13,7 +13,8 @@ from lowmem_jax.activations import (REGELU2, RESILU2, regelu2, regelu2_derivativ
                                     resilu2_derivative)
 from lowmem_jax.memory import saved_residuals
 
-# Constants copied from shared/DESIGN.md ("ReGELU2 / ReSiLU2"), independent of the library.
+# Constants copied from the LowMemoryBP reference code (arXiv 2406.16282), independent of
+# the library.
 DESIGN = {
     "regelu2": dict(
         c=(-3.1858810036855245, -0.001178821281161997, 3.190832613414926),
