@@ -252,6 +252,71 @@ def test_text_classification_errors(tmp_path, tokenizer):
     data.text_classification(unknown, tokenizer, max_len=2)
 
 
+def test_eval_labels_use_the_training_map(tmp_path, tokenizer):
+  train = write_jsonl(tmp_path / "train.jsonl", [{"text": "a", "label": "neg"},
+                                                 {"text": "b", "label": "pos"}])
+  test = write_jsonl(tmp_path / "test.jsonl", [{"text": "c", "label": "pos"}])
+  names = data.text_classification(train, tokenizer, max_len=8).class_names
+  # alone, the eval file would call "pos" label 0; with the training map it is 1
+  assert data.text_classification(test, tokenizer, max_len=8).arrays["label"].tolist() == [0]
+  ds = data.text_classification(test, tokenizer, max_len=8, label_names=names,
+                                label_names_from=str(train))
+  assert ds.arrays["label"].tolist() == [1] and ds.class_names == ["neg", "pos"]
+  unseen = write_jsonl(tmp_path / "unseen.jsonl", [{"text": "c", "label": "pos"},
+                                                   {"text": "d", "label": "meh"}])
+  with pytest.raises(ValueError, match=r"unseen.jsonl:2: label 'meh' does not occur in the "
+                                       r"training data .*train.jsonl \(labels: \['neg', 'pos'\]\)"):
+    data.text_classification(unseen, tokenizer, max_len=8, label_names=names,
+                             label_names_from=str(train), int_labels=False)
+  ints = write_jsonl(tmp_path / "ints.jsonl", [{"text": "c", "label": 1}])
+  with pytest.raises(ValueError, match=r"ints.jsonl:1: label 1 is an int but the training data "
+                                       r".*train.jsonl has string labels"):
+    data.text_classification(ints, tokenizer, max_len=8, label_names=names,
+                             label_names_from=str(train), int_labels=False)
+  with pytest.raises(ValueError, match=r"test.jsonl:1: label 'pos' is a string but the "
+                                       r"training data .* has int labels"):
+    data.text_classification(test, tokenizer, max_len=8, label_names=None,
+                             label_names_from="t.jsonl", int_labels=True)
+
+
+def test_labels_beyond_num_labels_name_the_label_and_file(tmp_path, tokenizer):
+  ints = write_jsonl(tmp_path / "ints.jsonl", [{"text": "a", "label": 1},
+                                               {"text": "b", "label": 2}])
+  with pytest.raises(ValueError, match=r"ints.jsonl:2: label 2 is outside the model's "
+                                       r"num_labels=2 \(ids 0..1\)"):
+    data.text_classification(ints, tokenizer, max_len=8, num_labels=2)
+  assert len(data.text_classification(ints, tokenizer, max_len=8, num_labels=3)) == 2
+  strs = write_jsonl(tmp_path / "strs.jsonl", [{"text": "a", "label": "c"},
+                                               {"text": "b", "label": "a"},
+                                               {"text": "d", "label": "b"}])
+  with pytest.raises(ValueError, match=r"strs.jsonl:1: label 'c' is id 2, outside the model's "
+                                       r"num_labels=2 \(3 distinct labels; set "
+                                       r"model.num_labels=3\)"):
+    data.text_classification(strs, tokenizer, max_len=8, num_labels=2)
+  for name in ("ant", "bee", "cow"):
+    (tmp_path / "img" / name).mkdir(parents=True)
+    np.save(tmp_path / "img" / name / "x.npy", np.zeros((4, 4), np.uint8))
+  with pytest.raises(ValueError, match=r"img/cow/x.npy: class 'cow' is label 2, outside the "
+                                       r"model's num_labels=2 \(3 classes; set "
+                                       r"model.num_labels=3\)"):
+    data.image_folder(tmp_path / "img", image_size=4, num_labels=2)
+
+
+def test_eval_image_folder_uses_the_training_classes(tmp_path):
+  for split, names in (("train", ("ant", "bee", "cow")), ("test", ("cow",)),
+                       ("odd", ("bee", "dog"))):
+    for name in names:
+      (tmp_path / split / name).mkdir(parents=True)
+      np.save(tmp_path / split / name / "x.npy", np.zeros((4, 4), np.uint8))
+  train = data.image_folder(tmp_path / "train", image_size=4)
+  test = data.image_folder(tmp_path / "test", image_size=4, class_names=train.class_names)
+  assert test.arrays["label"].tolist() == [2] and test.class_names == ["ant", "bee", "cow"]
+  with pytest.raises(ValueError, match=r"odd/dog: class 'dog' does not occur in the training "
+                                       r"data .*train"):
+    data.image_folder(tmp_path / "odd", image_size=4, class_names=train.class_names,
+                      class_names_from=str(tmp_path / "train"))
+
+
 # ----------------------------------------------------------------------------- causal LM
 def real_lengths(ds):
   """Per row, the number of real (non-padding) positions: the loss mask of plain text."""

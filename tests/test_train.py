@@ -1,8 +1,10 @@
-"""The training loop: resume bit for bit, multi-device equivalence, NaN stop, trainable
-sets, accumulation, config errors, the CLI and the embedded default."""
+"""The training loop: resume bit for bit, run folders, corrupt checkpoints, multi-device
+equivalence, NaN stop, trainable sets, accumulation, config errors, the CLI and the
+embedded default."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,24 +49,30 @@ def _final_params(out_dir, cfg):
   return [np.asarray(x) for x in jax.tree.leaves(_restored(out_dir, cfg).state["params"])]
 
 
+def _records(out_dir):
+  return [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.parametrize("extra", [(), ("policy=mesa8+wta-crs", "grad_norm_cache=true")])
 def test_resume_continues_bit_for_bit(tmp_path, extra):
-  full = _cfg(tmp_path / "full", "steps=12", "save_every=6", *extra)
-  train(full)
-  # The interrupted run: same config, its last checkpoint lost, resumed from step 6.
-  cut = _cfg(tmp_path / "cut", "steps=12", "save_every=6", *extra)
-  train(cut)
-  ckpts = tmp_path / "cut" / "checkpoints"
-  import shutil
-  shutil.rmtree(ckpts / "12")
-  (tmp_path / "cut" / "metrics.jsonl").write_text("")
-  result = train(cut.replace(resume=True))
+  # The run is compared with itself: what it did uninterrupted (losses of steps 7-12, the
+  # step-12 state), then, its last checkpoint lost, what it does resumed from step 6. (Two
+  # separate fresh runs need not agree bit for bit on a GPU: XLA:GPU may pick other
+  # algorithms per compile; that is no part of resuming.)
+  cfg = _cfg(tmp_path, "steps=12", "save_every=6", *extra)
+  train(cfg)
+  uninterrupted, final = _losses(tmp_path), _final_params(tmp_path, cfg)
+  shutil.rmtree(tmp_path / "checkpoints" / "12")
+  result = train(cfg.replace(resume=True))
   assert result["step"] == 12
-  full_losses, resumed = _losses(tmp_path / "full"), _losses(tmp_path / "cut")
-  assert sorted(resumed) == list(range(7, 13))
-  for step, loss in resumed.items():
-    assert loss == full_losses[step], (step, loss, full_losses[step])
-  for a, b in zip(_final_params(tmp_path / "full", full), _final_params(tmp_path / "cut", cut)):
+  records = _records(tmp_path)
+  steps = [r["step"] for r in records if "loss" in r]
+  assert steps == list(range(1, 13)), steps  # no record twice after the resume
+  assert [r["step"] for r in records if r.get("event") == "memory"] == [0, 6]
+  resumed = _losses(tmp_path)
+  for step in range(7, 13):
+    assert resumed[step] == uninterrupted[step], (step, resumed[step], uninterrupted[step])
+  for a, b in zip(final, _final_params(tmp_path, cfg)):
     np.testing.assert_array_equal(a, b)
 
 
@@ -257,3 +265,242 @@ def test_sigkill_mid_run_loses_at_most_the_steps_since_the_last_checkpoint(tmp_p
   done = _run(args + ["--resume", "--set", "steps=" + str(last + 2)])
   assert done.returncode == 0, done.stderr[-2000:]
   assert f"resumed from step {last}" in done.stdout
+
+
+# ----------------------------------------------------------------------------- run folders
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+  """A finished 4-step run with checkpoints at steps 2 and 4 (copy it before changing it)."""
+  out = tmp_path_factory.mktemp("finished")
+  cfg = config_lib.load_config("digits-vit", None, TINY + [f"out_dir={out}", "steps=4",
+                                                          "save_every=2"])
+  train(cfg)
+  return cfg
+
+
+def _copy(cfg, dst):
+  shutil.copytree(cfg.out_dir, dst)
+  return cfg.replace(out_dir=str(dst))
+
+
+def test_default_run_folders_are_new_per_run(tmp_path, monkeypatch, capsys):
+  from train import runs
+  monkeypatch.chdir(tmp_path)
+  cfg = config_lib.load_config("digits-vit", None, ["steps=2"])
+  assert cfg.out_dir is None and cfg.name == "digits-vit"
+  first, second = runs.prepare(cfg), runs.prepare(cfg)
+  assert first.out_dir != second.out_dir
+  assert Path(first.out_dir).parent == Path("runs/digits-vit") and Path(first.out_dir).is_dir()
+  assert f"run folder: {first.out_dir}" in capsys.readouterr().out
+  # two runs started in the same second get two folders
+  a = runs.new_run_folder(Path("runs/x"), now=0.0)
+  b = runs.new_run_folder(Path("runs/x"), now=0.0)
+  assert b.name == a.name + "-2"
+  # a config file names its runs after itself
+  (tmp_path / "small.json").write_text('{"steps": 3}')
+  assert config_lib.load_config(None, "small.json").name == "small"
+
+
+def test_explicit_out_dir_holding_a_run_needs_resume_or_overwrite(tmp_path, capsys):
+  from train import runs
+  cfg = config_lib.load_config("digits-vit", None, [f"out_dir={tmp_path}"])
+  assert runs.prepare(cfg).out_dir == str(tmp_path)  # an empty folder is fine
+  (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+  (tmp_path / "metrics.jsonl").write_text("{}\n")
+  (tmp_path / "notes.txt").write_text("mine")
+  with pytest.raises(ValueError, match=r"already holds a run; pass --resume to continue it, "
+                                       r"--overwrite") as e:
+    runs.prepare(cfg)
+  assert "\n" not in str(e.value)
+  runs.prepare(cfg.replace(overwrite=True))
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # only the run's files
+  assert "previous run there was deleted" in capsys.readouterr().out
+  with pytest.raises(ValueError, match="resume=true and overwrite=true exclude each other"):
+    cfg.replace(resume=True, overwrite=True)
+
+
+def test_resume_without_out_dir_picks_the_newest_run_or_says_there_is_none(
+    tmp_path, monkeypatch, capsys):
+  from train import runs
+  monkeypatch.chdir(tmp_path)
+  cfg = config_lib.load_config("digits-vit", None, ["resume=true"])
+  fresh = runs.prepare(cfg)  # nothing to resume: a new run, said so
+  assert "nothing to resume: no run of 'digits-vit'" in capsys.readouterr().out
+  assert not fresh.resume and Path(fresh.out_dir).is_dir()
+  for name, ckpt in (("20250101-000000", True), ("20250101-000000-2", True),
+                     ("20250102-000000", False)):  # the newest has no checkpoint yet
+    (tmp_path / "runs/digits-vit" / name / ("checkpoints/4" if ckpt else "")).mkdir(
+        parents=True, exist_ok=True)
+  assert runs.prepare(cfg).out_dir == str(Path("runs/digits-vit/20250101-000000-2"))
+  out = tmp_path / "explicit"
+  runs.prepare(cfg.replace(out_dir=str(out)))
+  assert f"nothing to resume in {out} (no checkpoint): starting at step 0" in \
+      capsys.readouterr().out
+
+
+@pytest.mark.slow  # two short trainings: ~30 s on a loaded 2-core CPU
+def test_runs_twice_in_a_fresh_folder_then_resume_is_a_no_op(finished_run, tmp_path,
+                                                            monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  cfg = finished_run.replace(out_dir=None, steps=2, save_every=0)
+  train(cfg)
+  train(cfg)
+  folders = sorted((tmp_path / "runs" / "digits-vit").iterdir())
+  assert len(folders) == 2 and all((f / "checkpoints" / "2").is_dir() for f in folders)
+  capsys.readouterr()
+  result = train(cfg.replace(resume=True))  # resumes the newest run: finished already
+  out = capsys.readouterr().out
+  assert f"run in {folders[-1].relative_to(tmp_path)} already finished at step 2" in out
+  assert "compiled step memory" not in out  # nothing compiled
+  assert result["step"] == 2 and np.isfinite(result["loss"])
+  assert len(_records(folders[-1])) == len(_records(folders[0]))  # nothing appended
+
+
+def _corrupt(step_dir: Path, how: str) -> None:
+  state = step_dir / "state"
+  data = max((state / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+  if how == "truncated":
+    data.write_bytes(data.read_bytes()[:data.stat().st_size // 2])
+  elif how == "array_file_deleted":
+    data.unlink()
+  elif how == "garbage_array_metadata":
+    (state / "_METADATA").write_text("garbage{")
+  elif how == "garbage_json_meta":
+    (step_dir / "meta" / "metadata").write_text("{not json")
+  elif how == "bit_flip":  # decodes fine: only the checksum sees it
+    b = bytearray(data.read_bytes())
+    b[len(b) // 2] ^= 1
+    data.write_bytes(bytes(b))
+
+
+@pytest.mark.parametrize("how", ["truncated", "array_file_deleted", "garbage_array_metadata",
+                                 "garbage_json_meta", "bit_flip"])
+def test_corrupt_newest_checkpoint_falls_back_to_the_previous(finished_run, tmp_path, capsys,
+                                                             how):
+  from train.checkpoint import Checkpoints
+  cfg = _copy(finished_run, tmp_path / "run")
+  ckpts = tmp_path / "run" / "checkpoints"
+  _corrupt(ckpts / "4", how)
+  trainer = _restored(tmp_path / "run", cfg)
+  assert int(trainer.state["step"]) == 2
+  err = capsys.readouterr().err
+  assert "checkpoint step 4" in err and "corrupt" in err and "resumed from step 2" in err
+  assert (ckpts / "4.corrupt").is_dir() and Checkpoints(ckpts).latest_step() == 2
+
+
+def test_resume_after_corruption_finishes_and_all_corrupt_is_one_line(finished_run, tmp_path):
+  cfg = _copy(finished_run, tmp_path / "run")
+  ckpts = tmp_path / "run" / "checkpoints"
+  _corrupt(ckpts / "4", "truncated")
+  assert train(cfg.replace(resume=True))["step"] == 4  # from step 2, a fresh step 4
+  assert [r["step"] for r in _records(tmp_path / "run") if "loss" in r] == [1, 2, 3, 4]
+  for step in ("2", "4"):
+    _corrupt(ckpts / step, "array_file_deleted")
+  with pytest.raises(ValueError, match=r"no intact checkpoint in .*checkpoints: steps 4, 2 "
+                                       r"are all unreadable") as e:
+    train(cfg.replace(resume=True))
+  assert "\n" not in str(e.value)
+
+
+def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, capsys):
+  from train.checkpoint import Checkpoints
+  from train.data import Batches, digits
+  from train.loop import _resume
+  cfg = _copy(finished_run, tmp_path / "run")
+  changed = cfg.replace(lr=2e-3, steps=8, resume=True, log_every=5)
+  trainer = Trainer.create(changed)
+  ckpt = Checkpoints(tmp_path / "run" / "checkpoints")
+  assert _resume(trainer, ckpt, Batches(digits("train"), 32), changed) == 4
+  err = capsys.readouterr().err
+  assert "config that differs from the checkpoint's (step 4): log_every 1 -> 5; " \
+         "lr 0.001 -> 0.002; steps 4 -> 8" in err
+  bigger = config_lib.apply_overrides(cfg, ["model.num_layers=2"])
+  with pytest.raises(ValueError, match=r"does not fit this model: .*config fields that differ "
+                                       r"from the checkpoint's: model.num_layers 1 -> 2"):
+    _resume(Trainer.create(bigger), ckpt, Batches(digits("train"), 32), bigger)
+
+
+def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
+  from train.loop import _truncate_metrics
+  path = tmp_path / "metrics.jsonl"
+  rows = [{"event": "memory", "step": 0}, {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
+          {"step": 2, "eval_loss": 2.0}, {"event": "memory", "step": 2}, {"step": 3, "loss": 3}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+  _truncate_metrics(path, 2)
+  assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:4]
+
+
+def test_checksum_sees_one_bit():
+  import jax.numpy as jnp
+  from train.checkpoint import state_checksum
+  state = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16),
+           "c": jnp.array([True, False]), "k": jax.random.key(0)}
+  base = state_checksum(state)
+  assert base == state_checksum(jax.tree.map(jnp.copy, state))
+  flipped = np.asarray(state["a"]).copy()
+  flipped.view(np.uint32)[1, 2] ^= 1
+  assert state_checksum({**state, "a": jnp.asarray(flipped)}) != base
+  assert state_checksum({**state, "a": state["a"].T.reshape(2, 3)}) != base  # order counts
+
+
+def test_non_finite_loss_right_after_a_periodic_save_keeps_its_message(tmp_path):
+  from train.checkpoint import Checkpoints
+  cfg = _cfg(tmp_path, "steps=20", "lr=1e30", "grad_clip=0.0", "warmup_steps=0",
+             "schedule=constant", "save_every=1")  # every good step is saved already
+  with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step \d+ .*"
+                                               r"last good state \(step (\d+)\) is saved in") as e:
+    train(cfg)
+  good = int(e.value.args[0].split("(step ")[1].split(")")[0])
+  assert Checkpoints(tmp_path / "checkpoints").latest_step() == good
+
+
+# ----------------------------------------------------------------------------- configs, data
+def test_malformed_config_file_names_the_file(tmp_path):
+  cases = {"bad.json": ('{"steps": 3,,}', r"bad.json:1: bad JSON in config file"),
+           "list.json": ("[1, 2]", r"list.json: expected a JSON object of config keys, got list"),
+           "key.json": ('{"stepz": 3}', r"key.json: unknown config key 'stepz'"),
+           "type.json": ('{"lr": "fast"}', r"type.json: lr expects a float"),
+           "value.json": ('{"steps": 0}', r"value.json: TrainConfig: steps must be >= 1"),
+           "model.json": ('{"model_overrides": 3}', r"model.json: model_overrides must be a "
+                                                    r"JSON object")}
+  for name, (text, message) in cases.items():
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=message):
+      config_lib.load_config(None, str(tmp_path / name))
+  with pytest.raises(ValueError, match=r"config file not found: .*none.json"):
+    config_lib.load_config(None, str(tmp_path / "none.json"))
+  proc = _run(["--config", str(tmp_path / "bad.json")])
+  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+      f"error: {tmp_path / 'bad.json'}:1: bad JSON in config file: Expecting property name "
+      "enclosed in double quotes"]
+
+
+def test_named_config_paths_resolve_against_the_package(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  cfg = config_lib.load_config("minilm-text")
+  for path in (cfg.data, cfg.eval_data):
+    assert Path(path).is_absolute() and Path(path).is_file(), path
+  assert cfg.pretrained.startswith("pkg:")
+  mine = config_lib.load_config("minilm-text", None, ["data=mine.jsonl"])
+  assert mine.data == "mine.jsonl"  # a user's path stays relative to the current folder
+
+
+def test_eval_set_uses_the_training_label_map_and_labels_fit_the_model(tmp_path):
+  from train.loop import build_model, make_datasets
+  tokenizer = _minilm_dir() / "tokenizer.json"
+  train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+  train_file.write_text('{"text": "bad", "label": "neg"}\n{"text": "good", "label": "pos"}\n')
+  test_file.write_text('{"text": "fine", "label": "pos"}\n')
+  cfg = config_lib.load_config("digits-vit", None, [
+      "task=text", "model=bert-tiny", f"data={train_file}", f"eval_data={test_file}",
+      f"tokenizer={tokenizer}", "max_len=8", "model.num_labels=2"])
+  _, test = make_datasets(cfg, build_model(cfg))
+  assert test.arrays["label"].tolist() == [1]  # "pos" is 1 in the training set's map
+  small = config_lib.apply_overrides(cfg, ["model.num_labels=1"])
+  with pytest.raises(ValueError, match=r"train.jsonl:2: label 'pos' is id 1, outside the "
+                                       r"model's num_labels=1"):
+    make_datasets(small, build_model(small))
+  digits = config_lib.load_config("digits-vit", None, ["model.num_labels=5"])
+  with pytest.raises(ValueError, match=r"data=digits has 10 classes but the model has "
+                                       r"num_labels=5; set model.num_labels=10"):
+    make_datasets(digits, build_model(digits))
