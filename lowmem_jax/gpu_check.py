@@ -1,0 +1,541 @@
+"""One command that checks the project on a GPU and writes one report.
+
+    python -m lowmem_jax.gpu_check --out DIR               # DIR/report.json + DIR/report.md
+    python -m lowmem_jax.gpu_check --out DIR --docs        # also docs/gpu/<device>-<date>.*
+    python -m lowmem_jax.gpu_check --smoke --out DIR       # tiny shapes, one test: any backend
+    python -m lowmem_jax.gpu_check --stages env,kernel-bench --out DIR
+
+Each stage is a subprocess with its own timeout, run one after another (they share the
+GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
+``python -m train``), ``bench-vit`` and ``bench-llama`` (``train.bench`` on ViT-B/16 at
+224 px, batch 64, LoRA r=8 on query/value; and 4 layers of LLaMA-7B widths, batch 4 x
+1024, LoRA r=8 on all 7 linears; random data), ``kernel-bench``, ``attention-bench``
+(recorded as missing until that module exists) and ``tests`` (the suite in pytest-xdist
+workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its JUnit XML). A stage
+that fails or times out is recorded and the next one runs. All stages share a budget
+(``--budget``, default 510 s): a stage's timeout is its own, cut so the stages after it
+keep their expected times; ``tests`` runs last and gets what is left.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from importlib.util import find_spec
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("env", "train", "bench-vit", "bench-llama", "kernel-bench", "attention-bench",
+          "tests")
+LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
+KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
+
+
+@dataclasses.dataclass
+class Stage:
+  """A subprocess to run: ``cmd`` None means the tool is missing (recorded as such).
+  ``timeout_s`` is its own limit; ``reserve_s`` what the budget keeps for it (its
+  expected time on an H100, an estimate)."""
+  name: str
+  cmd: list[str] | None
+  timeout_s: float
+  reserve_s: float = 0.0
+  json_file: str | None = None
+  junit_file: str | None = None
+  env: dict = dataclasses.field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- stages
+def _py(*args: str) -> list[str]:
+  return [sys.executable, *args]
+
+
+def _bench_cmd(out: Path, name: str, sets: Sequence[str], synthetic: int, steps: int,
+               warmup: int, peak: bool) -> list[str]:
+  cmd = _py("-m", "train.bench", "--synthetic", str(synthetic), "--policies",
+            "baseline,lowmembp", "--steps", str(steps), "--warmup", str(warmup),
+            "--json", str(out / f"{name}.json"))
+  for item in sets:
+    cmd += ["--set", item]
+  return cmd + (["--peak"] if peak else [])
+
+
+def _smoke_flag(module_file: Path) -> list[str]:
+  """The tiny-run flag a benchmark module offers (``--smoke`` or ``--interpret``)."""
+  text = module_file.read_text()
+  return next(([f] for f in ("--smoke", "--interpret", "--tiny") if f'"{f}"' in text), [])
+
+
+def _has_config_key(key: str) -> bool:
+  from train.config import TrainConfig
+  return key in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers: int = 12,
+                 tests: Sequence[str] | None = None) -> list[Stage]:
+  """Every stage, in run order, writing under ``out``."""
+  stages = [Stage("env", _py("-m", "lowmem_jax.gpu_check", "--env-json",
+                             str(out / "env.json")), 60, 10, json_file="env.json")]
+
+  train = _py("-m", "train")
+  if _has_config_key("out_dir"):  # under DIR, not the default runs/ folder
+    train += ["--set", f"out_dir={out / 'train-run'}"]
+    train += ["--set", "overwrite=true"] if _has_config_key("overwrite") else []
+  if smoke:
+    train += ["--set", "steps=3", "--set", "eval_every=0", "--set", "model.num_layers=1",
+              "--set", "batch_size=16", "--set", "compare_baseline=false"]
+  stages.append(Stage("train", train, 90, 40))
+
+  peak_s = 60 if peak else 0
+  vit = ["model=vit-b16", "batch_size=64", "trainable=lora", "lora_rank=8",
+         "lora_targets=query,value"]
+  llama = ["task=lm", "model=llama-7b", "model.num_layers=4", "max_len=1024", "batch_size=4",
+           "trainable=lora", "lora_rank=8", f"lora_targets={LLAMA_LORA_TARGETS}"]
+  if smoke:
+    vit[:2] = ["model=vit-tiny", "batch_size=4"]
+    llama[1:5] = ["model=llama-tiny", "model.num_layers=1", "max_len=32", "batch_size=2"]
+  steps, warmup, n = (1, 1, 8) if smoke else (10, 2, 128)
+  stages.append(Stage("bench-vit", _bench_cmd(out, "bench-vit", vit, n, steps, warmup, peak),
+                      120 + peak_s, 60 + peak_s, json_file="bench-vit.json"))
+  stages.append(Stage("bench-llama", _bench_cmd(out, "bench-llama", llama, min(n, 32), steps,
+                                                warmup, peak),
+                      150 + peak_s, 70 + peak_s, json_file="bench-llama.json"))
+
+  kernel = _py("-m", "lowmem_jax.kernel_bench", "--json", str(out / "kernel-bench.json"))
+  kernel += ["--interpret"] if smoke else ["--layers", "4"]
+  stages.append(Stage("kernel-bench", kernel, 120, 45, json_file="kernel-bench.json"))
+
+  attention_file = Path(__file__).with_name("attention_bench.py")
+  attention = None
+  if attention_file.exists():
+    attention = _py("-m", "lowmem_jax.attention_bench", "--json",
+                    str(out / "attention-bench.json"))
+    attention += _smoke_flag(attention_file) if smoke else []
+  stages.append(Stage("attention-bench", attention, 120, 45, json_file="attention-bench.json"))
+
+  junit = out / "tests-junit.xml"
+  cmd = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--junitxml", str(junit),
+            "-o", "junit_family=xunit1")
+  workers = min(workers, 2) if smoke else workers
+  if workers > 0 and find_spec("xdist") is not None:
+    cmd += ["-n", str(workers)]
+  if find_spec("pytest_timeout") is not None and not smoke:
+    cmd += ["--timeout", "180"]  # one hung test must not eat the stage
+  targets = list(tests) if tests else (
+      ["tests/test_kernel_bench.py::test_spec_bandwidth_lookup"] if smoke else ["tests"])
+  stages.append(Stage("tests", cmd + targets, 400, 0, junit_file=junit.name,
+                      env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
+  return stages
+
+
+# ----------------------------------------------------------------------------- running
+def _tail(path: Path, lines: int) -> str:
+  if not path.exists():
+    return ""
+  return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+  """SIGINT to the stage's process group (pytest writes its report), then SIGKILL."""
+  for sig, wait in ((signal.SIGINT, KILL_GRACE_S), (signal.SIGKILL, 10)):
+    try:
+      os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+      return
+    try:
+      proc.wait(wait)
+      return
+    except subprocess.TimeoutExpired:
+      continue
+
+
+def run_stage(stage: Stage, out: Path, timeout_s: float) -> dict:
+  """Runs one stage: its status ("passed", "failed", "timeout", "missing", "skipped"),
+  exit code, wall time, logs, its JSON output and (tests) the counts."""
+  rec = {"name": stage.name, "cmd": None if stage.cmd is None else shlex.join(stage.cmd),
+         "status": None, "exit_code": None, "wall_s": 0.0,
+         "timeout_s": round(timeout_s, 1), "stdout": f"logs/{stage.name}.out",
+         "stderr": f"logs/{stage.name}.err", "json_file": stage.json_file, "json": None}
+  if stage.cmd is None:
+    rec.update(status="missing", stdout=None, stderr=None)
+    return rec
+  if timeout_s < 1:
+    rec.update(status="skipped", note="the budget is spent", stdout=None, stderr=None)
+    return rec
+  (out / "logs").mkdir(parents=True, exist_ok=True)
+  env = dict(os.environ, **stage.env)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+  start = time.perf_counter()
+  with open(out / rec["stdout"], "w") as so, open(out / rec["stderr"], "w") as se:
+    proc = subprocess.Popen(stage.cmd, cwd=ROOT, env=env, stdout=so, stderr=se,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+      proc.wait(timeout_s)
+      rec["status"] = "passed" if proc.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+      _stop(proc)
+      rec["status"] = "timeout"
+  rec["exit_code"] = proc.returncode
+  rec["wall_s"] = round(time.perf_counter() - start, 1)
+  rec["stdout_tail"] = _tail(out / rec["stdout"], 40)
+  if rec["status"] != "passed":
+    rec["stderr_tail"] = _tail(out / rec["stderr"], 30)
+  if stage.json_file and (out / stage.json_file).exists():
+    try:
+      rec["json"] = json.loads((out / stage.json_file).read_text())
+    except json.JSONDecodeError as e:
+      rec["json_error"] = str(e)
+  if stage.name == "train":
+    rec["json"] = _last_json_line(rec["stdout_tail"])
+  if stage.junit_file:
+    rec["tests"] = count_tests(out / stage.junit_file, out / rec["stdout"])
+  return rec
+
+
+def _last_json_line(text: str) -> dict | None:
+  for line in reversed(text.splitlines()):
+    if line.startswith("{"):
+      try:
+        return json.loads(line)
+      except json.JSONDecodeError:
+        return None
+  return None
+
+
+def run_stages(stages: Sequence[Stage], out: Path, budget_s: float,
+               on_stage=None) -> list[dict]:
+  """Runs the stages in order within ``budget_s`` seconds: each gets its own timeout,
+  cut so that the stages after it keep their ``reserve_s``."""
+  deadline = time.perf_counter() + budget_s
+  records = []
+  for i, stage in enumerate(stages):
+    reserve = sum(s.reserve_s for s in stages[i + 1:] if s.cmd is not None)
+    timeout = min(stage.timeout_s, deadline - time.perf_counter() - reserve)
+    print(f"[gpu_check] {stage.name}: " + ("missing" if stage.cmd is None else
+          f"{shlex.join(stage.cmd)}  (timeout {max(timeout, 0):.0f} s)"), flush=True)
+    rec = run_stage(stage, out, timeout)
+    print(f"[gpu_check] {stage.name}: {rec['status']}"
+          + ("" if rec["exit_code"] is None else f" (exit {rec['exit_code']})")
+          + f" in {rec['wall_s']:.1f} s", flush=True)
+    records.append(rec)
+    if on_stage is not None:
+      on_stage(records)
+  return records
+
+
+# ----------------------------------------------------------------------------- tests
+def _nodeid(case: ET.Element) -> str:
+  """``tests/test_x.py::TestA::test_b[p]`` from a JUnit testcase (xunit1 has ``file``)."""
+  classname, name, file = case.get("classname", ""), case.get("name", ""), case.get("file")
+  if file:
+    module = file[:-3].replace("/", ".") if file.endswith(".py") else file
+    rest = classname[len(module) + 1:] if classname.startswith(module + ".") else ""
+    return "::".join(p for p in (file, rest, name) if p)
+  return f"{classname}::{name}"
+
+
+def parse_junit(path: Path) -> dict:
+  """Passed/failed/error/skipped counts and the failing test ids of a JUnit XML file."""
+  counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+  failing, interrupted = [], 0
+  for case in ET.parse(path).getroot().iter("testcase"):
+    if not case.get("name"):  # the test running when pytest was interrupted
+      interrupted += 1
+      continue
+    tags = {child.tag for child in case}
+    if "failure" in tags:
+      counts["failed"] += 1
+      failing.append(_nodeid(case))
+    elif "error" in tags:
+      counts["errors"] += 1
+      failing.append(_nodeid(case) + " (error)")
+    elif "skipped" in tags:
+      counts["skipped"] += 1
+    else:
+      counts["passed"] += 1
+  return {**counts, "total": sum(counts.values()), "failing": failing,
+          "interrupted": interrupted, "source": "junit"}
+
+
+def parse_pytest_log(text: str) -> dict:
+  """Counts from pytest's last summary line and ``FAILED``/``ERROR`` lines (-rfE), for
+  when no JUnit file was written (a hard kill)."""
+  counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+  lines = [ln for ln in text.splitlines() if re.search(r"\d+ (passed|failed|error)", ln)]
+  if lines:
+    for num, word in re.findall(r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed)",
+                                lines[-1]):
+      key = {"error": "errors", "xfailed": "skipped", "xpassed": "passed"}.get(word, word)
+      counts[key] += int(num)
+  failing = [m.group(2) + (" (error)" if m.group(1) == "ERROR" else "")
+             for m in re.finditer(r"^(FAILED|ERROR) (\S+)", text, re.M)]
+  return {**counts, "total": sum(counts.values()), "failing": failing,
+          "interrupted": int("KeyboardInterrupt" in text), "source": "log"}
+
+
+def count_tests(junit: Path, log: Path) -> dict:
+  if junit.exists():
+    try:
+      return parse_junit(junit)
+    except ET.ParseError:
+      pass
+  return parse_pytest_log(log.read_text(errors="replace") if log.exists() else "")
+
+
+# ----------------------------------------------------------------------------- environment
+def environment() -> dict:
+  """The device and the versions, from inside a stage process (it touches the device)."""
+  import platform
+
+  import jax
+  import jaxlib
+  from jax._src import lib as jax_lib
+  device = jax.devices()[0]
+  info = {"device_kind": device.device_kind, "platform": device.platform,
+          "device_count": jax.device_count(), "jax": jax.__version__,
+          "jaxlib": jaxlib.__version__, "python": platform.python_version()}
+  stats = device.memory_stats() or {}
+  info["memory_bytes"] = stats.get("bytes_limit")
+  versions = getattr(jax_lib, "cuda_versions", None)
+  for name in ("cuda_runtime_get_version", "cuda_driver_get_version", "cudnn_get_version",
+               "cublas_get_version"):
+    try:
+      info[name.replace("_get_version", "")] = getattr(versions, name)()
+    except Exception:  # noqa: BLE001  (not a CUDA build, or an older plugin)
+      info[name.replace("_get_version", "")] = None
+  try:
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                          "--format=csv,noheader"], capture_output=True, text=True,
+                         timeout=20)
+    info["nvidia_smi"] = smi.stdout.strip() or None
+  except (OSError, subprocess.TimeoutExpired):
+    info["nvidia_smi"] = None
+  return info
+
+
+def _cuda_text(v: int | None) -> str:
+  return "-" if v is None else f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _cudnn_text(v: int | None) -> str:
+  return "-" if v is None else f"{v // 10000}.{v % 10000 // 100}.{v % 100}"
+
+
+def git_info(commit: str | None = None) -> dict:
+  """The checkout's commit and whether it has local changes (None without git)."""
+  def git(*args):
+    try:
+      p = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20)
+      return p.stdout.strip() if p.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+      return None
+  found = git("rev-parse", "HEAD")
+  status = git("status", "--porcelain", "--untracked-files=no")
+  return {"commit": commit or found, "from": "--commit" if commit else ("git" if found else None),
+          "dirty": None if status is None else bool(status)}
+
+
+def device_slug(kind: str | None) -> str:
+  """``h100`` from ``NVIDIA H100 80GB HBM3``: the report's file name prefix."""
+  if not kind:
+    return "unknown"
+  words = re.sub(r"^(nvidia|amd|google)\s+", "", kind.strip().lower()).split()
+  return re.split(r"[-_]", words[0])[0] if words else "unknown"
+
+
+# ----------------------------------------------------------------------------- report
+def build_report(records: list[dict], *, args: dict, git: dict, started: str,
+                 wall_s: float) -> dict:
+  env = next((r["json"] for r in records if r["name"] == "env" and r["json"]), None) or {}
+  tests = next((r.get("tests") for r in records if r["name"] == "tests"), None)
+  by_status: dict[str, list[str]] = {}
+  for r in records:
+    by_status.setdefault(r["status"], []).append(r["name"])
+  return {"report": "lowmem-jax gpu check", "started": started, "wall_s": round(wall_s, 1),
+          "args": args, "git": git, "environment": env, "tests": tests,
+          "stage_status": by_status, "stages": records}
+
+
+def _train_figure(rec: dict) -> str | None:
+  train = rec.get("json") or {}
+  if "eval_accuracy" not in train:
+    return None
+  return (f"train (digits ViT): eval accuracy {train['eval_accuracy']:.4f}, "
+          f"loss {train.get('eval_loss', float('nan')):.4f}")
+
+
+def _bench_figure(rec: dict) -> str | None:
+  cells = []
+  for r in (rec.get("json") or {}).get("rows") or []:
+    cell = f"{r['policy']} {r['step_ms']:.1f} ms, temp {r['temp_mib']:.0f} MiB"
+    cells.append(cell + (f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""))
+  return f"{rec['name']}: " + "; ".join(cells) if cells else None
+
+
+def _kernel_figure(rec: dict) -> str | None:
+  kernels = (rec.get("json") or {}).get("kernels") or {}
+  copy = kernels.get("copy")
+  if not copy:
+    return None
+  pct = "" if copy["pct_peak"] is None else f" ({copy['pct_peak']:.0f}% of peak)"
+  flag = " **LOW: kernel GB/s not trustworthy**" if copy["low"] else ""
+  return (f"kernel-bench: measured copy {copy['Bps'] / 1e9:.0f} GB/s{pct}{flag}; "
+          + ", ".join(f"{r['kernel']} {r['pallas_GBps']:.0f} GB/s "
+                      f"({r['speedup_vs_xla']:.2f}x XLA)" for r in kernels["rows"]))
+
+
+FIGURES = {"train": _train_figure, "bench-vit": _bench_figure, "bench-llama": _bench_figure,
+           "kernel-bench": _kernel_figure}
+
+
+def key_figures(report: dict) -> list[str]:
+  """One line per benchmark with its headline numbers, read from the stages' JSON (a
+  stage whose JSON has another shape is left out)."""
+  lines = []
+  for rec in report["stages"]:
+    try:
+      line = FIGURES[rec["name"]](rec) if rec["name"] in FIGURES else None
+    except (KeyError, TypeError, ValueError):
+      line = None
+    if line:
+      lines.append("- " + line)
+  return lines
+
+
+def _json_block(rec: dict) -> str:
+  return "```\n" + rec.get("stdout_tail", "").strip() + "\n```"
+
+
+def markdown(report: dict) -> str:
+  """The short summary: device and versions, a stage table, test counts and failures,
+  each benchmark's table (its printed output)."""
+  env, git = report["environment"], report["git"]
+  device = env.get("device_kind", "unknown device")
+  title = (f"# lowmem-jax GPU check: {device}, jax {env.get('jax', '?')}"
+           + (f" (CUDA {_cuda_text(env.get('cuda_runtime'))}, cuDNN "
+              f"{_cudnn_text(env.get('cudnn'))})" if env.get("cudnn") else ""))
+  commit = git.get("commit") or "unknown"
+  lines = [title, "", f"Started {report['started']}, {report['wall_s']:.0f} s in all; commit "
+           f"`{commit[:12]}`" + (" (with local changes)" if git.get("dirty") else "")
+           + f"; `python -m lowmem_jax.gpu_check {' '.join(report['args']['argv'])}`.", ""]
+  if env.get("nvidia_smi"):
+    lines += [f"nvidia-smi: {env['nvidia_smi']}", ""]
+  lines += ["| stage | status | exit | wall s | timeout s |", "|---|---|---:|---:|---:|"]
+  for r in report["stages"]:
+    exit_code = "" if r["exit_code"] is None else r["exit_code"]
+    lines.append(f"| {r['name']} | {r['status']} | {exit_code} | {r['wall_s']:.1f} | "
+                 f"{r['timeout_s']:.0f} |")
+  tests = report["tests"]
+  if tests is not None:
+    lines += ["", f"**Tests**: {tests['passed']} passed, {tests['failed']} failed, "
+              f"{tests['errors']} errors, {tests['skipped']} skipped"
+              + (", interrupted by the timeout" if tests.get("interrupted") else "")
+              + f" (from the {tests['source']})."]
+    shown = tests["failing"][:40]
+    lines += [f"- `{t}`" for t in shown]
+    if len(tests["failing"]) > len(shown):
+      lines.append(f"- ... and {len(tests['failing']) - len(shown)} more (report.json)")
+  figures = key_figures(report)
+  if figures:
+    lines += ["", "**Key figures**", *figures]
+  for r in report["stages"]:
+    if r["name"] in ("env", "tests") or r["status"] in ("missing", "skipped"):
+      continue
+    lines += ["", f"## {r['name']} ({r['status']}, {r['wall_s']:.0f} s)", "", _json_block(r)]
+    if r["status"] != "passed" and r.get("stderr_tail"):
+      lines += ["", "stderr (last lines):", "```", r["stderr_tail"].strip()[-3000:], "```"]
+  return "\n".join(lines) + "\n"
+
+
+def _docs_paths(docs: Path, kind: str | None) -> tuple[Path, Path]:
+  """``<docs>/<device>-<date>.md/.json``, with ``-2``, ``-3``... when taken."""
+  base = f"{device_slug(kind)}-{datetime.date.today().isoformat()}"
+  for i in range(1, 100):
+    stem = base if i == 1 else f"{base}-{i}"
+    md, js = docs / f"{stem}.md", docs / f"{stem}.json"
+    if not md.exists() and not js.exists():
+      return md, js
+  raise FileExistsError(f"{docs}/{base}-*: too many reports")
+
+
+# ----------------------------------------------------------------------------- CLI
+def main(argv: Sequence[str] | None = None) -> dict | None:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  ap = argparse.ArgumentParser(prog="python -m lowmem_jax.gpu_check", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--out", metavar="DIR",
+                  help="where the logs, each stage's JSON and report.json/.md go "
+                       "(default: runs/gpu-check-<time>)")
+  ap.add_argument("--docs", nargs="?", const="docs/gpu", metavar="DIR",
+                  help="also write the report as DIR/<device>-<date>.md and .json "
+                       "(DIR default: docs/gpu), for committing")
+  ap.add_argument("--stages", help=f"comma-separated subset of: {','.join(STAGES)}")
+  ap.add_argument("--smoke", action="store_true",
+                  help="tiny shapes and one test: checks the check on any backend (CPU)")
+  ap.add_argument("--budget", type=float, default=510,
+                  help="seconds for all stages together (default: %(default)s)")
+  ap.add_argument("--peak", action="store_true",
+                  help="train.bench also measures peak_bytes_in_use (+60 s per bench)")
+  ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 1),
+                  help="pytest-xdist workers for the tests, 0: none (default: %(default)s; "
+                       "--smoke: at most 2)")
+  ap.add_argument("--tests", help="pytest arguments instead of the default test selection")
+  ap.add_argument("--commit", help="the commit to record (when the checkout has no .git)")
+  ap.add_argument("--env-json", metavar="FILE", help=argparse.SUPPRESS)
+  args = ap.parse_args(argv)
+
+  if args.env_json:  # the env stage's subprocess
+    info = environment()
+    Path(args.env_json).write_text(json.dumps(info, indent=2))
+    print(json.dumps(info))
+    return None
+
+  started = datetime.datetime.now().astimezone()
+  out = Path(args.out or f"runs/gpu-check-{started:%Y%m%d-%H%M%S}").resolve()
+  out.mkdir(parents=True, exist_ok=True)
+  stages = build_stages(out, smoke=args.smoke, peak=args.peak, workers=args.workers,
+                        tests=shlex.split(args.tests) if args.tests else None)
+  if args.stages:
+    chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(STAGES))
+    if unknown:
+      ap.error(f"unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}")
+    stages = [s for s in stages if s.name in chosen]
+  git = git_info(args.commit)
+  meta = {"argv": argv, "smoke": args.smoke, "budget_s": args.budget, "peak": args.peak,
+          "out": str(out)}
+  t0 = time.perf_counter()
+
+  def write(records):
+    report = build_report(records, args=meta, git=git, started=started.isoformat(
+        timespec="seconds"), wall_s=time.perf_counter() - t0)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(markdown(report))
+    return report
+
+  report = write(run_stages(stages, out, args.budget, on_stage=write))
+  print("\n" + markdown(report))
+  print(f"[gpu_check] wrote {out / 'report.json'} and {out / 'report.md'}")
+  if args.docs:
+    docs = Path(args.docs)
+    docs.mkdir(parents=True, exist_ok=True)
+    md, js = _docs_paths(docs, report["environment"].get("device_kind"))
+    md.write_text(markdown(report))
+    js.write_text(json.dumps(report, indent=2))
+    print(f"[gpu_check] wrote {md} and {js}")
+  return report
+
+
+if __name__ == "__main__":
+  main()

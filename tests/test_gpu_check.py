@@ -1,0 +1,181 @@
+"""The one-command GPU check: stages run as subprocesses, a failing or hanging stage is
+recorded and the rest still run, the report's structure (smoke mode on the CPU)."""
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from lowmem_jax import gpu_check
+from lowmem_jax.gpu_check import Stage
+
+pytestmark = pytest.mark.precision("default")
+
+
+def _py(code):
+  return [sys.executable, "-c", code]
+
+
+def test_failing_hanging_and_missing_stages_are_recorded_not_fatal(tmp_path):
+  write_json = (f"import json; open({str(tmp_path / 'ok.json')!r}, 'w')"
+                ".write(json.dumps({'a': 1}))")  # stages run in the repository root
+  stages = [
+      Stage("ok", _py(write_json), 30, json_file="ok.json"),
+      Stage("fails", _py("import sys; print('boom', file=sys.stderr); sys.exit(3)"), 30),
+      Stage("hangs", _py("import time; time.sleep(120)"), 1),
+      Stage("missing", None, 30),
+      Stage("after", _py("print('still runs')"), 30),
+  ]
+  records = gpu_check.run_stages(stages, tmp_path, budget_s=120)
+  status = {r["name"]: r["status"] for r in records}
+  assert status == {"ok": "passed", "fails": "failed", "hangs": "timeout",
+                    "missing": "missing", "after": "passed"}
+  by = {r["name"]: r for r in records}
+  assert by["ok"]["json"] == {"a": 1} and by["ok"]["exit_code"] == 0
+  assert by["fails"]["exit_code"] == 3 and "boom" in by["fails"]["stderr_tail"]
+  assert by["hangs"]["exit_code"] != 0
+  assert "still runs" in by["after"]["stdout_tail"]
+  assert (tmp_path / "logs" / "fails.err").exists()
+
+
+def test_budget_cuts_timeouts_and_keeps_the_later_stages_reserve(tmp_path):
+  stages = [Stage("a", _py("pass"), 1000, reserve_s=0),
+            Stage("b", _py("pass"), 1000, reserve_s=40),
+            Stage("c", None, 1000, reserve_s=500)]  # missing: reserves nothing
+  records = gpu_check.run_stages(stages, tmp_path, budget_s=100)
+  assert records[0]["timeout_s"] <= 60 and records[1]["timeout_s"] <= 100
+  records = gpu_check.run_stages([Stage("late", _py("pass"), 10)], tmp_path, budget_s=0)
+  assert records[0]["status"] == "skipped"
+
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?>
+<testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="5">
+<testcase classname="tests.test_a" name="test_ok" file="tests/test_a.py" line="3"/>
+<testcase classname="tests.test_a.TestB" name="test_bad[x-1]" file="tests/test_a.py">
+  <failure message="assert 0">trace</failure></testcase>
+<testcase classname="tests.test_c" name="test_err" file="tests/test_c.py">
+  <error message="fixture">trace</error></testcase>
+<testcase classname="tests.test_c" name="test_skip" file="tests/test_c.py">
+  <skipped message="no gpu"/></testcase>
+<testcase classname="tests.test_c" name="test_ok2" file="tests/test_c.py"/>
+</testsuite></testsuites>
+"""
+
+
+def test_junit_counts_and_failing_ids(tmp_path):
+  path = tmp_path / "j.xml"
+  path.write_text(JUNIT)
+  counts = gpu_check.parse_junit(path)
+  assert {k: counts[k] for k in ("passed", "failed", "errors", "skipped", "total")} == {
+      "passed": 2, "failed": 1, "errors": 1, "skipped": 1, "total": 5}
+  assert counts["failing"] == ["tests/test_a.py::TestB::test_bad[x-1]",
+                               "tests/test_c.py::test_err (error)"]
+
+
+def test_pytest_log_fallback():
+  log = textwrap.dedent("""\
+      ..F.s
+      FAILED tests/test_a.py::test_bad - assert 0
+      ERROR tests/test_b.py::test_err - RuntimeError
+      2 failed, 940 passed, 3 skipped, 1 error in 201.3s
+      """)
+  counts = gpu_check.parse_pytest_log(log)
+  assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (
+      940, 2, 1, 3)
+  assert counts["failing"] == ["tests/test_a.py::test_bad", "tests/test_b.py::test_err (error)"]
+
+
+def test_device_slug():
+  assert gpu_check.device_slug("NVIDIA H100 80GB HBM3") == "h100"
+  assert gpu_check.device_slug("NVIDIA H200") == "h200"
+  assert gpu_check.device_slug("NVIDIA A100-SXM4-80GB") == "a100"
+  assert gpu_check.device_slug("cpu") == "cpu"
+  assert gpu_check.device_slug(None) == "unknown"
+
+
+def test_gpu_stages_run_the_asked_commands(tmp_path):
+  stages = {s.name: s for s in gpu_check.build_stages(tmp_path, workers=12)}
+  assert list(stages)[-1] == "tests" and list(stages)[0] == "env"
+  vit, llama = " ".join(stages["bench-vit"].cmd), " ".join(stages["bench-llama"].cmd)
+  assert "model=vit-b16" in vit and "batch_size=64" in vit and "lora_targets=query,value" in vit
+  for item in ("model=llama-7b", "model.num_layers=4", "max_len=1024", "batch_size=4",
+               "lora_rank=8", "lora_targets=query,key,value,out,gate,up,down"):
+    assert item in llama
+  assert f"out_dir={tmp_path / 'train-run'}" in " ".join(stages["train"].cmd)
+  assert "-n 12" in " ".join(stages["tests"].cmd)
+  assert stages["tests"].env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  reserve = sum(s.reserve_s for s in stages.values())
+  assert reserve < 510 - 120  # the tests keep at least two minutes of the default budget
+
+
+def _assert_report_structure(report, names):
+  assert [r["name"] for r in report["stages"]] == names
+  for r in report["stages"]:
+    assert {"name", "cmd", "status", "exit_code", "wall_s", "timeout_s", "json"} <= set(r)
+  assert {"commit", "dirty"} <= set(report["git"])
+  assert report["environment"]["jax"] and report["environment"]["device_kind"]
+
+
+def test_smoke_report_structure(tmp_path):
+  tests = tmp_path / "t"
+  tests.mkdir()
+  (tests / "test_tiny.py").write_text(
+      "import pytest\n\ndef test_ok():\n  pass\n\ndef test_bad():\n  assert 0\n\n"
+      "@pytest.mark.skip\ndef test_skip():\n  pass\n")
+  out = tmp_path / "out"
+  report = gpu_check.main(["--smoke", "--stages", "env,tests", "--out", str(out),
+                           "--tests", str(tests / "test_tiny.py"), "--workers", "0",
+                           "--docs", str(tmp_path / "docs"), "--commit", "abc123"])
+  _assert_report_structure(report, ["env", "tests"])
+  assert report["git"]["commit"] == "abc123"
+  env, tests_stage = report["stages"]
+  assert env["status"] == "passed" and env["json"]["platform"] == "cpu"
+  assert tests_stage["status"] == "failed" and tests_stage["exit_code"] == 1  # not fatal
+  assert {k: report["tests"][k] for k in ("passed", "failed", "skipped")} == {
+      "passed": 1, "failed": 1, "skipped": 1}
+  assert report["tests"]["failing"][0].endswith("test_tiny.py::test_bad")
+  saved = json.loads((out / "report.json").read_text())
+  assert saved["stage_status"] == {"passed": ["env"], "failed": ["tests"]}
+  md = (out / "report.md").read_text()
+  assert md.startswith("# lowmem-jax GPU check: cpu") and "| tests | failed | 1 |" in md
+  assert "test_tiny.py::test_bad" in md
+  docs = sorted(p.name for p in (tmp_path / "docs").iterdir())
+  assert len(docs) == 2 and docs[0].startswith("cpu-") and docs[0].endswith(".json")
+
+
+def test_unknown_stage_is_an_error(tmp_path):
+  with pytest.raises(SystemExit):
+    gpu_check.main(["--stages", "nope", "--out", str(tmp_path)])
+
+
+@pytest.mark.slow
+def test_a_timed_out_pytest_still_reports_its_counts(tmp_path):
+  (tmp_path / "test_hang.py").write_text(
+      "import time\n\ndef test_ok():\n  pass\n\ndef test_hang():\n  time.sleep(300)\n")
+  stage = Stage("tests", [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--junitxml", str(tmp_path / "j.xml"), "-o", "junit_family=xunit1",
+                          str(tmp_path / "test_hang.py")], 15, junit_file="j.xml")
+  rec = gpu_check.run_stages([stage], tmp_path, budget_s=60)[0]
+  assert rec["status"] == "timeout"
+  counts = rec["tests"]
+  assert counts["source"] == "junit" and counts["passed"] == 1 and counts["interrupted"] == 1
+
+
+@pytest.mark.slow
+def test_smoke_run_of_the_model_stages(tmp_path):
+  """The README's train command and both train.bench cases at tiny shapes, and the
+  default smoke test selection (pytest-xdist workers where installed)."""
+  names = ["env", "train", "bench-vit", "bench-llama", "tests"]
+  report = gpu_check.main(["--smoke", "--stages", ",".join(names), "--out", str(tmp_path)])
+  _assert_report_structure(report, names)
+  status = {r["name"]: r["status"] for r in report["stages"]}
+  assert status == dict.fromkeys(names, "passed"), report["stage_status"]
+  by = {r["name"]: r for r in report["stages"]}
+  assert by["train"]["json"] is not None  # the train command's final metrics line
+  assert (tmp_path / "train-run").is_dir()
+  for name in ("bench-vit", "bench-llama"):
+    rows = by[name]["json"]["rows"]
+    assert [r["policy"] for r in rows] == ["baseline", "lowmembp"]
+  assert by["bench-llama"]["json"]["throughput_unit"] == "tokens/s"
+  assert report["tests"]["passed"] >= 1 and report["tests"]["failed"] == 0
