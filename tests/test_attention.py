@@ -338,15 +338,23 @@ def test_padded_path_matches_xla(causal, heads, kv_heads, mask_kind, n, m):
   for a, r in zip(gp, gr):
     assert a.shape == r.shape
     np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
-  # The key-length mask does the work: without it the padded zero key changes the result
-  # (not under causal, where no real query sees the key past the last).
-  kp = attn._pad_axis(k, 1, attn.padded_length(m))
-  if kp.shape[1] != m and mask is None and not causal:
-    unmasked = jax.nn.dot_product_attention(
-        attn._pad_axis(q, 1, attn.padded_length(n)), kp,
-        attn._pad_axis(v, 1, attn.padded_length(m)), scale=0.35, is_causal=causal)[:, :n]
-    assert np.abs(np.asarray(unmasked) - np.asarray(attention(
-        q, k, v, causal=causal, scale=0.35, implementation="xla"))).max() > 1e-3
+
+
+def test_padded_keys_would_change_the_result_without_the_length_mask():
+  """What the padded-path test relies on: the zero key padding adds is visible unless the
+  key-length mask hides it."""
+  q, k, v = _qkv(2, 17, 17, 4, 4, 8, seed=3)
+
+  @jax.jit
+  def unmasked_and_ref(q, k, v):
+    pad = lambda x: attn._pad_axis(x, 1, 18)
+    unmasked = jax.nn.dot_product_attention(pad(q), pad(k), pad(v))[:, :17]
+    return unmasked, attn._padded(q, k, v, None, False, 1 / np.sqrt(8), "xla"), (
+        jax.nn.dot_product_attention(q, k, v))
+
+  unmasked, padded, ref = unmasked_and_ref(q, k, v)
+  assert np.abs(np.asarray(unmasked - ref)).max() > 1e-3
+  np.testing.assert_allclose(padded, ref, rtol=1e-6, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------- GPU
@@ -363,7 +371,8 @@ def _preset_geometries():
     cfg = llama.config(name)
     geometry = (cfg.num_heads, cfg.num_kv_heads, cfg.dim // cfg.num_heads, True)
     out.setdefault(geometry + (False,), name)
-  out.setdefault(geometry[:0] + (4, 2, 16, True, True), "llama-tiny+mask")
+    if name == "llama-tiny":  # the lm task's padded batches: a [B, 1, 1, T] key mask
+      out.setdefault(geometry + (True,), name + "+mask")
   for name in ("bert-base", "bert-tiny"):
     cfg = bert.config(name)
     out.setdefault((cfg.num_heads, cfg.num_heads, cfg.dim // cfg.num_heads, False, True),

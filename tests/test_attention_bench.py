@@ -1,0 +1,53 @@
+"""The attention benchmark's CLI (smoke on CPU) and its timing arithmetic."""
+
+import time
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lowmem_jax import attention_bench
+
+
+@pytest.mark.slow
+def test_attention_bench_smoke(tmp_path, capsys):
+  if jax.default_backend() == "gpu":
+    pytest.skip("the GPU run is the real benchmark (gpu_check)")
+  out = tmp_path / "attention.json"
+  result = attention_bench.main(["--json", str(out), "--lengths", "17", "--models", "llama"])
+  assert out.exists() and result["smoke"]
+  rows = {r["implementation"]: r for r in result["rows"]}
+  assert list(rows) == ["cudnn", "cudnn_padded", "flash", "xla"]
+  assert rows["cudnn"]["status"] == "refused" and "backend 'cpu'" in rows["cudnn"]["reason"]
+  for impl in ("flash", "xla"):
+    assert rows[impl]["status"] == "ok" and rows[impl]["ms"] is not None, rows[impl]
+    assert rows[impl]["temp_bytes"] is not None
+  assert {r["auto"] for r in result["rows"]} == {"flash"}
+  assert rows["flash"]["fastest_no_nxn"] == "flash"   # the only timed path without N x N
+  assert "ms fwd+bwd" in capsys.readouterr().out
+
+
+def test_time_per_call_differences_out_the_launch_cost():
+  per_call, launch = 0.002, 0.01
+
+  def run(count):
+    time.sleep(launch + per_call * count)
+    return jnp.zeros(())
+
+  measured = attention_bench.time_per_call(run, smoke=False)
+  assert 0.7 * per_call < measured < 1.5 * per_call, measured
+
+
+def test_loop_feeds_each_call_into_the_next():
+  """The timed loop is not one call repeated: its result depends on the count."""
+  q, k, v, cotangent = attention_bench._inputs(
+      dict(heads=2, kv_heads=2, head_dim=8, tokens=16), 8, jnp.float32)
+  loop = jax.jit(lambda count: attention_bench._loop("flash", False, count, q, k, v,
+                                                     cotangent))
+  one, two = loop(1), loop(2)
+  assert all(float(jnp.max(jnp.abs(a - b))) > 0 for a, b in zip(one, two))
+
+
+def test_unknown_model_is_a_clear_error():
+  with pytest.raises(SystemExit, match="unknown model"):
+    attention_bench.main(["--smoke", "--models", "gpt"])
