@@ -90,24 +90,43 @@ def _bytes_per_token(cfg, spec, seq, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("spec", ["lowmembp", "remat", "lowmembp+remat"])
 def test_saved_bytes_per_token_meet_the_theory(cfg, dtype, spec):
-  """MS norms share their output with the next linear; the GELU/SiLU keeps 2 bits."""
+  """MS norms share their output with the next linear; the GELU/SiLU keeps 2 bits. The
+  theory counts our flash attention (q, k, v, o, lse), so the stack uses it on every
+  backend ("auto" may pick cuDNN on a GPU, whose residuals are its own)."""
+  spec = f"{spec}+attention=flash"
   measured = _bytes_per_token(cfg, spec, 16, dtype)
   theory = theoretical_bytes_per_token(cfg, MemoryPolicy.parse(spec), jnp.dtype(dtype).itemsize)
   assert measured == theory
 
 
+# Compiled temp of lowmembp's train step over baseline's, per compiler: the bound each
+# backend must meet. CPU (jax 0.10.2): measured vit 12.0 -> 8.0 MiB (0.662), llama 12.1 ->
+# 8.8 MiB (0.726). GPU: not yet measured at these shapes; on an H100 a LLaMA-width LoRA
+# step had the same temp under both (XLA:GPU's fusions already avoid what lowmembp
+# avoids) and a ViT-B/16 full step peaked at 0.757x: lowmembp must never cost more.
+STEP_TEMP_RATIO = {"cpu": {"vit": 0.70, "llama": 0.76}, "gpu": {"vit": 1.0, "llama": 1.0}}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("cfg,ratio", [(VIT, 0.70), (LLAMA, 0.76)], ids=["vit", "llama"])
-def test_lowmembp_compiled_step_memory_below_baseline(cfg, ratio):
-  """Compiled temp of the whole train step, bf16, batch 4, seq 64 (measured on CPU,
-  jax 0.10.2: vit 12.0 -> 8.0 MiB (0.662), llama 12.1 -> 8.8 MiB (0.726))."""
+@pytest.mark.precision("default")
+@pytest.mark.parametrize("cfg", [VIT, LLAMA], ids=["vit", "llama"])
+def test_lowmembp_compiled_step_memory_below_baseline(cfg):
+  """Compiled temp of the whole train step, bf16, batch 4, seq 64, on this backend's
+  compiler (``STEP_TEMP_RATIO``)."""
+  backend = jax.default_backend()
+  if backend not in STEP_TEMP_RATIO:
+    pytest.skip(f"no compiled-memory figure for the {backend} compiler")
+  ratio = STEP_TEMP_RATIO[backend][cfg.kind]
   x = _x(cfg, 4, 64, jnp.bfloat16)
   temp = {}
   for spec in ("baseline", "lowmembp"):
     params = block_stack.init_stack(jax.random.key(0), cfg, spec)
     step = functools.partial(block_stack.sgd_step, cfg=cfg, policy=spec)
     temp[spec] = step_memory(step, params, x).temp
-  assert temp["lowmembp"] < ratio * temp["baseline"], temp
+  if ratio < 1.0:
+    assert temp["lowmembp"] < ratio * temp["baseline"], (backend, temp)
+  else:
+    assert temp["lowmembp"] <= temp["baseline"], (backend, temp)
 
 
 def test_bad_config_is_a_clear_error():
