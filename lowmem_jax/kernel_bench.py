@@ -106,17 +106,38 @@ def _computation(hlo: str, name: str) -> str:
   return m.group(1) if m else ""
 
 
+def _reachable(hlo: str, name: str) -> str:
+  """Computation ``name`` and every computation it calls (fusions, command buffers)."""
+  seen, todo, texts = set(), [name], []
+  while todo:
+    current = todo.pop()
+    if current in seen:
+      continue
+    seen.add(current)
+    text = _computation(hlo, current)
+    texts.append(text)
+    for group in re.findall(r"(?:calls|to_apply|body|branch_computations|"
+                            r"called_computations)=\{?([%\w.\-, ]+)\}?", text):
+      todo += [c.strip().lstrip("%") for c in group.split(",") if c.strip()]
+  return "\n".join(texts)
+
+
+# An instruction that makes an array (not the scalar loop counter): a fusion or a custom
+# call (Pallas), also inside a called computation (XLA:GPU command buffers).
+_ARRAY_OP = re.compile(r"= (\([^=]*?\)|[a-z]\w*\[\d[\d,]*\]\S*) (fusion|custom-call)\(")
+
+
 def loop_intact(hlo: str, iters: int) -> bool:
   """Whether a compiled :func:`looped` program still runs the op ``iters`` times: a
-  while loop with that known trip count whose body holds real work (a fusion or custom
-  call producing an array, not only the loop counter)."""
+  while loop with that known trip count whose body (or what it calls) holds real work,
+  a fusion or custom call producing an array, not only the loop counter."""
   for m in re.finditer(r"while\([^\n]*body=%?([\w.\-]+)[^\n]*", hlo):
     trip = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', m.group(0))
     if trip is None or int(trip.group(1)) != iters:
       continue
-    body = _computation(hlo, m.group(1))
-    if re.search(r"= \w+\[\d[\d,]*\]\S* (fusion|custom-call)\(", body):
-      return True
+    for op in _ARRAY_OP.finditer(_reachable(hlo, m.group(1))):
+      if re.search(r"\[\d", op.group(1)):  # an array shape (a tuple may hold several)
+        return True
   return False
 
 

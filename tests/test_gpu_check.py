@@ -179,3 +179,31 @@ def test_smoke_run_of_the_model_stages(tmp_path):
     assert [r["policy"] for r in rows] == ["baseline", "lowmembp"]
   assert by["bench-llama"]["json"]["throughput_unit"] == "tokens/s"
   assert report["tests"]["passed"] >= 1 and report["tests"]["failed"] == 0
+
+
+def test_markdown_shows_key_figures_and_a_low_copy():
+  rows = [{"kernel": "pack_2bit", "pallas_GBps": 480.0, "speedup_vs_xla": 1.1}]
+  copy = {"Bps": 1.076e12, "pct_peak": 32.1, "low": True}
+  stages = [
+      {"name": "env", "status": "passed", "exit_code": 0, "wall_s": 3.0, "timeout_s": 60,
+       "json": {"device_kind": "NVIDIA H100 80GB HBM3", "jax": "0.11.2", "cudnn": 90800,
+                "cuda_runtime": 12080}},
+      {"name": "bench-vit", "status": "passed", "exit_code": 0, "wall_s": 50.0,
+       "timeout_s": 120, "stdout_tail": "table", "json": {"rows": [
+           {"policy": "baseline", "step_ms": 28.1, "temp_mib": 6000.0}]}},
+      {"name": "kernel-bench", "status": "failed", "exit_code": 1, "wall_s": 40.0,
+       "timeout_s": 120, "stdout_tail": "", "stderr_tail": "Traceback: boom",
+       "json": {"kernels": {"copy": copy, "rows": rows}}},
+      {"name": "attention-bench", "status": "timeout", "exit_code": -9, "wall_s": 120.0,
+       "timeout_s": 120, "json": {"unexpected": "shape"}},
+  ]
+  report = gpu_check.build_report(stages, args={"argv": []}, git={"commit": None},
+                                  started="2026-11-23T10:00:00", wall_s=213.0)
+  assert report["stage_status"] == {"passed": ["env", "bench-vit"], "failed": ["kernel-bench"],
+                                    "timeout": ["attention-bench"]}
+  md = gpu_check.markdown(report)
+  assert md.startswith("# lowmem-jax GPU check: NVIDIA H100 80GB HBM3, jax 0.11.2 "
+                       "(CUDA 12.8, cuDNN 9.8.0)")
+  assert "- bench-vit: baseline 28.1 ms, temp 6000 MiB" in md
+  assert "measured copy 1076 GB/s (32% of peak) **LOW" in md
+  assert "| attention-bench | timeout | -9 |" in md and "Traceback: boom" in md

@@ -42,6 +42,39 @@ def test_loop_check_catches_a_hoisted_op():
   assert not kernel_bench.loop_intact(jax.jit(jnp.sin).lower(x).compile().as_text(), 7)
 
 
+GPU_LIKE_HLO = """\
+%command_buffer (p0: bf16[64,32]) -> (bf16[64,32], u8[512]) {
+  %p0 = bf16[64,32]{1,0} parameter(0)
+  ROOT %custom-call.1 = (bf16[64,32]{1,0}, u8[512]{0}) custom-call(%p0), custom_call_target="__gpu$xla.gpu.triton"
+}
+
+%wrapped_add_computation (a: s32[], b: s32[]) -> s32[] {
+  ROOT %add = s32[] add(%a, %b)
+}
+
+%body (t: (s32[], bf16[64,32])) -> (s32[], bf16[64,32]) {
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[64,32]{1,0} get-tuple-element(%t), index=1
+  %wrapped_add = s32[] fusion(%i, %one), kind=kLoop, calls=%wrapped_add_computation
+  %call = (bf16[64,32]{1,0}, u8[512]{0}) call(%x), to_apply=%command_buffer
+  ROOT %r = (s32[], bf16[64,32]{1,0}) tuple(%wrapped_add, %x)
+}
+
+ENTRY %main (a: bf16[64,32]) -> bf16[64,32] {
+  %w = (s32[], bf16[64,32]{1,0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"40"}}
+}
+"""
+
+
+def test_loop_check_sees_kernels_in_command_buffers():
+  """XLA:GPU may wrap the body's kernels in a called command-buffer computation, and a
+  Pallas call with two outputs has a tuple shape: both still count as real work."""
+  assert kernel_bench.loop_intact(GPU_LIKE_HLO, 40)
+  assert not kernel_bench.loop_intact(GPU_LIKE_HLO, 41)
+  counter_only = GPU_LIKE_HLO.replace("to_apply=%command_buffer", "to_apply=%nothing")
+  assert not kernel_bench.loop_intact(counter_only, 40)
+
+
 def test_device_seconds_reports_iters_and_loop():
   x = jnp.ones((64, 64), jnp.float32)
   t = kernel_bench.device_seconds({"neg": jnp.negative}, {"neg": (x,)}, target_s=1e-4,
