@@ -397,7 +397,9 @@ def _kernel_figure(rec: dict) -> str | None:
   if not copy:
     return None
   pct = "" if copy["pct_peak"] is None else f" ({copy['pct_peak']:.0f}% of peak)"
-  flag = " **LOW: kernel GB/s not trustworthy**" if copy["low"] else ""
+  flag = (" **LOW: kernel GB/s not trustworthy**" if copy["low"] else
+          " **ABOVE PEAK: calls dropped, timings not trustworthy**"
+          if copy.get("above_peak") else "")
   return (f"kernel-bench: measured copy {copy['Bps'] / 1e9:.0f} GB/s{pct}{flag}; "
           + ", ".join(f"{r['kernel']} {r['pallas_GBps']:.0f} GB/s "
                       f"({r['speedup_vs_xla']:.2f}x XLA)" for r in kernels["rows"]))

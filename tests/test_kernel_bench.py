@@ -111,10 +111,12 @@ def test_copy_below_60_percent_of_peak_is_flagged(monkeypatch):
                                    device=_Device("NVIDIA H100 80GB HBM3"))
   assert copy["low"] is True and copy["pct_peak"] < 60
   assert "LOW" in kernel_bench.copy_line(copy, "NVIDIA H100 80GB HBM3")
-  monkeypatch.setattr(kernel_bench, "spec_bandwidth", lambda device: 1.0)
+  assert copy["above_peak"] is False
+  monkeypatch.setattr(kernel_bench, "spec_bandwidth", lambda device: 1.0)  # 1 B/s: beaten
   copy = kernel_bench.measure_copy(1000, jnp.float32, target_s=1e-4, rounds=2)
-  assert copy["low"] is False
-  assert "LOW" not in kernel_bench.copy_line(copy, "x")
+  assert copy["low"] is False and copy["above_peak"] is True
+  line = kernel_bench.copy_line(copy, "x")
+  assert "LOW" not in line and "ABOVE PEAK" in line
 
 
 @pytest.mark.slow
@@ -129,7 +131,7 @@ def test_kernel_bench_smoke(tmp_path, capsys):
   for row in kernels["rows"]:  # Pallas (interpreted) agrees with the jnp path
     assert row["max_abs_err_vs_xla"] < 1e-2, row
     assert row["loop_intact"], row
-    assert "copy_low" in row
+    assert "copy_low" in row and "above_peak" in row
   assert {"Bps", "bytes", "low", "pct_peak"} <= set(kernels["copy"])
   assert [r["policy"] for r in result["block_step"]][0] == "baseline"
   text = capsys.readouterr().out
