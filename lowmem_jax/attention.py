@@ -113,7 +113,10 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
 
 # ----------------------------------------------------------------------------- dispatch
 # cuDNN's limits as jax states them (jax 0.10.2, jax/_src/cudnn/fused_attention_stablehlo.py,
-# `check_layout` and `check_is_flash_attention`; seen again on jax 0.11.2 / H100).
+# `check_layout` and `check_is_flash_attention`; jax 0.11.2 on the H100 failed with the same
+# message). Head dim: multiples of 8, up to 256 on Hopper+ (earlier jax: and cuDNN >= 9.5,
+# kept here as the stricter), else 128. A bool mask becomes an additive bias that must be
+# full [.., N, M] (`check_layout`: "Bias must have same seq length as QKV").
 CUDNN_DTYPES = ("bfloat16", "float16")
 CUDNN_MIN_VERSION = 8904     # 8.9.4: jax's floor for cuDNN flash attention
 # Training needs even lengths: the VJP rule checks `is_training and has_bias and (T or S
@@ -169,8 +172,9 @@ def cudnn_refusal(q_shape, k_shape, dtype, *, mask_shape=None, backend: str = "g
 #   "as_is": cuDNN takes the shape unpadded.  "paddable": only padded to even lengths.
 # NOT MEASURED: re-derive both from `python -m lowmem_jax.attention_bench` on a GPU
 # (its "fastest" column, among paths that keep no N x N array). Known so far (H100,
-# jax 0.11.2): cuDNN ran LLaMA at N = 1024 (even); ours ran ViT-B at 197 about as fast
-# as XLA's attention. Where no GPU figure exists, ours: no N x N array, never refused.
+# jax 0.11.2, gpu/h100-2026-11-22.md): LLaMA at N = 1024 under the old auto (cuDNN for
+# 16-bit) did not crash; ours ran a ViT-B step at N = 197 within 5% of XLA's attention.
+# Where no GPU figure exists: ours, which keeps no N x N array and refuses no shape.
 AUTO_GPU_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {
     "as_is": ((None, "cudnn"),),
     "paddable": ((None, "flash"),),
