@@ -43,6 +43,7 @@ SMOKE_MODELS = {
 }
 SMOKE_LENGTHS = (17, 32)
 TARGET_SECONDS = 0.05   # wall time of the longer of the two timed loops, roughly
+BUDGET_SECONDS = 90.0   # rows not started by then are skipped (gpu_check allows 120 s)
 
 
 def _loop(implementation, causal, count, q, k, v, cotangent):
@@ -134,29 +135,43 @@ def _compile(row, dtype):
   return lowered, args
 
 
-def run_bench(models: dict, lengths, dtype, smoke: bool) -> list[dict]:
+def run_bench(models: dict, lengths, dtype, smoke: bool,
+              budget_s: float = BUDGET_SECONDS) -> list[dict]:
+  deadline = time.perf_counter() + budget_s
   backend = jax.default_backend()
   versions = dict(cudnn_version=attn.cudnn_version(),
                   compute_capability=attn.compute_capability())
   rows = [_case(name, model, n, impl, dtype, backend, versions)
           for name, model in models.items() for n in lengths for impl in IMPLEMENTATIONS]
   lowered = {}
+
   def failed(row, e):  # a refusal or a crash is a result
     if row["status"] == "refused":
       row["jax_unchecked"] = f"raises {_first_line(e)}"
     else:
       row.update(status="error", reason=_first_line(e))
 
+  def out_of_time(row):
+    if time.perf_counter() < deadline:
+      return False
+    if row["status"] == "refused":
+      row["jax_unchecked"] = "not run: time budget spent"
+    else:
+      row.update(status="skipped", reason=f"time budget {budget_s:.0f} s spent")
+    return True
+
   for i, row in enumerate(rows):  # tracing holds the GIL: one at a time
-    if row["status"] == "ok" or _probe_jax(row):
+    if (row["status"] == "ok" or _probe_jax(row)) and not out_of_time(row):
       try:
         lowered[i] = _compile(row, dtype)
       except Exception as e:
         failed(row, e)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+  with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:  # all done before timing
     futures = {i: pool.submit(low.compile) for i, (low, _) in lowered.items()}
   for i, future in futures.items():
     row = rows[i]
+    if out_of_time(row):
+      continue
     try:
       compiled = future.result()
       args = lowered[i][1]
@@ -192,6 +207,8 @@ def main(argv=None) -> dict:
                   help="tiny shapes, timings meaningless (default off GPU)")
   ap.add_argument("--lengths", help=f"comma-separated N (default {LENGTHS})")
   ap.add_argument("--models", help=f"comma-separated subset of {', '.join(MODELS)}")
+  ap.add_argument("--budget", type=float, default=BUDGET_SECONDS,
+                  help="seconds; rows not started by then are reported as skipped")
   args = ap.parse_args(argv)
   smoke = args.smoke or jax.default_backend() != "gpu"
   models = SMOKE_MODELS if smoke else MODELS
@@ -204,7 +221,7 @@ def main(argv=None) -> dict:
              else SMOKE_LENGTHS if smoke else LENGTHS)
   dtype = jnp.bfloat16
   start = time.perf_counter()
-  rows = run_bench(models, lengths, dtype, smoke)
+  rows = run_bench(models, lengths, dtype, smoke, args.budget)
   device = jax.devices()[0]
   print(f"device: {getattr(device, 'device_kind', device.platform)}  backend: "
         f"{jax.default_backend()}  jax {jax.__version__}  cuDNN {attn.cudnn_version()}  "

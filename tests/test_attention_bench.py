@@ -51,3 +51,10 @@ def test_loop_feeds_each_call_into_the_next():
 def test_unknown_model_is_a_clear_error():
   with pytest.raises(SystemExit, match="unknown model"):
     attention_bench.main(["--smoke", "--models", "gpt"])
+
+
+def test_rows_past_the_time_budget_are_reported_as_skipped():
+  rows = attention_bench.run_bench(attention_bench.SMOKE_MODELS, (8,), jnp.bfloat16,
+                                   smoke=True, budget_s=0.0)
+  assert {r["status"] for r in rows} == {"refused", "skipped"}, rows
+  assert all(r["ms"] is None and r["fastest_no_nxn"] is None for r in rows)
