@@ -12,8 +12,11 @@ Timing is on the device: ``count`` forward + backward calls run inside one jitte
 ``fori_loop`` whose carry feeds each call's gradients and output into the next call's
 inputs (nothing can be hoisted or dropped), and the time per call is the difference of
 two counts' wall times over the difference of the counts (launch cost cancels).
-Programs compile in parallel threads. On a non-GPU backend (or ``--smoke``) it runs a
-tiny version: a smoke test, its timings mean nothing.
+Where ``cudnn_refusal`` refuses a sequence length, the ``cudnn`` row also runs jax's own
+cuDNN call unchecked ("jax unchecked": raises, or runs and the rule is stricter than this
+jax/cuDNN needs). Programs compile in parallel threads; rows not started within
+``--budget`` seconds are reported as skipped. On a non-GPU backend (or ``--smoke``) it
+runs a tiny version: a smoke test, its timings mean nothing.
 """
 
 from __future__ import annotations
