@@ -22,11 +22,12 @@ from collections.abc import Callable
 import jax
 
 from lowmem_jax import activations, norms
+from lowmem_jax import attention as attention_lib
 from lowmem_jax.attention import attention
 
 ACTIVATIONS = ("exact", "approx2")
 NORMS = ("standard", "ms")
-ATTENTIONS = ("auto", "xla", "flash", "cudnn")
+ATTENTIONS = attention_lib.IMPLEMENTATIONS
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
 QUANTS = ("none", "int8")
 SAMPLED_LINEARS = ("none", "wta-crs")
@@ -88,7 +89,9 @@ class MemoryPolicy:
   activation: "exact" (plain autodiff) | "approx2" (ReGELU2/ReSiLU2, 2-bit residual).
   norm: "standard" (affine norms, plain autodiff) | "ms" (MS-LayerNorm/MS-RMSNorm; the
     model merges the affine into the next linear).
-  attention: "auto" | "xla" | "flash" | "cudnn" (see :mod:`lowmem_jax.attention`).
+  attention: "auto" | "flash" | "cudnn" | "cudnn_padded" | "xla" (see
+    :mod:`lowmem_jax.attention`; "auto" never keeps an N x N array nor hits a shape
+    cuDNN refuses).
   remat: None | "full" | a ``jax.checkpoint_policies`` name | a tuple of
     ``CHECKPOINT_NAMES`` to save (everything else in the block is recomputed).
   kernels: which implementation of our ops (approx2 activations, MS norms): "xla" (jnp),
