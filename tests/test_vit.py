@@ -1,5 +1,8 @@
 """ViT: parity with HF transformers (torch, fp32) under baseline and lowmembp (merged
-norms), gradients, export round trip, remat, config and checkpoint errors."""
+norms), gradients, export round trip, remat, config and checkpoint errors.
+
+The HF checkpoint and its logits are golden files (tests/make_hf_fixtures.py), so only
+the tests that run transformers live need torch."""
 
 
 import jax
@@ -8,40 +11,30 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import make_hf_fixtures as fixtures
 from lowmem_jax.memory import saved_residuals
 from models import hf, vit
 from models.hf_state import CheckpointError
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-
-HF_CFG = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=64,
-              num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-              num_labels=5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+requires_torch = pytest.mark.skipif(not fixtures.torch_available(), reason=fixtures.NO_TORCH)
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-  torch.manual_seed(0)
-  model = transformers.ViTForImageClassification(transformers.ViTConfig(**HF_CFG))
-  with torch.no_grad():  # non-trivial norm affines, so the merge is really exercised
-    for name, p in model.named_parameters():
-      if "layernorm" in name:
-        p.copy_(torch.randn_like(p) * 0.3 + (1.0 if name.endswith("weight") else 0.0))
-  path = tmp_path_factory.mktemp("vit_hf")
-  model.eval().save_pretrained(path)
-  return path
+def hf_dir():
+  """The random HF ViTForImageClassification (non-trivial norm affines), as HF saved it."""
+  return fixtures.DATA / "vit"
 
 
 @pytest.fixture(scope="module")
 def images():
-  return np.random.default_rng(0).normal(size=(3, 32, 32, 3)).astype(np.float32)
+  return fixtures.reference("vit")["images"]
 
 
 def _hf_logits(path, images):
+  """Live: transformers' logits of the checkpoint at ``path``."""
+  import transformers
   model = transformers.ViTForImageClassification.from_pretrained(path).eval()
-  with torch.no_grad():
-    return model(pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2))).logits.numpy()
+  return fixtures.vit_outputs(model, images)["logits"]
 
 
 def _ours(path, policy):
@@ -58,7 +51,18 @@ def _input_grad(model, images):
 def test_logits_match_hf(hf_dir, images, policy):
   ours = _ours(hf_dir, policy)
   assert ours.policy.merges_norm_affine == (policy != "baseline")
-  np.testing.assert_allclose(ours(images), _hf_logits(hf_dir, images), atol=1e-4, rtol=1e-4)
+  ref = fixtures.reference("vit")["logits"]
+  np.testing.assert_allclose(ours(images), ref, atol=1e-4, rtol=1e-4)
+
+
+@requires_torch
+def test_golden_files_match_live_hf(hf_dir, images):
+  """tests/data/hf/vit is what make_hf_fixtures builds today (weights, images, logits),
+  and transformers reads the stored checkpoint back to the stored logits."""
+  model, live = fixtures.build("vit")
+  fixtures.assert_golden("vit", model, live)
+  np.testing.assert_allclose(_hf_logits(hf_dir, images), fixtures.reference("vit")["logits"],
+                             rtol=1e-5, atol=1e-6)
 
 
 def test_gradients_exact_for_norms_close_for_activations(hf_dir, images):
@@ -73,12 +77,18 @@ def test_gradients_exact_for_norms_close_for_activations(hf_dir, images):
   assert 0.85 < cos < 1.0 - 1e-6, cos
 
 
+def test_export_round_trip(hf_dir, images, tmp_path):
+  ours = _ours(hf_dir, "lowmembp")
+  hf.save_pretrained(ours, tmp_path)
+  again = _ours(tmp_path, "baseline")
+  np.testing.assert_allclose(again(images), ours(images), atol=1e-4, rtol=1e-4)
+
+
+@requires_torch
 def test_export_round_trip_through_hf(hf_dir, images, tmp_path):
   ours = _ours(hf_dir, "lowmembp")
   hf.save_pretrained(ours, tmp_path)
   np.testing.assert_allclose(_hf_logits(tmp_path, images), ours(images), atol=1e-4, rtol=1e-4)
-  again = _ours(tmp_path, "baseline")
-  np.testing.assert_allclose(again(images), ours(images), atol=1e-4, rtol=1e-4)
 
 
 def test_lowmembp_saves_less_and_norms_keep_no_input(hf_dir, images):
