@@ -422,7 +422,7 @@ def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
     for where, v in raw:
       if v not in index:
         source = (f"does not occur in the training data {names_from}" if names_from
-                  else "is not in label_names")
+                  else "not in label_names")
         raise ValueError(f"{where}: label {v!r} {source} (labels: {names})")
       if num_labels is not None and index[v] >= num_labels:
         raise ValueError(f"{where}: label {v!r} is id {index[v]}, outside the model's "

@@ -399,7 +399,8 @@ def train(cfg: TrainConfig) -> dict:
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
-  cfg = runs.prepare(cfg)  # the run folder; refuses to write over a run before any work
+  # the run folder; refuses to write over a run before any work
+  cfg = runs.prepare(cfg, primary=jax.process_index() == 0)
   out = Path(cfg.out_dir)
   model = build_model(cfg)
   train_set, eval_set = make_datasets(cfg, model)
@@ -420,7 +421,8 @@ def train(cfg: TrainConfig) -> dict:
             f"(steps={cfg.steps}); pass --set steps=N with N > {start} to train further",
             flush=True)
       return _finished_result(out / "metrics.jsonl", start)
-  (out / "config.json").write_text(json.dumps(_jsonable(cfg), indent=1) + "\n")
+  if jax.process_index() == 0:
+    (out / "config.json").write_text(json.dumps(_jsonable(cfg), indent=1) + "\n")
   log = Log(out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples",
             start)
   first = trainer.put(_peek(batches))

@@ -63,9 +63,13 @@ def newest_run(parent: Path) -> Path | None:
   return max(found)[1] if found else None
 
 
-def prepare(cfg: TrainConfig) -> TrainConfig:
+def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
   """``cfg`` with ``out_dir`` set to this run's folder (created). Prints where the run goes;
-  refuses, before any work, to write over a run nobody asked to resume or replace."""
+  refuses, before any work, to write over a run nobody asked to resume or replace.
+  ``primary``: False on the other hosts of a multi-host run, which only create the folder."""
+  if not primary and cfg.out_dir is not None:
+    Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    return cfg
   if cfg.out_dir is None:
     if cfg.distributed:
       raise ValueError("distributed=true needs an explicit out_dir (every host must write "
