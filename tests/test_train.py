@@ -351,7 +351,7 @@ def test_runs_twice_in_a_fresh_folder_then_resume_is_a_no_op(finished_run, tmp_p
   result = train(cfg.replace(resume=True))  # resumes the newest run: finished already
   out = capsys.readouterr().out
   assert f"run in {folders[-1].relative_to(tmp_path)} already finished at step 2" in out
-  assert "compiled step memory" not in out  # nothing compiled
+  assert "compiled step memory" not in out and "resumed from" not in out  # nothing compiled
   assert result["step"] == 2 and np.isfinite(result["loss"])
   assert len(_records(folders[-1])) == len(_records(folders[0]))  # nothing appended
 

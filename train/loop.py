@@ -421,6 +421,7 @@ def train(cfg: TrainConfig) -> dict:
             f"(steps={cfg.steps}); pass --set steps=N with N > {start} to train further",
             flush=True)
       return _finished_result(out / "metrics.jsonl", start)
+    print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   if jax.process_index() == 0:
     (out / "config.json").write_text(json.dumps(_jsonable(cfg), indent=1) + "\n")
   log = Log(out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples",
@@ -501,7 +502,6 @@ def _resume(trainer: Trainer, ckpt: Checkpoints, batches, cfg: TrainConfig) -> i
                      + (f"config fields that differ from the checkpoint's: {'; '.join(diff)}"
                         if diff else "resume with the config that wrote it")) from None
   step = int(meta["step"])
-  print(f"resumed from step {step} ({ckpt.directory})", flush=True)
   diff = config_diff(meta.get("config", {}), cfg)
   if diff:
     print(f"warning: resuming with a config that differs from the checkpoint's (step {step}): "
