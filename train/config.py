@@ -20,6 +20,7 @@ from lowmem_jax.policy import MemoryPolicy
 TASKS = ("image", "text", "lm")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
+PRECISIONS = ("default", "high", "highest")  # jax.default_matmul_precision names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +33,8 @@ class TrainConfig:
   pretrained: str | None = None       # a Hugging Face model directory (overrides `model`)
   policy: str = "lowmembp"            # a MemoryPolicy spec
   dtype: str = "bfloat16"             # compute dtype; parameters stay fp32
+  precision: str = "default"          # fp32 matmuls: "default" (JAX's: TF32 on NVIDIA
+                                      # GPUs) | "high" | "highest" (true fp32), whole step
   # data
   data: str = "digits"                # "digits" | a folder (image) | a .jsonl/.txt file
   eval_data: str | None = None        # None: digits' test split, else a file/folder
@@ -79,6 +82,7 @@ class TrainConfig:
     choice("optimizer", OPTIMIZERS)
     choice("schedule", SCHEDULES)
     choice("dtype", ("bfloat16", "float16", "float32"))
+    choice("precision", PRECISIONS)
     for field in ("max_len", "batch_size", "eval_batch_size", "steps", "grad_accum",
                   "lora_rank", "log_every"):
       if getattr(self, field) < 1:

@@ -134,6 +134,22 @@ def loss_and_metrics(model, batch: dict, task: str):
 
 
 # ----------------------------------------------------------------------------- state & steps
+def matmul_precision(name: str):
+  """Decorator: trace ``fn`` under ``jax.default_matmul_precision(name)`` ("default":
+  leave JAX's setting alone). Around the whole step, so the backward of every op, our
+  custom_vjp rules included, is traced under it too (they trace after the forward)."""
+  def wrap(fn):
+    if name == "default":
+      return fn
+
+    @functools.wraps(fn)
+    def traced(*args):
+      with jax.default_matmul_precision(name):
+        return fn(*args)
+    return traced
+  return wrap
+
+
 @dataclasses.dataclass
 class Trainer:
   """Everything the loop needs: the split model, optimizer, jitted steps."""
@@ -188,6 +204,7 @@ class Trainer:
         rest = nnx.split(model, trainable, ...)[2]
       return loss, aux, grads, rest
 
+    @matmul_precision(cfg.precision)
     def step(state, batch):
       params, rest = state["params"], state["rest"]
       if cfg.grad_accum == 1:
@@ -218,6 +235,7 @@ class Trainer:
   def eval_step(self):
     cfg, graphdef = self.cfg, self.graphdef
 
+    @matmul_precision(cfg.precision)
     def step(params, rest, batch):
       return loss_and_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task)[1]
 
