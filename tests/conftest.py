@@ -11,6 +11,8 @@ import os
 
 TEST_PRECISION = "highest"
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", TEST_PRECISION)
+# pytest-xdist workers share one GPU: each takes memory as it needs it, not 75% up front
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after the environment: JAX reads it at import)
 import pytest  # noqa: E402
