@@ -18,12 +18,6 @@ import jax  # noqa: E402  (after the environment: JAX reads it at import)
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):
-  config.addinivalue_line(
-      "markers", "precision(name): run the test under jax.default_matmul_precision(name) "
-      f"instead of {TEST_PRECISION!r} ('default' = what users get)")
-
-
 @pytest.fixture(autouse=True)
 def matmul_precision(request):
   """The test's matmul precision: its ``precision`` marker, else ``highest``."""

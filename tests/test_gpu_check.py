@@ -164,21 +164,17 @@ def test_a_timed_out_pytest_still_reports_its_counts(tmp_path):
 
 @pytest.mark.slow
 def test_smoke_run_of_the_model_stages(tmp_path):
-  """The README's train command and the LLaMA train.bench case at tiny shapes (the ViT
-  case is the same command on another preset, run by tests/test_train_bench.py), and
-  the default smoke test selection (pytest-xdist workers where installed)."""
-  names = ["env", "train", "bench-llama", "tests"]
+  """A model stage end to end: the LLaMA train.bench case at tiny shapes (the ViT case
+  is the same command on another preset and tests/test_train_bench.py runs it; the README's
+  train command is run by tests/test_train.py; the tests stage by the report test above)."""
+  names = ["env", "bench-llama"]
   report = gpu_check.main(["--smoke", "--stages", ",".join(names), "--out", str(tmp_path)])
   _assert_report_structure(report, names)
   status = {r["name"]: r["status"] for r in report["stages"]}
   assert status == dict.fromkeys(names, "passed"), report["stage_status"]
-  by = {r["name"]: r for r in report["stages"]}
-  assert by["train"]["json"] is not None  # the train command's final metrics line
-  assert (tmp_path / "train-run").is_dir()
-  rows = by["bench-llama"]["json"]["rows"]
-  assert [r["policy"] for r in rows] == ["baseline", "lowmembp"]
-  assert by["bench-llama"]["json"]["throughput_unit"] == "tokens/s"
-  assert report["tests"]["passed"] >= 1 and report["tests"]["failed"] == 0
+  bench = {r["name"]: r for r in report["stages"]}["bench-llama"]["json"]
+  assert [r["policy"] for r in bench["rows"]] == ["baseline", "lowmembp"]
+  assert bench["throughput_unit"] == "tokens/s"
 
 
 def test_markdown_shows_key_figures_and_a_low_copy():
