@@ -439,9 +439,11 @@ def test_checksum_sees_one_bit():
            "c": jnp.array([True, False]), "k": jax.random.key(0)}
   base = state_checksum(state)
   assert base == state_checksum(jax.tree.map(jnp.copy, state))
-  flipped = np.asarray(state["a"]).copy()
-  flipped.view(np.uint32)[1, 2] ^= 1
-  assert state_checksum({**state, "a": jnp.asarray(flipped)}) != base
+  for index in range(6):  # every bit of every element: the top bits too
+    for bit in range(32):
+      flipped = np.asarray(state["a"]).copy()
+      flipped.view(np.uint32).reshape(-1)[index] ^= np.uint32(1 << bit)
+      assert state_checksum({**state, "a": jnp.asarray(flipped)}) != base, (index, bit)
   assert state_checksum({**state, "a": state["a"].T.reshape(2, 3)}) != base  # order counts
 
 

@@ -37,7 +37,8 @@ class NoIntactCheckpointError(ValueError):
 
 @jax.jit
 def _checksum(leaves):
-  """uint32 checksum of every leaf's bits (position-weighted sums, wrapping)."""
+  """uint32 checksum of every leaf's bits (sums weighted by odd position and leaf
+  factors, wrapping): any single flipped bit changes it."""
   total = jnp.uint32(0)
   for i, x in enumerate(leaves):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
@@ -50,7 +51,8 @@ def _checksum(leaves):
       unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[x.dtype.itemsize]
       bits = jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
     bits = bits.reshape(-1)
-    weights = jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    # odd weights: a flipped bit k moves the sum by 2**k * odd, never 0 mod 2**32
+    weights = (jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761)) | jnp.uint32(1)
     total = total + jnp.sum(bits * weights, dtype=jnp.uint32) * jnp.uint32(2 * i + 1)
   return total
 
