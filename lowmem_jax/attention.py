@@ -172,7 +172,7 @@ def cudnn_refusal(q_shape, k_shape, dtype, *, mask_shape=None, backend: str = "g
 #   "as_is": cuDNN takes the shape unpadded.  "paddable": only padded to even lengths.
 # NOT MEASURED: re-derive both from `python -m lowmem_jax.attention_bench` on a GPU
 # (its "fastest" column, among paths that keep no N x N array). Known so far (H100,
-# jax 0.11.2, gpu/h100-2026-11-22.md): LLaMA at N = 1024 under the old auto (cuDNN for
+# jax 0.11.2, docs/gpu/h100-2026-11-22.md): LLaMA at N = 1024 under the old auto (cuDNN for
 # 16-bit) did not crash; ours ran a ViT-B step at N = 197 within 5% of XLA's attention.
 # Where no GPU figure exists: ours, which keeps no N x N array and refuses no shape.
 AUTO_GPU_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {

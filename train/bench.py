@@ -114,16 +114,11 @@ class _Runner:
 def synthetic_dataset(cfg: TrainConfig, n: int):
   """``n`` random examples shaped for the config's (preset) model, for speed and memory
   runs without data files."""
-  from models import bert, llama, revllama, revvit, vit
   from train import data as data_lib
+  from train.loop import model_config
   if cfg.pretrained:
     raise ValueError("--synthetic works with model presets, not pretrained=<dir>")
-  presets = (("revvit", revvit), ("revllama", revllama), ("vit", vit), ("llama", llama),
-             ("bert", bert), ("roberta", bert))
-  module = next((m for prefix, m in presets if cfg.model.startswith(prefix)), None)
-  if module is None:
-    raise ValueError(f"--synthetic: unknown model {cfg.model!r}")
-  mc = module.config(cfg.model, **cfg.model_overrides)
+  mc = model_config(cfg)
   rng = np.random.default_rng(cfg.seed)
   if cfg.task == "image":
     shape = (n, mc.image_size, mc.image_size, mc.channels)

@@ -48,6 +48,27 @@ def resolve_path(path: str) -> str:
   return path
 
 
+# Model presets by name prefix, first match: (prefix, module in models/, model class).
+PRESET_FAMILIES = (("revvit", "revvit", "RevViT"), ("revllama", "revllama", "RevLlama"),
+                   ("vit", "vit", "ViT"), ("llama", "llama", "Llama"),
+                   ("bert", "bert", "Bert"), ("roberta", "bert", "Bert"))
+
+
+def _preset_family(name: str):
+  """``(module, class name)`` of the model preset ``name``."""
+  for prefix, module, cls in PRESET_FAMILIES:
+    if name.startswith(prefix):
+      return importlib.import_module(f"models.{module}"), cls
+  raise ValueError(f"unknown model {name!r}: use a vit-*, revvit-*, llama-*, revllama-*, "
+                   "bert-* or roberta-* preset, or pretrained=<HF directory>")
+
+
+def model_config(cfg: TrainConfig):
+  """The config of ``cfg``'s model preset with ``cfg.model_overrides`` applied."""
+  module, _ = _preset_family(cfg.model)
+  return module.config(cfg.model, **cfg.model_overrides)
+
+
 def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
                 load_weights: bool = True):
   """The model of ``cfg`` (pretrained or preset) under ``policy`` (default: cfg's).
@@ -60,28 +81,9 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     load = hf.load_pretrained if load_weights else hf.init_from_config
     model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
                  **cfg.model_overrides)
-  elif cfg.model.startswith("revvit"):
-    from models import revvit
-    model = revvit.RevViT(revvit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
-                          rngs=rngs)
-  elif cfg.model.startswith("revllama"):
-    from models import revllama
-    model = revllama.RevLlama(revllama.config(cfg.model, **cfg.model_overrides), policy,
-                              dtype=dtype, rngs=rngs)
-  elif cfg.model.startswith("vit"):
-    from models import vit
-    model = vit.ViT(vit.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype, rngs=rngs)
-  elif cfg.model.startswith("llama"):
-    from models import llama
-    model = llama.Llama(llama.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
-                        rngs=rngs)
-  elif cfg.model.startswith(("bert", "roberta")):
-    from models import bert
-    model = bert.Bert(bert.config(cfg.model, **cfg.model_overrides), policy, dtype=dtype,
-                      rngs=rngs)
   else:
-    raise ValueError(f"unknown model {cfg.model!r}: use a vit-*, revvit-*, llama-*, revllama-*, "
-                     "bert-* or roberta-* preset, or pretrained=<HF directory>")
+    module, cls = _preset_family(cfg.model)
+    model = getattr(module, cls)(model_config(cfg), policy, dtype=dtype, rngs=rngs)
   if cfg.trainable == "lora":
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,
@@ -299,10 +301,8 @@ def make_datasets(cfg: TrainConfig, model=None):
   class folders map to ids from the training set, which the eval set reuses."""
   model_cfg = getattr(model, "cfg", None)
   if cfg.task == "image":
-    if model_cfg is None:
-      from models import revvit, vit  # image size of the model
-      preset = revvit.config if cfg.model.startswith("revvit") else vit.config
-      model_cfg = preset(cfg.model, **cfg.model_overrides)
+    if model_cfg is None:  # the image size of the model
+      model_cfg = model_config(cfg)
     num_labels = getattr(model_cfg, "num_labels", None)
     if cfg.data == "digits":
       if num_labels is not None and num_labels < data_lib.DIGITS_NUM_CLASSES:
@@ -374,20 +374,28 @@ class Log:
       self.tensorboard.close()
 
 
+def _metric_records(path: Path):
+  """``(line, record)`` of each readable JSON line of a metrics.jsonl (a line cut short
+  by a kill is skipped)."""
+  if not path.exists():
+    return
+  for line in path.read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(record, dict):
+      yield line, record
+
+
 def _truncate_metrics(path: Path, start: int) -> None:
   """Drops the records a run resumed at step ``start`` writes again: every record past
   ``start``, and events (the memory report) at ``start``. A fresh run starts empty."""
   if not path.exists():
     return
-  kept = []
-  for line in path.read_text().splitlines():
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError:
-      continue  # a line cut short by a kill
-    step = record.get("step") if isinstance(record, dict) else None
-    if isinstance(step, int) and (step < start or (step == start and "event" not in record)):
-      kept.append(line + "\n")
+  kept = [line + "\n" for line, record in _metric_records(path)
+          if isinstance(record.get("step"), int)
+          and (record["step"] < start or (record["step"] == start and "event" not in record))]
   tmp = path.with_suffix(".tmp")
   tmp.write_text("".join(kept))
   os.replace(tmp, path)
@@ -536,16 +544,11 @@ def _resume(trainer: Trainer, ckpt: Checkpoints, batches, cfg: TrainConfig) -> i
 def _finished_result(metrics: Path, step: int) -> dict:
   """The result of a finished run, read back from its metrics.jsonl."""
   result = {"step": step, "loss": float("nan")}
-  if metrics.exists():
-    for line in metrics.read_text().splitlines():
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError:
-        continue
-      if isinstance(record, dict) and record.get("step", step + 1) <= step:
-        if "loss" in record:
-          result["loss"] = record["loss"]
-        result.update({k: v for k, v in record.items() if k.startswith("eval_")})
+  for _, record in _metric_records(metrics):
+    if record.get("step", step + 1) <= step:
+      if "loss" in record:
+        result["loss"] = record["loss"]
+      result.update({k: v for k, v in record.items() if k.startswith("eval_")})
   return result
 
 
