@@ -5,17 +5,37 @@ runs under ``jax.default_matmul_precision("highest")`` (fp32 means fp32 on every
 unless it says otherwise with ``@pytest.mark.precision("default")``: memory and speed
 checks, which must see the executable users get. Subprocess tests pass the same choice
 through ``JAX_DEFAULT_MATMUL_PRECISION`` (set here for the whole session).
+
+Compilation cache: most of the suite's time is XLA compiling, and many tests compile the
+same program (a trainer's step, again after a resume, again in a CLI subprocess). One
+persistent cache per pytest session, shared by the xdist workers and the subprocesses
+they start, compiles each program once. It is a fresh folder per session, removed at the
+end, so every run compiles what it runs as CI does (set ``JAX_COMPILATION_CACHE_DIR``
+yourself to keep one across runs).
 """
 
 import os
+import shutil
+import tempfile
 
 TEST_PRECISION = "highest"
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", TEST_PRECISION)
 # pytest-xdist workers share one GPU: each takes memory as it needs it, not 75% up front
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+# imported first by the controller, whose environment the workers inherit
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowmem-jax-xla-cache-")
+  os.environ["LOWMEM_JAX_TEST_CACHE_OWNED"] = "1"
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (after the environment: JAX reads it at import)
 import pytest  # noqa: E402
+
+
+def pytest_unconfigure(config):
+  """The controller removes the session's compilation cache (workers leave it alone)."""
+  if not hasattr(config, "workerinput") and os.environ.get("LOWMEM_JAX_TEST_CACHE_OWNED"):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
