@@ -12,8 +12,8 @@ the range clamp to 0 / 255 (the reference code wraps modulo 256, a bug we do not
 Noise comes from an explicit PRNG key: the key gives a 32-bit seed and element ``i`` of
 the flattened tensor gets ``u = hash(i, seed) / 2**24``, a counter-based hash (indices
 wrap past 2**32 elements: the noise then repeats, it stays uniform). The hash and the
-per-group step are :mod:`pallas_kernels.quant`'s, so the kernels and this reference
-compute them identically by construction.
+per-group step are defined here and imported by the kernels
+(:mod:`pallas_kernels.quant`), so both compute them identically by construction.
 
 Codes are made once per tensor (:func:`quantize_tensor` -> :class:`QTensor`) and shared
 by every op that reads the tensor: q, k and v projections keep one code of their input,
@@ -33,8 +33,6 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import norms
-from pallas_kernels import quant as pallas_quant
-from pallas_kernels.quant import group_step, uniform_noise
 
 DECAY = 0.9       # EMA decay of the per-group range
 LEVELS = 255      # codes 0..255
@@ -63,6 +61,33 @@ def seed_of(key) -> jax.Array:
   return jax.random.bits(key, (), jnp.uint32)
 
 
+# ----------------------------------------------------------------------------- noise, step
+def _hash32(x):
+  """lowbias32 on uint32 -> uint32, a well-mixed integer hash."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  return x ^ (x >> 16)
+
+
+def uniform_noise(index, seed):
+  """``[0, 1)`` fp32 noise (24 bits) of uint32 element indices and a seed: the
+  stochastic-rounding noise of this reference and of the kernels."""
+  bits = _hash32(index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seed.astype(jnp.uint32))
+  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
+def group_step(lo, hi):
+  """The per-group step ``(hi - lo) / 255`` (1e-30 for a flat range: codes all 0),
+  rounded up to 16 significant bits, so ``code * step`` is exact in fp32 and a fused
+  multiply-add changes nothing."""
+  step = (hi - lo) / LEVELS
+  step = jnp.where(step > 0, step, jnp.float32(1e-30))
+  bits = jax.lax.bitcast_convert_type(step, jnp.uint32)
+  return jax.lax.bitcast_convert_type((bits + 0xFF) & ~jnp.uint32(0xFF), jnp.float32)
+
+
 # ----------------------------------------------------------------------------- reference
 def quantize_reference(x3, lo, hi, seed):
   """``x3: [O, G, I]`` -> uint8 codes (plain jnp; the kernels' reference)."""
@@ -89,31 +114,30 @@ def _check_implementation(implementation):
                      f"{', '.join(IMPLEMENTATIONS)}")
 
 
+def _on_group_view(op: str, a, axis: int, groups: int, implementation: str, *args):
+  """``op`` ("quantize" / "dequantize") of ``a`` on its ``[O, G, I]`` view, reshaped
+  back: the ``*_reference`` here for "xla", else the kernel of the same name in
+  :mod:`pallas_kernels.quant` (imported here, so the jnp path never loads Pallas)."""
+  _check_implementation(implementation)
+  a3 = a.reshape(group_view(a.shape, axis, groups))
+  if implementation == "xla":
+    out = {"quantize": quantize_reference, "dequantize": dequantize_reference}[op](a3, *args)
+  else:
+    from pallas_kernels import quant as kernels
+    out = getattr(kernels, op)(a3, *args, interpret=implementation == "pallas_interpret")
+  return out.reshape(a.shape)
+
+
 def quantize(x, lo, hi, seed, *, axis: int = -1, groups: int = 1,
              implementation: str = "xla"):
   """Codes of ``x`` (uint8, x's shape) for per-group ranges ``lo``/``hi`` (fp32 ``[G]``)."""
-  _check_implementation(implementation)
-  view = group_view(x.shape, axis, groups)
-  x3 = x.reshape(view)
-  if implementation == "xla":
-    codes = quantize_reference(x3, lo, hi, seed)
-  else:
-    codes = pallas_quant.quantize(x3, lo, hi, seed,
-                                  interpret=implementation == "pallas_interpret")
-  return codes.reshape(x.shape)
+  return _on_group_view("quantize", x, axis, groups, implementation, lo, hi, seed)
 
 
 def dequantize(codes, lo, hi, dtype, *, axis: int = -1, groups: int = 1,
                implementation: str = "xla"):
   """Values of uint8 ``codes`` in ``dtype``."""
-  _check_implementation(implementation)
-  c3 = codes.reshape(group_view(codes.shape, axis, groups))
-  if implementation == "xla":
-    x3 = dequantize_reference(c3, lo, hi, dtype)
-  else:
-    x3 = pallas_quant.dequantize(c3, lo, hi, dtype,
-                                 interpret=implementation == "pallas_interpret")
-  return x3.reshape(codes.shape)
+  return _on_group_view("dequantize", codes, axis, groups, implementation, lo, hi, dtype)
 
 
 # ----------------------------------------------------------------------------- EMA range

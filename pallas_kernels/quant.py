@@ -1,5 +1,6 @@
 """Mesa 8-bit quantize / dequantize as Pallas kernels, bit-identical to the jnp reference
-(``lowmem_jax.quant.quantize_reference`` / ``dequantize_reference``).
+(``lowmem_jax.quant.quantize_reference`` / ``dequantize_reference``), whose noise
+(``uniform_noise``) and per-group step (``group_step``) they import.
 
 On the ``[O, G, I]`` view of a tensor (``G`` contiguous groups, one ``lo``/``hi`` each):
 ``code = clip(floor((x - lo) / step + u), 0, 255)`` with ``step = (hi - lo) / 255`` rounded
@@ -25,7 +26,7 @@ therefore the reference's codes on that GPU; they can differ from the CPU's by o
 where ``(x - lo) / step + u`` lies within ~2 ulp of an integer (a division that rounds
 differently), which stochastic rounding makes harmless. Interpret mode runs the same
 arithmetic through XLA. The per-group step is computed once, outside the kernels, by the
-reference's own formula.
+reference's own function.
 """
 
 from __future__ import annotations
@@ -37,38 +38,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lowmem_jax.quant import LEVELS, group_step, uniform_noise
 from pallas_kernels import layout
 
-LEVELS = 255                          # codes 0..255, as lowmem_jax.quant
 BLOCK_ELEMENTS = layout.BLOCK_ELEMENTS  # elements per program (a power of two)
 BLOCK_INNER = 1024                    # widest tile along I (a power of two)
-
-
-# ----------------------------------------------------------------------------- noise
-def _hash32(x):
-  """lowbias32 on uint32 -> uint32, a well-mixed integer hash."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  return x ^ (x >> 16)
-
-
-def uniform_noise(index, seed):
-  """``[0, 1)`` fp32 noise (24 bits) of uint32 element indices and a seed: the noise of
-  the kernels and of ``lowmem_jax.quant``'s reference."""
-  bits = _hash32(index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seed.astype(jnp.uint32))
-  return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
-
-
-def group_step(lo, hi):
-  """The per-group step ``(hi - lo) / 255`` (1e-30 for a flat range: codes all 0),
-  rounded up to 16 significant bits, so ``code * step`` is exact in fp32 and a fused
-  multiply-add changes nothing."""
-  step = (hi - lo) / LEVELS
-  step = jnp.where(step > 0, step, jnp.float32(1e-30))
-  bits = jax.lax.bitcast_convert_type(step, jnp.uint32)
-  return jax.lax.bitcast_convert_type((bits + 0xFF) & ~jnp.uint32(0xFF), jnp.float32)
 
 
 # ----------------------------------------------------------------------------- IEEE ops
@@ -160,51 +134,45 @@ def _dequantize_kernel(codes_ref, lo_ref, step_ref, out_ref, *, shape, bo, bi, i
 
 
 # ----------------------------------------------------------------------------- entry points
-@functools.partial(jax.jit, static_argnames=("interpret", "block_inner", "block_elements"))
+@functools.partial(jax.jit, static_argnames=("kernel", "name", "out_dtype", "interpret",
+                                             "block_inner", "block_elements"))
+def _launch(kernel, name, a3, lo, hi, extra, out_dtype, interpret, block_inner,
+            block_elements):
+  """``kernel`` over the ``[O, G, I]`` array ``a3`` (a program per group and tile), given
+  fp32 ``lo`` and the reference's :func:`group_step` per group, then ``extra`` inputs:
+  an output of ``a3``'s shape in ``out_dtype``."""
+  if a3.size == 0:
+    return jnp.zeros(a3.shape, out_dtype)
+  _check_size(a3.shape, f"{name} kernel")
+  lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
+  bo, bi = _blocks(a3.shape[0], a3.shape[2], block_inner, block_elements)
+  return pl.pallas_call(
+      functools.partial(kernel, shape=a3.shape, bo=bo, bi=bi, interpret=interpret),
+      out_shape=jax.ShapeDtypeStruct(a3.shape, out_dtype),
+      grid=_grid(a3.shape, bo, bi), interpret=interpret,
+      compiler_params=layout.compiler_params(), name=f"mesa_{name}",
+  )(a3, lo, group_step(lo, hi), *extra)
+
+
 def quantize(x3: jax.Array, lo: jax.Array, hi: jax.Array, seed, *, interpret: bool = False,
              block_inner: int = BLOCK_INNER,
              block_elements: int = BLOCK_ELEMENTS) -> jax.Array:
   """uint8 codes of a float ``x3: [O, G, I]`` for fp32 ranges ``lo``/``hi: [G]`` and a
-  uint32 ``seed`` (stochastic rounding), bit-identical to the jnp reference."""
+  uint32 ``seed`` (stochastic rounding); reference: ``lowmem_jax.quant.quantize_reference``."""
   if x3.ndim != 3 or not jnp.issubdtype(x3.dtype, jnp.floating):
     raise ValueError(f"quantize kernel expects a float [O, G, I] array, got "
                      f"{x3.dtype}{list(x3.shape)}")
   _check_range(lo, hi, x3.shape[1], "quantize kernel")
-  if x3.size == 0:
-    return jnp.zeros(x3.shape, jnp.uint8)
-  _check_size(x3.shape, "quantize kernel")
-  lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
-  bo, bi = _blocks(x3.shape[0], x3.shape[2], block_inner, block_elements)
-  return pl.pallas_call(
-      functools.partial(_quantize_kernel, shape=x3.shape, bo=bo, bi=bi,
-                        interpret=interpret),
-      out_shape=jax.ShapeDtypeStruct(x3.shape, jnp.uint8),
-      grid=_grid(x3.shape, bo, bi), interpret=interpret,
-      compiler_params=layout.compiler_params(), name="mesa_quantize",
-  )(x3, lo, group_step(lo, hi), jnp.asarray(seed, jnp.uint32).reshape(1))
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "interpret", "block_inner",
-                                             "block_elements"))
-def _dequantize(codes3, lo, hi, dtype, interpret, block_inner, block_elements):
-  if codes3.size == 0:
-    return jnp.zeros(codes3.shape, dtype)
-  _check_size(codes3.shape, "dequantize kernel")
-  lo, hi = lo.astype(jnp.float32), hi.astype(jnp.float32)
-  bo, bi = _blocks(codes3.shape[0], codes3.shape[2], block_inner, block_elements)
-  return pl.pallas_call(
-      functools.partial(_dequantize_kernel, shape=codes3.shape, bo=bo, bi=bi,
-                        interpret=interpret),
-      out_shape=jax.ShapeDtypeStruct(codes3.shape, dtype),
-      grid=_grid(codes3.shape, bo, bi), interpret=interpret,
-      compiler_params=layout.compiler_params(), name="mesa_dequantize",
-  )(codes3, lo, group_step(lo, hi))
+  seed = jnp.asarray(seed, jnp.uint32).reshape(1)
+  return _launch(_quantize_kernel, "quantize", x3, lo, hi, (seed,), jnp.dtype(jnp.uint8),
+                 interpret, block_inner, block_elements)
 
 
 def dequantize(codes3: jax.Array, lo: jax.Array, hi: jax.Array, dtype, *,
                interpret: bool = False, block_inner: int = BLOCK_INNER,
                block_elements: int = BLOCK_ELEMENTS) -> jax.Array:
-  """Values ``code * step + lo`` (fp32 math) in ``dtype`` of uint8 ``codes3: [O, G, I]``."""
+  """Values ``code * step + lo`` (fp32 math) in ``dtype`` of uint8 ``codes3: [O, G, I]``;
+  reference: ``lowmem_jax.quant.dequantize_reference``."""
   dtype = jnp.dtype(dtype)
   if codes3.ndim != 3 or codes3.dtype != jnp.uint8:
     raise ValueError(f"dequantize kernel expects uint8 [O, G, I] codes, got "
@@ -212,4 +180,5 @@ def dequantize(codes3: jax.Array, lo: jax.Array, hi: jax.Array, dtype, *,
   if not jnp.issubdtype(dtype, jnp.floating):
     raise ValueError(f"dequantize kernel: dtype must be floating, got {dtype}")
   _check_range(lo, hi, codes3.shape[1], "dequantize kernel")
-  return _dequantize(codes3, lo, hi, dtype, interpret, block_inner, block_elements)
+  return _launch(_dequantize_kernel, "dequantize", codes3, lo, hi, (), dtype, interpret,
+                 block_inner, block_elements)

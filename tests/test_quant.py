@@ -101,7 +101,7 @@ def np_noise(index, seed):
 
 
 def test_noise_is_the_documented_hash():
-  """The noise the reference and the kernels share (pallas_kernels.quant.uniform_noise)
+  """The noise the reference and the kernels share (lowmem_jax.quant.uniform_noise)
   is the documented hash, wrap-around indices and extreme seeds included."""
   rng = np.random.default_rng(0)
   index = np.concatenate([np.arange(2000), [2 ** 31 - 1, 2 ** 31, 2 ** 32 - 1],
