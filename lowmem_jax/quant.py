@@ -32,11 +32,10 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax import norms
+from lowmem_jax import dispatch, norms
 
 DECAY = 0.9       # EMA decay of the per-group range
 LEVELS = 255      # codes 0..255
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 
 
 # ----------------------------------------------------------------------------- layout
@@ -109,35 +108,26 @@ def dequantize_reference(codes3, lo, hi, dtype):
 
 
 def _check_implementation(implementation):
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown quantization implementation {implementation!r}; valid: "
-                     f"{', '.join(IMPLEMENTATIONS)}")
+  dispatch.check_implementation(implementation, "quantization")
 
 
-def _on_group_view(op: str, a, axis: int, groups: int, implementation: str, *args):
-  """``op`` ("quantize" / "dequantize") of ``a`` on its ``[O, G, I]`` view, reshaped
-  back: the ``*_reference`` here for "xla", else the kernel of the same name in
-  :mod:`pallas_kernels.quant` (imported here, so the jnp path never loads Pallas)."""
-  _check_implementation(implementation)
-  a3 = a.reshape(group_view(a.shape, axis, groups))
-  if implementation == "xla":
-    out = {"quantize": quantize_reference, "dequantize": dequantize_reference}[op](a3, *args)
-  else:
-    from pallas_kernels import quant as kernels
-    out = getattr(kernels, op)(a3, *args, interpret=implementation == "pallas_interpret")
-  return out.reshape(a.shape)
+def _on_group_view(reference, a, axis: int, groups: int, implementation: str, *args):
+  """``reference`` (or its kernel, per ``implementation``) of ``a`` on its ``[O, G, I]``
+  view, reshaped back to ``a``'s shape."""
+  op = dispatch.implementation_of(reference, implementation, "quantization")
+  return op(a.reshape(group_view(a.shape, axis, groups)), *args).reshape(a.shape)
 
 
 def quantize(x, lo, hi, seed, *, axis: int = -1, groups: int = 1,
              implementation: str = "xla"):
   """Codes of ``x`` (uint8, x's shape) for per-group ranges ``lo``/``hi`` (fp32 ``[G]``)."""
-  return _on_group_view("quantize", x, axis, groups, implementation, lo, hi, seed)
+  return _on_group_view(quantize_reference, x, axis, groups, implementation, lo, hi, seed)
 
 
 def dequantize(codes, lo, hi, dtype, *, axis: int = -1, groups: int = 1,
                implementation: str = "xla"):
   """Values of uint8 ``codes`` in ``dtype``."""
-  return _on_group_view("dequantize", codes, axis, groups, implementation, lo, hi, dtype)
+  return _on_group_view(dequantize_reference, codes, axis, groups, implementation, lo, hi, dtype)
 
 
 # ----------------------------------------------------------------------------- EMA range
