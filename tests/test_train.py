@@ -33,8 +33,9 @@ def _losses(out_dir):
 def _restored(out_dir, cfg):
   from models import sites
   from train.checkpoint import Checkpoints
-  from train.data import Batches, digits
-  from train.loop import build_model
+  from train.batches import Batches
+  from train.images import digits
+  from train.model import build_model
   model = build_model(cfg)
   if cfg.grad_norm_cache:
     sites.attach_grad_norm_caches(model, len(digits("train")), cfg.batch_size)
@@ -79,7 +80,8 @@ def test_resume_continues_bit_for_bit(tmp_path, extra):
 def test_site_state_and_grad_norm_cache_are_carried(tmp_path):
   from flax import nnx
   from models import sites
-  from train.data import Batches, digits
+  from train.batches import Batches
+  from train.images import digits
   cfg = _cfg(tmp_path, "steps=3", "policy=mesa8+wta-crs", "grad_norm_cache=true")
   train(cfg)
   trainer = _restored(tmp_path, cfg)
@@ -125,10 +127,11 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
   one = Trainer.create(_cfg(tmp_path / "a", "steps=1", "optimizer=sgd", "grad_clip=0.0"))
   acc = Trainer.create(_cfg(tmp_path / "b", "steps=1", "optimizer=sgd", "grad_clip=0.0",
                             "grad_accum=4"))
-  from train.data import Batches, digits
+  from train.batches import Batches
+  from train.images import digits
   batch = one.put(next(Batches(digits("train"), 32)))
-  s1, m1 = one.train_step(one.state, batch)
-  s2, m2 = acc.train_step(acc.state, batch)
+  m1, m2 = one.step(batch), acc.step(batch)
+  s1, s2 = one.state, acc.state
   np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5)
   np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-4)
   for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
@@ -406,7 +409,8 @@ def test_resume_after_corruption_finishes_and_all_corrupt_is_one_line(finished_r
 
 def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, capsys):
   from train.checkpoint import Checkpoints
-  from train.data import Batches, digits
+  from train.batches import Batches
+  from train.images import digits
   from train.loop import _resume
   cfg = _copy(finished_run, tmp_path / "run")
   changed = cfg.replace(lr=2e-3, steps=8, resume=True, log_every=5)
@@ -423,12 +427,12 @@ def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, c
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
-  from train.loop import _truncate_metrics
+  from train.metrics import truncate_metrics
   path = tmp_path / "metrics.jsonl"
   rows = [{"event": "memory", "step": 0}, {"step": 1, "loss": 1.0}, {"step": 2, "loss": 2.0},
           {"step": 2, "eval_loss": 2.0}, {"event": "memory", "step": 2}, {"step": 3, "loss": 3}]
   path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
-  _truncate_metrics(path, 2)
+  truncate_metrics(path, 2)
   assert [json.loads(x) for x in path.read_text().splitlines()] == rows[:4]
 
 
@@ -490,7 +494,8 @@ def test_named_config_paths_resolve_against_the_package(tmp_path, monkeypatch):
 
 
 def test_eval_set_uses_the_training_label_map_and_labels_fit_the_model(tmp_path):
-  from train.loop import build_model, make_datasets
+  from train.datasets import make_datasets
+  from train.model import build_model
   tokenizer = _minilm_dir() / "tokenizer.json"
   train_file, test_file = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
   train_file.write_text('{"text": "bad", "label": "neg"}\n{"text": "good", "label": "pos"}\n')
@@ -515,12 +520,13 @@ def test_eval_set_uses_the_training_label_map_and_labels_fit_the_model(tmp_path)
 def test_precision_covers_the_whole_step(tmp_path, precision):
   """``precision`` reaches every matmul of the step: the forward, plain autodiff's
   backward and our custom_vjp rules' (MS norms, flash attention), traced after it."""
-  from train.data import Batches, digits
+  from train.batches import Batches
+  from train.images import digits
   cfg = _cfg(tmp_path, "dtype=float32", "policy=lowmembp+attention=flash",
              f"precision={precision}")
   trainer = Trainer.create(cfg)
   batch = trainer.put(next(Batches(digits("train"), cfg.batch_size, seed=0)))
-  text = trainer.train_step.lower(trainer.state, batch).as_text()
+  text = trainer.lower(batch).as_text()
   dots = [line for line in text.splitlines() if "dot_general" in line]
   assert len(dots) > 20
   highest = [line for line in dots if "HIGHEST" in line]
@@ -530,7 +536,7 @@ def test_precision_covers_the_whole_step(tmp_path, precision):
 
 
 def test_missing_model_package_is_a_clear_error():
-  from train.loop import resolve_path
+  from train.model import resolve_path
   with pytest.raises(ValueError, match="'no_such_model_pkg' is not installed; pip install "
                      "--no-deps no-such-model-pkg"):
     resolve_path("pkg:no_such_model_pkg")

@@ -42,8 +42,9 @@ def test_bench_end_to_end(tmp_path, capsys):
 
   # the figures read off the timed executable are Trainer.compiled_memory's
   from train.config import load_config
-  from train.loop import Trainer, make_datasets
-  from train.data import Batches
+  from train.batches import Batches
+  from train.datasets import make_datasets
+  from train.trainer import Trainer
   cfg = load_config("digits-vit", None, ["model.num_layers=1", "batch_size=16",
                                          "policy=baseline"])
   trainer = Trainer.create(cfg)

@@ -1,1 +1,1 @@
-"""The fine-tuning loop, CLI, data, checkpoints and benchmarks. Arrive with the Training issue."""
+"""Fine-tuning: configs, data, the train step and loop, CLI, checkpoints, benchmarks."""

@@ -7,8 +7,8 @@
     python -m train.bench --synthetic 64 --set model=llama-7b --set task=lm \
         --set model.num_layers=4 --set max_len=1024 --set batch_size=4   # no data files
 
-For the config's model and batch, each policy gets its own :class:`train.loop.Trainer`
-(``cfg.replace(policy=spec)``), its own state and its own :class:`train.data.Batches`.
+For the config's model and batch, each policy gets its own :class:`train.trainer.Trainer`
+(``cfg.replace(policy=spec)``), its own state and its own :class:`train.batches.Batches`.
 The bench records the compiled memory of the train step (temporaries, arguments, total:
 ``Trainer.compiled_memory``'s figures, read off the executable that is then timed), then
 times the train steps of all policies interleaved in one process (round-robin, median
@@ -36,7 +36,6 @@ full-size models (ViT-B/16 at 224 px, LLaMA-7B widths) need no image folder or t
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -49,6 +48,7 @@ import numpy as np
 
 from lowmem_jax.memory import MiB, split_policies, format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
+from train.batches import batch_items
 from train.config import TrainConfig, add_config_arguments, load_config
 
 DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
@@ -80,16 +80,6 @@ def _is_baseline(spec: str) -> bool:
   return MemoryPolicy.parse(spec) == MemoryPolicy()
 
 
-def _jsonable(cfg: TrainConfig) -> dict:
-  return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
-
-
-def _items(batch: dict, task: str) -> int:
-  """Examples in a batch, or tokens (padding included) for a causal LM, as the loop counts."""
-  first = batch[next(iter(batch))]
-  return int(np.prod(first.shape[:2 if task == "lm" else 1]))
-
-
 class _Runner:
   """One policy's trainer, fed from its own batches: each call is one train step.
 
@@ -105,7 +95,7 @@ class _Runner:
 
   def __call__(self):
     t = self.trainer
-    t.state, self.metrics = t.train_step(t.state, self.batch)
+    self.metrics = t.step(self.batch)
     self.batch = t.put(next(self.batches))
     self.steps += 1
     return t.state
@@ -114,22 +104,22 @@ class _Runner:
 def synthetic_dataset(cfg: TrainConfig, n: int):
   """``n`` random examples shaped for the config's (preset) model, for speed and memory
   runs without data files."""
-  from train import data as data_lib
-  from train.loop import model_config
+  from train.dataset import ArrayDataset
+  from train.model import model_config
   if cfg.pretrained:
     raise ValueError("--synthetic works with model presets, not pretrained=<dir>")
   mc = model_config(cfg)
   rng = np.random.default_rng(cfg.seed)
   if cfg.task == "image":
     shape = (n, mc.image_size, mc.image_size, mc.channels)
-    return data_lib.ArrayDataset({
+    return ArrayDataset({
         "image": rng.standard_normal(shape, np.float32),
         "label": rng.integers(0, mc.num_labels, n).astype(np.int32)})
   tokens = rng.integers(0, mc.vocab_size, (n, cfg.max_len + 1)).astype(np.int32)
   if cfg.task == "lm":
-    return data_lib.ArrayDataset({"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
+    return ArrayDataset({"tokens": tokens[:, :-1], "targets": tokens[:, 1:],
                                   "loss_mask": np.ones((n, cfg.max_len), bool)})
-  return data_lib.ArrayDataset({"tokens": tokens[:, :-1],
+  return ArrayDataset({"tokens": tokens[:, :-1],
                                 "mask": np.ones((n, cfg.max_len), bool),
                                 "label": rng.integers(0, mc.num_labels, n).astype(np.int32)})
 
@@ -138,15 +128,15 @@ def train_dataset(cfg: TrainConfig, synthetic: int = 0):
   """The config's training set, or ``synthetic`` random examples when > 0."""
   if synthetic:
     return synthetic_dataset(cfg, synthetic)
-  from train.loop import make_datasets
+  from train.datasets import make_datasets
   return make_datasets(cfg)[0]
 
 
 def _make_runner(cfg: TrainConfig, spec: str, train_set):
-  from train import data as data_lib
-  from train.loop import Trainer
+  from train.batches import Batches
+  from train.trainer import Trainer
   trainer = Trainer.create(cfg.replace(policy=spec, resume=False))
-  return _Runner(trainer, data_lib.Batches(train_set, cfg.batch_size, seed=cfg.seed))
+  return _Runner(trainer, Batches(train_set, cfg.batch_size, seed=cfg.seed))
 
 
 def _device_info() -> dict:
@@ -216,7 +206,7 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
     runners[spec] = runner
     print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
           f"{memory[spec].total / MiB:.1f} MiB", flush=True)
-  items = _items(runners[specs[0]].batch, cfg.task)
+  items = batch_items(runners[specs[0]].batch, cfg.task)
   unit = "tokens/s" if cfg.task == "lm" else "examples/s"
   seconds = time_interleaved(runners, {spec: () for spec in specs}, rounds=steps,
                              warmup=warmup)
@@ -237,14 +227,14 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
         "throughput": items / t, "throughput_unit": unit,
         "steps_run": r.steps,
         "final_loss": float(r.metrics["loss"]),
-        "finite": bool(r.metrics["finite"]),
+        "finite": r.trainer.first_bad_step() is None,  # every step run
     }
     if peaks:
       row["peak_bytes_in_use"] = peaks[spec]
       row["peak_mib"] = peaks[spec] / MiB
       row["peak_ratio"] = peaks[spec] / max(peaks[base], 1)
     rows.append(row)
-  return {**_device_info(), "config": _jsonable(cfg), "policies": list(specs),
+  return {**_device_info(), "config": cfg.to_json(), "policies": list(specs),
           "baseline": base, "timed_steps": steps, "warmup_steps": warmup,
           "items_per_step": items, "throughput_unit": unit, "synthetic": synthetic,
           "rows": rows}

@@ -103,6 +103,10 @@ class TrainConfig:
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)
 
+  def to_json(self) -> dict:
+    """The fields as JSON values (what checkpoints and config.json record)."""
+    return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
 
 # Named configs: the embedded default and documented examples.
 CONFIGS: dict[str, dict] = {
@@ -234,7 +238,7 @@ BOOKKEEPING = ("name", "out_dir", "resume", "overwrite", "profile_dir", "profile
 def config_diff(saved: dict, cfg: TrainConfig) -> list[str]:
   """``"key old -> new"`` for every field (``model.<field>`` for model overrides) where
   ``cfg`` differs from ``saved`` (a checkpoint's JSON config), bookkeeping fields aside."""
-  now = json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+  now = cfg.to_json()
 
   def flat(d: dict) -> dict:
     out = {k: v for k, v in d.items() if k != "model_overrides" and k not in BOOKKEEPING}

@@ -1,0 +1,123 @@
+"""Causal-LM data: text files and instruction jsonl -> ``tokens``, ``targets``, ``loss_mask``."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from train.dataset import ArrayDataset, MissingFileError
+from train.jsonl import field, read_jsonl
+from train.tokenize import check_max_len, eos_ids, load_tokenizer, special_affixes
+
+# Alpaca's two prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT). The model
+# is trained on the tokens of `output` (and the end token) that follow the formatted prompt.
+DEFAULT_PROMPT = (
+    "Below is an instruction that describes a task, paired with an input that provides further "
+    "context. Write a response that appropriately completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n")
+DEFAULT_PROMPT_NO_INPUT = (
+    "Below is an instruction that describes a task. Write a response that appropriately "
+    "completes the request.\n\n"
+    "### Instruction:\n{instruction}\n\n### Response:\n")
+
+
+def causal_lm(path, tokenizer, *, max_len: int,
+              prompt_template: str = DEFAULT_PROMPT) -> ArrayDataset:
+  """Next-token data -> ``tokens`` (inputs), ``targets`` (the next tokens) and ``loss_mask``.
+
+  - ``.txt``: the whole file is one token stream (the tokenizer's start token, the text, its
+    end token) cut into windows of ``max_len + 1`` tokens with stride ``max_len``, so
+    consecutive windows share one token and every next-token pair is trained exactly once; the
+    last window is padded. ``loss_mask`` is True on every real target.
+  - ``.jsonl`` (or ``.json`` holding one array of objects, as Alpaca's): one row per record,
+    truncated to ``max_len + 1`` tokens and right-padded. A line
+    ``{"text": ...}`` is trained on all of its tokens. A line ``{"instruction", "input"
+    (optional), "output"}`` becomes ``prompt_template.format(instruction=..., input=...)``
+    followed by the output: ``loss_mask`` is True only where the target is an output token or
+    the end token. With the default template an empty input uses Alpaca's no-input prompt.
+
+  Start/end tokens are the ones the tokenizer's post-processor adds to one sequence (BERT:
+  [CLS] ... [SEP]; LLaMA: <s>); when it adds no end token, the first of ``EOS_CANDIDATES`` in
+  the vocabulary ends each text and output, so the model learns to stop.
+  """
+  check_max_len(max_len)
+  p = Path(path)
+  if not p.is_file():
+    raise MissingFileError(f"data file not found: {p}")
+  tok, pad_id = load_tokenizer(tokenizer)
+  prefix, suffix = special_affixes(tok)
+  eos = eos_ids(tok, suffix)
+  suffix_lower = p.suffix.lower()
+  if suffix_lower == ".txt":
+    text = p.read_text(encoding="utf-8-sig")
+    if not text.strip():
+      raise ValueError(f"empty dataset: {p} has no text")
+    stream = prefix + tok.encode(text, add_special_tokens=False).ids + eos
+    if len(stream) < 2:
+      raise ValueError(f"{p} tokenizes to {len(stream)} token(s); need at least 2")
+    starts = range(0, len(stream) - 1, max_len)
+    rows = [(stream[s:s + max_len + 1], None) for s in starts]
+  elif suffix_lower in (".jsonl", ".json"):
+    rows = _causal_rows(p, tok, prefix, eos, prompt_template, max_len)
+  else:
+    raise ValueError(f"causal_lm reads .txt or .jsonl files, got {p.name}")
+
+  n = len(rows)
+  tokens = np.full((n, max_len), pad_id, np.int32)
+  targets = np.full((n, max_len), pad_id, np.int32)
+  loss_mask = np.zeros((n, max_len), bool)
+  for i, (ids, in_loss) in enumerate(rows):
+    ids = ids[:max_len + 1]
+    m = len(ids) - 1
+    if m < 1:
+      continue
+    tokens[i, :m] = ids[:-1]
+    targets[i, :m] = ids[1:]
+    loss_mask[i, :m] = True if in_loss is None else in_loss[1:m + 1]
+  empty = int((~loss_mask.any(1)).sum())
+  if empty == n:
+    raise ValueError(f"{p}: no example has a token to train on (max_len={max_len} too short?)")
+  if empty:
+    warnings.warn(f"{p}: {empty} of {n} examples have no target in the loss "
+                  f"(output truncated away at max_len={max_len}, or empty)", stacklevel=2)
+  return ArrayDataset({"tokens": tokens, "targets": targets, "loss_mask": loss_mask})
+
+
+def _causal_rows(p: Path, tok, prefix, eos, template, max_len):
+  """(token ids, per-token in-loss flags or None for all) for every jsonl line."""
+  if "{instruction}" not in template:
+    raise ValueError("prompt_template must contain '{instruction}'")
+  records = read_jsonl(p)
+  texts, kinds = [], []
+  for where, obj in records:
+    if "output" in obj:
+      instruction = field(where, obj, "instruction")
+      inp = field(where, obj, "input", optional=True) or ""
+      output = field(where, obj, "output")
+      t = DEFAULT_PROMPT_NO_INPUT if template == DEFAULT_PROMPT and not inp.strip() else template
+      try:
+        prompt = t.format(instruction=instruction, input=inp)
+      except (KeyError, IndexError, ValueError) as e:
+        raise ValueError(f"bad prompt_template (only {{instruction}} and {{input}} are "
+                         f"filled; literal braces must be doubled): {e!r}") from e
+      texts += [prompt, output]
+      kinds.append("instruction")
+    elif "text" in obj:
+      texts += [field(where, obj, "text"), ""]
+      kinds.append("text")
+    else:
+      raise ValueError(f"{where}: missing key: need 'text' or 'instruction'/'output' "
+                       f"(has {sorted(obj)})")
+  encoded = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+  rows = []
+  for j, kind in enumerate(kinds):
+    first, second = encoded[2 * j], encoded[2 * j + 1]
+    ids = (prefix + first + second + eos)[:max_len + 1]
+    if kind == "text":
+      rows.append((ids, None))
+    else:
+      n_prompt = len(prefix) + len(first)
+      rows.append((ids, [k >= n_prompt for k in range(len(ids))]))
+  return rows

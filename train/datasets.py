@@ -1,0 +1,51 @@
+"""The training and eval datasets a config names, checked against the model's labels."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from train import images
+from train.causal_lm import causal_lm
+from train.config import TrainConfig
+from train.model import model_config, resolve_path
+from train.text import text_classification
+
+
+def make_datasets(cfg: TrainConfig, model=None):
+  """(train dataset, eval dataset or None) for the config's task. Class labels are checked
+  against the model's ``num_labels`` (``model`` given, or the preset's); string labels and
+  class folders map to ids from the training set, which the eval set reuses."""
+  model_cfg = getattr(model, "cfg", None)
+  if cfg.task == "image":
+    if model_cfg is None:  # the image size of the model
+      model_cfg = model_config(cfg)
+    num_labels = getattr(model_cfg, "num_labels", None)
+    if cfg.data == "digits":
+      if num_labels is not None and num_labels < images.DIGITS_NUM_CLASSES:
+        raise ValueError(f"data=digits has {images.DIGITS_NUM_CLASSES} classes but the model "
+                         f"has num_labels={num_labels}; set model.num_labels="
+                         f"{images.DIGITS_NUM_CLASSES}")
+      return images.digits("train", seed=cfg.seed), images.digits("test", seed=cfg.seed)
+    folder = functools.partial(images.image_folder, image_size=model_cfg.image_size,
+                               channels=model_cfg.channels, num_labels=num_labels)
+    train = folder(cfg.data)
+    test = None if cfg.eval_data is None else folder(
+        cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
+    return train, test
+  tokenizer = cfg.tokenizer or (os.path.join(resolve_path(cfg.pretrained), "tokenizer.json")
+                                if cfg.pretrained else None)
+  if tokenizer is None:
+    raise ValueError(f"task={cfg.task!r} needs tokenizer=<tokenizer.json> or pretrained=<dir>")
+  if cfg.task == "lm":
+    load = functools.partial(causal_lm, tokenizer=tokenizer, max_len=cfg.max_len)
+    return load(cfg.data), (None if cfg.eval_data is None else load(cfg.eval_data))
+  num_labels = (getattr(model_cfg, "num_labels", None) if model_cfg is not None
+                else cfg.model_overrides.get("num_labels"))
+  load = functools.partial(text_classification, tokenizer=tokenizer,
+                           max_len=cfg.max_len, num_labels=num_labels)
+  train = load(cfg.data)
+  test = None if cfg.eval_data is None else load(
+      cfg.eval_data, label_names=train.class_names, label_names_from=cfg.data,
+      int_labels=train.class_names is None)
+  return train, test

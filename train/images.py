@@ -1,0 +1,174 @@
+"""Image data: scikit-learn's digits and ImageNet-style class folders.
+
+Both return an ``ArrayDataset`` with ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32,
+and the class names by label id on ``class_names``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from train.dataset import ArrayDataset, MissingFileError
+
+DIGITS_NUM_CLASSES = 10
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+
+
+def digits(split: str = "train", *, test_fraction: float = 0.2, seed: int = 0) -> ArrayDataset:
+  """scikit-learn's bundled 8x8 digits (1797 images, no download), split per class.
+
+  The split is stratified: within each class a ``default_rng(seed)`` permutation sends
+  ``round(test_fraction * count)`` images to "test" and the rest to "train" (disjoint, fixed).
+  """
+  if split not in ("train", "test"):
+    raise ValueError(f"digits split must be 'train' or 'test', got {split!r}")
+  if not 0.0 < test_fraction < 1.0:
+    raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
+  try:
+    from sklearn.datasets import load_digits
+  except ImportError as e:
+    raise ImportError("digits() needs scikit-learn: pip install scikit-learn") from e
+  images, labels = load_digits(return_X_y=True)
+  labels = labels.astype(np.int32)
+  rng = np.random.default_rng(seed)
+  test = []
+  for c in range(DIGITS_NUM_CLASSES):
+    members = rng.permutation(np.flatnonzero(labels == c))
+    test.append(members[:int(round(test_fraction * len(members)))])
+  is_test = np.zeros(len(labels), bool)
+  is_test[np.concatenate(test)] = True
+  rows = np.flatnonzero(is_test if split == "test" else ~is_test)
+  image = (images[rows] / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
+  ds = ArrayDataset({"image": image, "label": labels[rows]})
+  ds.class_names = [str(c) for c in range(DIGITS_NUM_CLASSES)]
+  return ds
+
+
+def image_folder(path, *, image_size: int, channels: int = 3,
+                 class_names: list[str] | None = None, class_names_from: str | None = None,
+                 num_labels: int | None = None) -> ArrayDataset:
+  """ImageNet-style folder ``path/<class_name>/<image>``; label ids follow sorted class names,
+  or ``class_names`` (the training set's, read from ``class_names_from``) for an eval folder,
+  which may hold fewer classes but no other. Every label must be below ``num_labels``.
+
+  Images (read with Pillow) and ``.npy`` files (an HxWxC or HxW array: uint8 in [0, 255],
+  uint16 in [0, 65535] or float in [0, 1]) are resized to ``image_size`` squared (bilinear,
+  antialiased, aspect ratio not kept). Hidden entries and other files are ignored.
+  Returns ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32; ``class_names`` on the dataset.
+  """
+  root = Path(path)
+  if not root.exists():
+    raise MissingFileError(f"image folder not found: {root}")
+  if not root.is_dir():
+    raise ValueError(f"image folder is not a directory: {root}")
+  if image_size < 1:
+    raise ValueError(f"image_size must be >= 1, got {image_size}")
+  if channels not in (1, 3, 4):
+    raise ValueError(f"channels must be 1, 3 or 4, got {channels}")
+  present = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+  if not present:
+    raise ValueError(f"no class folders in {root} (expected {root}/<class_name>/<images>)")
+  if class_names is None:
+    class_names = present
+  index = {name: i for i, name in enumerate(class_names)}
+  files, labels = [], []
+  for name in present:
+    if name not in index:
+      raise ValueError(f"class folder {root / name}: class {name!r} does not occur in the "
+                       f"training data {class_names_from or ''} (its classes: {class_names})")
+    found = sorted(p for p in (root / name).iterdir()
+                   if p.is_file() and not p.name.startswith(".")
+                   and p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
+    if not found:
+      raise ValueError(f"class folder {root / name} holds no images "
+                       f"(.npy or {', '.join(IMAGE_SUFFIXES)})")
+    if num_labels is not None and index[name] >= num_labels:
+      raise ValueError(f"{found[0]}: class {name!r} is label {index[name]}, outside the "
+                       f"model's num_labels={num_labels} ({len(class_names)} classes; set "
+                       f"model.num_labels={len(class_names)})")
+    files += found
+    labels += [index[name]] * len(found)
+  pil = None
+  if any(f.suffix.lower() != ".npy" for f in files):
+    try:
+      from PIL import Image as pil
+    except ImportError as e:
+      raise ImportError(f"image_folder needs Pillow to read images in {root}: "
+                        "pip install pillow") from e
+  image = np.empty((len(files), image_size, image_size, channels), np.float32)
+  for i, f in enumerate(files):
+    if f.suffix.lower() == ".npy":
+      image[i] = _load_npy_image(f, image_size, channels)
+    else:
+      image[i] = _load_pil_image(pil, f, image_size, channels)
+  ds = ArrayDataset({"image": image, "label": np.asarray(labels, np.int32)})
+  ds.class_names = class_names
+  return ds
+
+
+def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
+  """One image file -> f32 [size, size, channels] in [0, 1]."""
+  mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
+  try:
+    with pil.open(f) as im:
+      im = im.convert(mode).resize((size, size), pil.Resampling.BILINEAR)
+      a = np.asarray(im, np.float32) / 255.0
+  except (OSError, ValueError) as e:
+    raise ValueError(f"cannot read image {f}: {e}") from e
+  return a.reshape(size, size, channels)
+
+
+def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
+  """One .npy HxWxC (or HxW) array -> f32 [size, size, channels] in [0, 1]."""
+  try:
+    a = np.load(f, allow_pickle=False)
+  except (OSError, ValueError) as e:
+    raise ValueError(f"cannot read {f}: {e}") from e
+  if a.ndim == 2:
+    a = a[:, :, None]
+  if a.ndim != 3 or a.shape[0] < 1 or a.shape[1] < 1:
+    raise ValueError(f"{f}: expected an HxWxC or HxW image array, got shape {a.shape}")
+  if a.dtype == np.uint8:
+    a = a.astype(np.float32) / 255.0
+  elif a.dtype == np.uint16:
+    a = a.astype(np.float32) / 65535.0
+  elif a.dtype == np.bool_ or np.issubdtype(a.dtype, np.floating):
+    a = a.astype(np.float32)
+    if a.size and (not np.isfinite(a).all() or a.min() < 0.0 or a.max() > 1.0):
+      raise ValueError(f"{f}: float image values must lie in [0, 1], "
+                       f"got [{a.min()}, {a.max()}]")
+  else:
+    raise ValueError(f"{f}: unsupported image dtype {a.dtype} (uint8, uint16 or float in [0, 1])")
+  a = _convert_channels(a, channels, f)
+  if a.shape[:2] != (size, size):
+    a = np.einsum("yh,hwc,xw->yxc", _resize_weights(a.shape[0], size), a,
+                  _resize_weights(a.shape[1], size), optimize=True)
+  return np.clip(a, 0.0, 1.0)
+
+
+def _convert_channels(a: np.ndarray, channels: int, f: Path) -> np.ndarray:
+  """HxWxC in [0, 1] -> HxWx``channels`` as Pillow's convert: grey is repeated, RGB -> L is
+  ITU-R 601 luma, alpha is dropped or added as 1."""
+  c = a.shape[2]
+  if c == channels:
+    return a
+  if c not in (1, 3, 4):
+    raise ValueError(f"{f}: image has {c} channels; expected 1, 3 or 4")
+  if channels == 1:
+    return a[:, :, :3] @ np.array([[0.299], [0.587], [0.114]], np.float32)
+  rgb = np.repeat(a, 3, axis=2) if c == 1 else a[:, :, :3]
+  if channels == 3:
+    return rgb
+  return np.concatenate([rgb, np.ones_like(rgb[:, :, :1])], axis=2)
+
+
+def _resize_weights(n_in: int, n_out: int) -> np.ndarray:
+  """[n_out, n_in] bilinear (triangle filter) resampling matrix, widened when downsampling
+  (antialiased, as Pillow's BILINEAR resize); half-pixel centres."""
+  scale = n_in / n_out
+  support = max(scale, 1.0)
+  centres = (np.arange(n_out) + 0.5) * scale
+  w = np.maximum(0.0, 1.0 - np.abs((np.arange(n_in)[None, :] + 0.5 - centres[:, None]) / support))
+  return (w / w.sum(1, keepdims=True)).astype(np.float32)  # every row has a pixel within 0.5

@@ -1,0 +1,52 @@
+"""JSON-lines records (or one JSON array of objects) with errors naming the file and line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from train.dataset import MissingFileError
+
+
+def read_jsonl(path) -> list[tuple[str, dict]]:
+  """(where, object) for every record: one per non-blank line of a jsonl file, where is
+  "file:line"; or, for a file holding one JSON array (Alpaca's .json), "file[item]"."""
+  p = Path(path)
+  if not p.is_file():
+    raise MissingFileError(f"data file not found: {p}")
+  text = p.read_text(encoding="utf-8-sig")
+  if text.lstrip().startswith("["):
+    try:
+      items = json.loads(text)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{p}:{e.lineno}: bad json: {e.msg}") from None
+    records = [(f"{p}[{i}]", obj) for i, obj in enumerate(items)]
+  else:
+    records = []
+    for line_no, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 is valid
+      if not line.strip():
+        continue
+      try:
+        records.append((f"{p}:{line_no}", json.loads(line)))
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{p}:{line_no}: bad json line: {e.msg}") from None
+  for where, obj in records:
+    if not isinstance(obj, dict):
+      raise ValueError(f"{where}: expected a json object, got {type(obj).__name__}")
+  if not records:
+    raise ValueError(f"empty dataset: {p} has no examples")
+  return records
+
+
+def field(where: str, obj: dict, key: str, *, kind=str, optional: bool = False):
+  """``obj[key]`` checked for type; ValueError naming the file, line and key."""
+  if key not in obj or obj[key] is None:
+    if optional:
+      return None
+    raise ValueError(f"{where}: missing key {key!r} (has {sorted(obj)})")
+  value = obj[key]
+  if not isinstance(value, kind) or isinstance(value, bool):
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    raise ValueError(f"{where}: {key!r} must be {' or '.join(k.__name__ for k in kinds)}, "
+                     f"got {type(value).__name__}")
+  return value

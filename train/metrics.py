@@ -1,0 +1,85 @@
+"""What a run logs: the progress line, ``metrics.jsonl`` (and TensorBoard), and reading it back."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+class Log:
+  """Progress line on stderr, metrics as JSON lines, and TensorBoard scalars when
+  ``tensorboardX`` is installed (``<out_dir>/tensorboard``)."""
+
+  def __init__(self, path: Path, total: int, unit: str, start: int = 0):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    truncate_metrics(path, start)
+    self.file, self.total, self.unit = open(path, "a"), total, unit
+    try:
+      from tensorboardX import SummaryWriter
+      # purge_step: TensorBoard drops the old run's scalars from the resumed step on
+      self.tensorboard = SummaryWriter(str(path.parent / "tensorboard"),
+                                       purge_step=start + 1 if start else None)
+    except ImportError:
+      self.tensorboard = None
+
+  def write(self, record: dict) -> None:
+    self.file.write(json.dumps(record) + "\n")
+    self.file.flush()
+    if self.tensorboard is not None and "step" in record:
+      for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)):
+          self.tensorboard.add_scalar(key, value, record["step"])
+
+  def progress(self, step, loss, steps_per_s, items_per_s) -> None:
+    width = 24
+    done = int(width * step / self.total)
+    sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} "
+                     f"loss {loss:.4f} | {steps_per_s:.2f} steps/s | "
+                     f"{items_per_s:.0f} {self.unit}/s ")
+    sys.stderr.flush()
+
+  def close(self):
+    sys.stderr.write("\n")
+    self.file.close()
+    if self.tensorboard is not None:
+      self.tensorboard.close()
+
+
+def metric_records(path: Path):
+  """``(line, record)`` of each readable JSON line of a metrics.jsonl (a line cut short
+  by a kill is skipped)."""
+  if not path.exists():
+    return
+  for line in path.read_text().splitlines():
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(record, dict):
+      yield line, record
+
+
+def truncate_metrics(path: Path, start: int) -> None:
+  """Drops the records a run resumed at step ``start`` writes again: every record past
+  ``start``, and events (the memory report) at ``start``. A fresh run starts empty."""
+  if not path.exists():
+    return
+  kept = [line + "\n" for line, record in metric_records(path)
+          if isinstance(record.get("step"), int)
+          and (record["step"] < start or (record["step"] == start and "event" not in record))]
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text("".join(kept))
+  os.replace(tmp, path)
+
+
+def finished_result(path: Path, step: int) -> dict:
+  """The result of a run finished at ``step``, read back from its metrics.jsonl."""
+  result = {"step": step, "loss": float("nan")}
+  for _, record in metric_records(path):
+    if record.get("step", step + 1) <= step:
+      if "loss" in record:
+        result["loss"] = record["loss"]
+      result.update({k: v for k, v in record.items() if k.startswith("eval_")})
+  return result

@@ -1,0 +1,108 @@
+"""Text classification data: jsonl ``{"text", "label"}`` -> ``tokens``, ``mask``, ``label``
+(pairs: ``types``), and the label map from names to ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from train.dataset import ArrayDataset
+from train.jsonl import field, read_jsonl
+from train.tokenize import check_max_len, load_tokenizer
+
+
+def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text",
+                        label_key: str = "label", text_pair_key: str | None = None,
+                        label_names: list[str] | None = None,
+                        label_names_from: str | None = None, int_labels: bool | None = None,
+                        num_labels: int | None = None) -> ArrayDataset:
+  """jsonl lines ``{"text": ..., "label": int or str}`` -> ``tokens``, ``mask``, ``label``
+  (a file holding one JSON array of such objects works too).
+
+  Sequences get the tokenizer's special tokens ([CLS] ... [SEP]) and are truncated to
+  ``max_len`` keeping them, then right-padded with the pad id (``mask`` is False there).
+  With ``text_pair_key`` the two texts are encoded as a pair and ``types`` (segment ids) is
+  added. String labels map to ids by ``label_names`` (default: their sorted unique values);
+  int labels must lie in ``[0, len(label_names))`` when names are given. An eval set passes
+  the training set's names (``label_names_from``: its file, for errors) and ``int_labels``
+  (the training set's kind: eval labels must be of the same kind). Every id must be below
+  ``num_labels`` (the model's). ``class_names`` on the dataset holds the names when known.
+  """
+  check_max_len(max_len)
+  tok, pad_id = load_tokenizer(tokenizer)
+  records = read_jsonl(path)
+  texts, raw_labels = [], []
+  for where, obj in records:
+    text = field(where, obj, text_key)
+    if text_pair_key is not None:
+      text = (text, field(where, obj, text_pair_key))
+    texts.append(text)
+    raw_labels.append((where, field(where, obj, label_key, kind=(int, str))))
+  labels, class_names = _label_ids(path, raw_labels, label_names, label_names_from, int_labels,
+                                   num_labels)
+
+  n_special = tok.num_special_tokens_to_add(text_pair_key is not None)
+  if max_len <= n_special:
+    raise ValueError(f"max_len={max_len} leaves no room for text after the tokenizer's "
+                     f"{n_special} special tokens")
+  tok.enable_truncation(max_length=int(max_len))
+  try:
+    encodings = tok.encode_batch(texts, add_special_tokens=True)
+  except Exception as e:  # tokenizers raises its own exception type on impossible truncation
+    raise ValueError(f"cannot encode {path} with max_len={max_len}: {e}") from e
+  n = len(encodings)
+  tokens = np.full((n, max_len), pad_id, np.int32)
+  types = np.zeros((n, max_len), np.int32)
+  mask = np.zeros((n, max_len), bool)
+  for i, enc in enumerate(encodings):
+    ids = enc.ids[:max_len]
+    tokens[i, :len(ids)] = ids
+    types[i, :len(ids)] = enc.type_ids[:max_len]
+    mask[i, :len(ids)] = True
+  arrays = {"tokens": tokens, "mask": mask, "label": labels}
+  if text_pair_key is not None:
+    arrays["types"] = types
+  ds = ArrayDataset(arrays)
+  ds.class_names = class_names
+  return ds
+
+
+def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
+               int_labels=None, num_labels=None) -> tuple[np.ndarray, list | None]:
+  """int32 label ids and the class names (None for int labels without names)."""
+  kinds = {type(v) for _, v in raw}
+  if len(kinds) > 1:
+    raise ValueError(f"{path}: labels mix ints and strings; use one kind")
+  if int_labels is not None and (kinds == {int}) != int_labels:
+    where, v = raw[0]
+    raise ValueError(f"{where}: label {v!r} is {'a string' if int_labels else 'an int'} but "
+                     f"the training data {names_from or ''} has "
+                     f"{'int' if int_labels else 'string'} labels")
+  if label_names is not None:
+    label_names = [str(x) for x in label_names]
+    if not label_names or len(set(label_names)) != len(label_names):
+      raise ValueError(f"label_names must be non-empty and unique, got {label_names}")
+  if kinds == {str}:
+    names = label_names if label_names is not None else sorted({v for _, v in raw})
+    index = {name: i for i, name in enumerate(names)}
+    ids = []
+    for where, v in raw:
+      if v not in index:
+        source = (f"does not occur in the training data {names_from}" if names_from
+                  else "not in label_names")
+        raise ValueError(f"{where}: label {v!r} {source} (labels: {names})")
+      if num_labels is not None and index[v] >= num_labels:
+        raise ValueError(f"{where}: label {v!r} is id {index[v]}, outside the model's "
+                         f"num_labels={num_labels} ({len(names)} distinct labels; set "
+                         f"model.num_labels={len(names)})")
+      ids.append(index[v])
+    return np.asarray(ids, np.int32), names
+  limit = len(label_names) if label_names is not None else np.iinfo(np.int32).max
+  for where, v in raw:
+    if not 0 <= v < limit:
+      raise ValueError(f"{where}: label {v} out of range [0, {limit})")
+    if num_labels is not None and v >= num_labels:
+      raise ValueError(f"{where}: label {v} is outside the model's num_labels={num_labels} "
+                       f"(ids 0..{num_labels - 1})")
+  return np.asarray([v for _, v in raw], np.int32), label_names

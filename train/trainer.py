@@ -1,0 +1,216 @@
+"""The train state and the jitted train and eval steps.
+
+The model is split into the trainable parameters, everything else, and a graph
+definition; the train state is the pytree ``{"step", "params", "rest", "opt"}`` (what a
+checkpoint holds). The step (donated state) computes loss and gradients, accumulating over
+``grad_accum`` micro-batches with ``lax.scan``, and applies the optax update.
+
+Non-finite steps without a host sync per step: beside the state the step carries
+``first_bad``, the step number, loss and gradient norm of the first step whose loss or
+gradient was not finite (step 0: none yet). That step and every step after it leave the
+whole state as it was (parameters, site state, optimizer counts, step), so the state stays
+the last good one until the host reads ``first_bad`` when it next needs a value anyway.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from lowmem_jax.memory import StepMemory, compiled_memory
+from models import sites
+from train import sharding
+from train.checkpoint import Checkpoints
+from train.config import TrainConfig
+from train.loss import loss_and_metrics
+from train.model import build_model, trainable_filter
+from train.optim import make_optimizer
+
+
+def matmul_precision(name: str):
+  """Decorator: trace ``fn`` under ``jax.default_matmul_precision(name)`` ("default":
+  leave JAX's setting alone). Around the whole step, so the backward of every op, our
+  custom_vjp rules included, is traced under it too (they trace after the forward)."""
+  def wrap(fn):
+    if name == "default":
+      return fn
+
+    @functools.wraps(fn)
+    def traced(*args):
+      with jax.default_matmul_precision(name):
+        return fn(*args)
+    return traced
+  return wrap
+
+
+def no_bad_step() -> dict:
+  """``first_bad`` before any non-finite step: step 0."""
+  return {"step": jnp.zeros((), jnp.int32), "loss": jnp.zeros((), jnp.float32),
+          "grad_norm": jnp.zeros((), jnp.float32)}
+
+
+@dataclasses.dataclass
+class Trainer:
+  """Everything the loop needs: the split model, optimizer, jitted steps."""
+  cfg: TrainConfig
+  graphdef: object
+  tx: optax.GradientTransformation
+  state: dict
+  mesh: object = None
+  first_bad: dict = dataclasses.field(default_factory=no_bad_step)
+
+  @classmethod
+  def create(cls, cfg: TrainConfig, model=None) -> "Trainer":
+    model = build_model(cfg) if model is None else model
+    graphdef, params, rest = nnx.split(model, trainable_filter(cfg), ...)
+    if not jax.tree.leaves(params):
+      raise ValueError(f"trainable={cfg.trainable!r} leaves no parameter to train")
+    tx = make_optimizer(cfg)
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
+             "opt": tx.init(params)}
+    mesh = sharding.make_mesh(cfg.mesh)
+    if mesh is not None:
+      state = sharding.shard_state(state, mesh)
+    return cls(cfg, graphdef, tx, state, mesh)
+
+  @functools.cached_property
+  def train_step(self):
+    """``(state, first_bad, batch) -> (state, first_bad, metrics)``, jitted, the first two
+    donated."""
+    cfg, graphdef, tx = self.cfg, self.graphdef, self.tx
+    trainable = trainable_filter(cfg)
+
+    def grads_of(params, rest, batch):
+      """Loss, metrics, gradients and ``rest`` as the forward left it (site state)."""
+      batch = dict(batch)
+      ids = batch.pop("example_id", None)
+      # WTA-CRS gradient-norm caches: differentiated only to read back, per example,
+      # the squared output-gradient norms (see lowmem_jax.sampling.wta_crs_linear)
+      caches = nnx.state(nnx.merge(graphdef, params, rest, copy=True), sites.GradNormCache)
+      use_caches = ids is not None and bool(jax.tree.leaves(caches))
+
+      def loss_fn(p, caches):
+        # copy=True: fresh Variables at this trace level, so sites may update them
+        model = nnx.merge(graphdef, p, rest, copy=True)
+        if use_caches:
+          nnx.update(model, caches)
+          sites.set_example_ids(model, ids)
+        loss, aux = loss_and_metrics(model, batch, cfg.task)
+        return loss, (aux, nnx.split(model, trainable, ...)[2])
+
+      (loss, (aux, rest)), (grads, cache_grads) = jax.value_and_grad(
+          loss_fn, argnums=(0, 1), has_aux=True)(params, caches)
+      if use_caches:
+        model = nnx.merge(graphdef, params, rest, copy=True)
+        nnx.update(model, jax.tree.map(sites.update_grad_norms, caches, cache_grads))
+        rest = nnx.split(model, trainable, ...)[2]
+      return loss, aux, grads, rest
+
+    @matmul_precision(cfg.precision)
+    def step(state, first_bad, batch):
+      params, rest = state["params"], state["rest"]
+      if cfg.grad_accum == 1:
+        loss, aux, grads, rest = grads_of(params, rest, batch)
+      else:  # scan over micro-batches: activations of one micro-batch at a time
+        micro = jax.tree.map(lambda x: x.reshape((cfg.grad_accum, -1) + x.shape[1:]), batch)
+
+        def body(carry, mb):
+          acc, rest = carry
+          loss, aux, grads, rest = grads_of(params, rest, mb)
+          return (jax.tree.map(jnp.add, acc, (loss, aux, grads)), rest), None
+
+        zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), (jnp.float32(0),) * 3, params))
+        ((loss, aux, grads), rest), _ = jax.lax.scan(body, (zeros, rest), micro)
+        loss, grads = loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads)
+      grad_norm = optax.tree.norm(grads)
+      updates, opt = tx.update(grads, state["opt"], params)
+      new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+             "rest": rest, "opt": opt}  # rest: site state (Mesa ranges, keys) updated
+      finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      halted = first_bad["step"] > 0
+      new = jax.tree.map(lambda n, o: jnp.where(finite & ~halted, n, o), new, state)
+      this = {"step": state["step"] + 1, "loss": loss.astype(jnp.float32),
+              "grad_norm": grad_norm.astype(jnp.float32)}
+      first_bad = jax.tree.map(lambda n, o: jnp.where(~finite & ~halted, n, o), this,
+                               first_bad)
+      return new, first_bad, {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+                              "correct": aux[1], "count": aux[2]}
+
+    return jax.jit(step, donate_argnums=(0, 1))
+
+  def step(self, batch: dict) -> dict:
+    """One train step on ``batch``, dispatched only (nothing is read back): updates
+    ``state`` and ``first_bad``; the step's metrics as device arrays."""
+    self.state, self.first_bad, metrics = self.train_step(self.state, self.first_bad, batch)
+    return metrics
+
+  def first_bad_step(self) -> dict | None:
+    """Waits for the steps dispatched so far; the first non-finite one's ``{"step", "loss",
+    "grad_norm"}`` (Python numbers), or None when all were finite."""
+    bad = jax.device_get(self.first_bad)
+    if int(bad["step"]) == 0:
+      return None
+    return {"step": int(bad["step"]), "loss": float(bad["loss"]),
+            "grad_norm": float(bad["grad_norm"])}
+
+  @functools.cached_property
+  def eval_step(self):
+    cfg, graphdef = self.cfg, self.graphdef
+
+    @matmul_precision(cfg.precision)
+    def step(params, rest, batch):
+      return loss_and_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task)[1]
+
+    return jax.jit(step)
+
+  def put(self, batch: dict) -> dict:
+    if self.mesh is not None:
+      return sharding.shard_batch(batch, self.mesh)
+    return {k: jnp.asarray(v) for k, v in batch.items()}
+
+  def lower(self, batch):
+    """The train step lowered for this state and ``batch`` (for its text or compiled form)."""
+    return self.train_step.lower(self.state, self.first_bad, batch)
+
+  def compiled_memory(self, batch) -> StepMemory:
+    """Compiled memory of this very train step (temp, arguments, total...)."""
+    return compiled_memory(self.lower(batch).compile())
+
+  def evaluate(self, batches) -> dict:
+    loss = correct = count = 0.0
+    for batch in batches:
+      # a last partial batch that the mesh cannot split runs unsharded
+      b = (self.put(batch) if self.mesh is None or _divisible(batch, self.mesh)
+           else {k: jnp.asarray(v) for k, v in batch.items()})
+      l, c, n = jax.device_get(self.eval_step(self.state["params"], self.state["rest"], b))
+      loss, correct, count = loss + float(l), correct + float(c), count + float(n)
+    return {"eval_loss": loss / max(count, 1), "eval_accuracy": correct / max(count, 1)}
+
+  # checkpoint helpers: the state as a list of leaves, restored into this structure
+  def save(self, ckpt: Checkpoints, data_state: dict, extra: dict | None = None) -> None:
+    """Saves the state with ``data_state`` (``Batches.state()`` after this state's step)."""
+    step = int(self.state["step"])
+    meta = {"step": step, "data": data_state, "config": self.cfg.to_json()}
+    ckpt.save(step, {"leaves": jax.tree.leaves(self.state)}, {**meta, **(extra or {})})
+
+  def restore(self, ckpt: Checkpoints, batches) -> dict:
+    """Loads the newest intact checkpoint into the state and ``batches``; its metadata."""
+    leaves, treedef = jax.tree.flatten(self.state)
+    restored, meta = ckpt.restore({"leaves": leaves})
+    self.state = jax.tree.unflatten(treedef, restored["leaves"])
+    if self.mesh is not None:
+      self.state = sharding.shard_state(self.state, self.mesh)
+    self.first_bad = no_bad_step()
+    batches.restore(meta["data"])
+    return meta
+
+
+def _divisible(batch, mesh) -> bool:
+  size = math.prod(mesh.shape.values())
+  return all(v.shape[0] % size == 0 for v in batch.values())
