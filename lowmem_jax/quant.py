@@ -17,8 +17,8 @@ per-group step are defined here and imported by the kernels
 
 Codes are made once per tensor (:func:`quantize_tensor` -> :class:`QTensor`) and shared
 by every op that reads the tensor: q, k and v projections keep one code of their input,
-not three. :func:`int8_vjp` runs any ``fn`` with exact forward and backward at the
-dequantized inputs; :func:`ms_norm_int8` is MS-BP's norm whose one residual is the code
+not three. :func:`coded_vjp` runs any ``fn`` with exact forward and backward at the
+dequantized inputs; :func:`ms_norm_coded` is MS-BP's norm whose one residual is the code
 of its output, the same code the next linear keeps.
 """
 
@@ -220,8 +220,8 @@ def quantize_tensor(x, state: QuantState, *, axis: int = -1, groups: int = 1,
   return QTensor(x, codes, lo, hi, axis % x.ndim, groups, implementation), new_state
 
 
-# ----------------------------------------------------------------------------- int8 vjp
-def int8_vjp(fn: Callable, quantized: Sequence[QTensor], diff_args: Sequence = (),
+# ----------------------------------------------------------------------------- coded vjp
+def coded_vjp(fn: Callable, quantized: Sequence[QTensor], diff_args: Sequence = (),
              const_args: Sequence = ()):
   """``fn(*values, *diff_args, *const_args)``, whose backward keeps the QTensors' codes.
 
@@ -235,21 +235,21 @@ def int8_vjp(fn: Callable, quantized: Sequence[QTensor], diff_args: Sequence = (
   meta = tuple((q.axis, q.groups, q.implementation, q.value.dtype) for q in quantized)
   values = tuple(q.value for q in quantized)
   packs = tuple((q.codes, q.lo, q.hi) for q in quantized)
-  return _int8_apply(fn, meta, values, diff_args, const_args, packs)
+  return _coded_apply(fn, meta, values, diff_args, const_args, packs)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _int8_apply(fn, meta, values, diff_args, const_args, packs):
+def _coded_apply(fn, meta, values, diff_args, const_args, packs):
   del meta, packs
   return fn(*values, *diff_args, *const_args)
 
 
-def _int8_fwd(fn, meta, values, diff_args, const_args, packs):
+def _coded_fwd(fn, meta, values, diff_args, const_args, packs):
   out = fn(*values, *diff_args, *const_args)
   return out, (diff_args, const_args, packs)
 
 
-def _int8_bwd(fn, meta, res, g):
+def _coded_bwd(fn, meta, res, g):
   diff_args, const_args, packs = res
   approx = tuple(
       dequantize(codes, lo, hi, dtype, axis=axis, groups=groups,
@@ -269,11 +269,11 @@ def _zero_cotangents(tree):
   return jax.tree.map(zero, tree)
 
 
-_int8_apply.defvjp(_int8_fwd, _int8_bwd)
+_coded_apply.defvjp(_coded_fwd, _coded_bwd)
 
 
 # ----------------------------------------------------------------------------- MS norm
-def ms_norm_int8(kind: str, x, eps: float, state: QuantState, *, groups: int = 1,
+def ms_norm_coded(kind: str, x, eps: float, state: QuantState, *, groups: int = 1,
                  implementation: str = "xla") -> tuple[QTensor, QuantState]:
   """MS-LayerNorm / MS-RMSNorm (no affine) whose residuals are the uint8 code of its
   output ``y`` (the same code the next linears keep) and fp32 ``rstd`` per row."""
@@ -281,28 +281,28 @@ def ms_norm_int8(kind: str, x, eps: float, state: QuantState, *, groups: int = 1
     raise ValueError(f"unknown norm kind {kind!r}; valid: 'layer', 'rms'")
   _check_implementation(implementation)
   if state.lo.shape != (groups,):
-    raise ValueError(f"ms_norm_int8: state has {state.lo.shape[0]} groups, asked for "
+    raise ValueError(f"ms_norm_coded: state has {state.lo.shape[0]} groups, asked for "
                      f"{groups}")
   seed = seed_of(state.step_key())
-  y, codes, lo, hi = _ms_int8(kind, float(eps), groups, implementation, x, state.lo,
+  y, codes, lo, hi = _ms_coded(kind, float(eps), groups, implementation, x, state.lo,
                               state.hi, state.count, seed)
   qt = QTensor(y, codes, lo, hi, x.ndim - 1, groups, implementation)
   return qt, QuantState(lo, hi, state.count + 1, state.key)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _ms_int8(kind, eps, groups, implementation, x, lo, hi, count, seed):
-  return _ms_int8_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed)[0]
+def _ms_coded(kind, eps, groups, implementation, x, lo, hi, count, seed):
+  return _ms_coded_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed)[0]
 
 
-def _ms_int8_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed):
+def _ms_coded_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed):
   y, rstd = norms.ms_norm_forward(kind, x, eps)
   codes, lo, hi = _update_and_code(y, lo, hi, count, seed, axis=-1, groups=groups,
                                    implementation=implementation)
   return (y, codes, lo, hi), (codes, lo, hi, rstd)
 
 
-def _ms_int8_bwd(kind, eps, groups, implementation, res, cts):
+def _ms_coded_bwd(kind, eps, groups, implementation, res, cts):
   del eps
   codes, lo, hi, rstd = res
   g = cts[0]
@@ -312,4 +312,9 @@ def _ms_int8_bwd(kind, eps, groups, implementation, res, cts):
           jnp.zeros((), jax.dtypes.float0), jnp.zeros((), jax.dtypes.float0))
 
 
-_ms_int8.defvjp(_ms_int8_fwd, _ms_int8_bwd)
+_ms_coded.defvjp(_ms_coded_fwd, _ms_coded_bwd)
+
+
+# Their names before the bit width became a parameter of the method (``quant_bits``).
+int8_vjp = coded_vjp
+ms_norm_int8 = ms_norm_coded

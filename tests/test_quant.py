@@ -1,6 +1,6 @@
 """Mesa 8-bit quantization (lowmem_jax.quant): the jnp reference (layout, error bound,
 clamping, unbiased stochastic rounding, seeds, EMA range) and the custom_vjp rules that
-keep only codes (int8_vjp, ms_norm_int8): exact forward, backward at the dequantized
+keep only codes (coded_vjp, ms_norm_coded): exact forward, backward at the dequantized
 inputs, one shared uint8 residual. fp32 unless a test says otherwise."""
 
 import functools
@@ -12,7 +12,7 @@ import pytest
 
 from lowmem_jax import activations, attention, norms, quant
 from lowmem_jax.memory import saved_residuals
-from lowmem_jax.quant import QuantState, int8_vjp, ms_norm_int8, quantize_tensor
+from lowmem_jax.quant import QuantState, coded_vjp, ms_norm_coded, quantize_tensor
 
 F32_ULP_1 = 2.0 ** -23  # one ulp of fp32 at 1, relative
 
@@ -82,9 +82,9 @@ def test_api_errors():
   with pytest.raises(ValueError, match="state has 1 groups, asked for 2"):
     quantize_tensor(x, QuantState.create(1), groups=2)
   with pytest.raises(ValueError, match="unknown norm kind 'batch'"):
-    ms_norm_int8("batch", x, 1e-6, QuantState.create(1))
+    ms_norm_coded("batch", x, 1e-6, QuantState.create(1))
   with pytest.raises(ValueError, match="state has 2 groups, asked for 1"):
-    ms_norm_int8("layer", x, 1e-6, QuantState.create(2))
+    ms_norm_coded("layer", x, 1e-6, QuantState.create(2))
 
 
 # ----------------------------------------------------------------------------- the reference
@@ -325,7 +325,7 @@ def test_quantize_tensor_is_gradient_transparent():
   np.testing.assert_array_equal(np.asarray(g), np.full(x.shape, 3.0, np.float32))
 
 
-# ----------------------------------------------------------------------------- int8_vjp
+# ----------------------------------------------------------------------------- coded_vjp
 def linear(x, w, b):
   return x @ w + b
 
@@ -343,10 +343,10 @@ def test_int8_linear():
     if not quantize:
       return jnp.sum(linear(x, w, b) * r)
     qt = quantized(x, state=state)
-    return jnp.sum(int8_vjp(linear, [qt], (w, b)) * r)
+    return jnp.sum(coded_vjp(linear, [qt], (w, b)) * r)
 
   qt = quantized(x, state=state)
-  np.testing.assert_array_equal(np.asarray(int8_vjp(linear, [qt], (w, b))),
+  np.testing.assert_array_equal(np.asarray(coded_vjp(linear, [qt], (w, b))),
                                 np.asarray(linear(x, w, b)))  # forward exact
   got = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(x, w, b, True)
   want = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)(x, w, b, False)
@@ -367,7 +367,7 @@ def test_int8_activation(fn):
   @jax.jit
   def run(x):
     qt = quantized(x)
-    out, pullback = jax.vjp(lambda x: int8_vjp(fn, [quantized(x)]), x)
+    out, pullback = jax.vjp(lambda x: coded_vjp(fn, [quantized(x)]), x)
     exact, exact_pullback = jax.vjp(fn, x)
     at_deq = jax.vjp(fn, qt.dequantized())[1](r)[0]
     return out, exact, pullback(r)[0], exact_pullback(r)[0], at_deq
@@ -385,10 +385,10 @@ def test_int8_layer_norm_with_affine():
   def loss(x, scale, bias, quantize):
     if not quantize:
       return jnp.sum(norms.layer_norm(x, scale, bias) * r)
-    return jnp.sum(int8_vjp(norms.layer_norm, [quantized(x)], (scale, bias)) * r)
+    return jnp.sum(coded_vjp(norms.layer_norm, [quantized(x)], (scale, bias)) * r)
 
   np.testing.assert_array_equal(
-      np.asarray(int8_vjp(norms.layer_norm, [quantized(x)], (scale, bias))),
+      np.asarray(coded_vjp(norms.layer_norm, [quantized(x)], (scale, bias))),
       np.asarray(norms.layer_norm(x, scale, bias)))
   grads = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)
   got, want = grads(x, scale, bias, True), grads(x, scale, bias, False)
@@ -409,7 +409,7 @@ def test_int8_attention_with_mask_as_const_arg(implementation):
   def loss(q, k, v, quantize):
     if quantize:  # head-wise ranges; the mask is a const arg (saved, no gradient)
       qts = [quantized(t, groups=h, axis=2) for t in (q, k, v)]
-      out = int8_vjp(fn, qts, (), (mask,))
+      out = coded_vjp(fn, qts, (), (mask,))
     else:
       out = fn(q, k, v, mask)
     return jnp.sum(out * r), out
@@ -423,7 +423,7 @@ def test_int8_attention_with_mask_as_const_arg(implementation):
     assert_quantized_grad(g, w, tol=3e-2)
 
 
-def test_int8_vjp_mixed_quantized_and_diff_args():
+def test_coded_vjp_mixed_quantized_and_diff_args():
   """Gradients reach both the quantized inputs and diff_args; const_args get none."""
   x, y = rand((6, 8), 25), rand((6, 8), 26)
   w = rand((8, 8), 27)
@@ -435,7 +435,7 @@ def test_int8_vjp_mixed_quantized_and_diff_args():
   def loss(x, y, w, quantize):
     if not quantize:
       return jnp.sum(fn(x, y, w, c) ** 2)
-    return jnp.sum(int8_vjp(fn, [quantized(x), quantized(y)], (w,), (c,)) ** 2)
+    return jnp.sum(coded_vjp(fn, [quantized(x), quantized(y)], (w,), (c,)) ** 2)
 
   grads = jax.jit(jax.grad(loss, (0, 1, 2)), static_argnums=3)
   got, want = grads(x, y, w, True), grads(x, y, w, False)
@@ -450,7 +450,7 @@ def test_int8_linear_saves_codes_not_x():
     return jnp.sum((x0 * 2.0) @ w)
 
   def int8(x0, w):
-    return jnp.sum(int8_vjp(jnp.matmul, [quantized(x0 * 2.0)], (w,)))
+    return jnp.sum(coded_vjp(jnp.matmul, [quantized(x0 * 2.0)], (w,)))
 
   size = x0.size
   base = saved_residuals(plain, x0, w)
@@ -461,13 +461,13 @@ def test_int8_linear_saves_codes_not_x():
   assert res.total_bytes < size + 64, res.table()
 
 
-# ----------------------------------------------------------------------------- ms_norm_int8
+# ----------------------------------------------------------------------------- ms_norm_coded
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_ms_norm_int8(kind):
+def test_ms_norm_coded(kind):
   x, r = rand((4, 16, 32), 31, 2.0) + 0.5, rand((4, 16, 32), 32)
   exact = {"layer": norms.ms_layer_norm, "rms": norms.ms_rms_norm}[kind]
   state = QuantState.create(1, jax.random.key(5))
-  qt, new_state = ms_norm_int8(kind, x, 1e-6, state)
+  qt, new_state = ms_norm_coded(kind, x, 1e-6, state)
   np.testing.assert_array_equal(np.asarray(qt.value), np.asarray(exact(x, 1e-6)))
   # The code is the output's, with the EMA-updated range and the state's noise seed.
   y = np.asarray(qt.value)
@@ -478,13 +478,13 @@ def test_ms_norm_int8(kind):
   np.testing.assert_array_equal(
       np.asarray(qt.codes),
       np.asarray(quant.quantize(qt.value, qt.lo, qt.hi, quant.seed_of(state.step_key()))))
-  got = jax.grad(lambda x: jnp.sum(ms_norm_int8(kind, x, 1e-6, state)[0].value * r))(x)
+  got = jax.grad(lambda x: jnp.sum(ms_norm_coded(kind, x, 1e-6, state)[0].value * r))(x)
   want = jax.grad(lambda x: jnp.sum(exact(x, 1e-6) * r))(x)
   assert_quantized_grad(got, want)
 
 
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-def test_ms_norm_int8_then_int8_linears(kind):
+def test_ms_norm_coded_then_int8_linears(kind):
   """The norm's QTensor feeds the linears: their weight gradients read its codes, and
   the input gradient is close to exact autodiff of norm + linears."""
   x = rand((4, 16, 32), 33, 2.0)
@@ -497,13 +497,13 @@ def test_ms_norm_int8_then_int8_linears(kind):
     if not quantize:
       y = exact(x, 1e-6)
       return sum(jnp.sum((y @ w) * r) for w in ws)
-    qt, _ = ms_norm_int8(kind, x, 1e-6, state)
-    return sum(jnp.sum(int8_vjp(jnp.matmul, [qt], (w,)) * r) for w in ws)
+    qt, _ = ms_norm_coded(kind, x, 1e-6, state)
+    return sum(jnp.sum(coded_vjp(jnp.matmul, [qt], (w,)) * r) for w in ws)
 
   grads = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)
   got, want = grads(x, ws, True), grads(x, ws, False)
   assert_quantized_grad(got[0], want[0])
-  qt, _ = ms_norm_int8(kind, x, 1e-6, state)
+  qt, _ = ms_norm_coded(kind, x, 1e-6, state)
   y_deq = qt.dequantized()
   for dw, dw_exact in zip(got[1], want[1]):
     assert_quantized_grad(dw, dw_exact)
@@ -519,8 +519,8 @@ def test_norm_and_three_linears_share_one_code(kind):
   ws = [rand((32, 32), s) for s in (39, 40, 41)]
 
   def block(x, ws):
-    qt, _ = ms_norm_int8(kind, x, 1e-6, QuantState.create(1))
-    return sum(jnp.sum(jnp.sin(int8_vjp(jnp.matmul, [qt], (w,)))) for w in ws)
+    qt, _ = ms_norm_coded(kind, x, 1e-6, QuantState.create(1))
+    return sum(jnp.sum(jnp.sin(coded_vjp(jnp.matmul, [qt], (w,)))) for w in ws)
 
   res = saved_residuals(block, x, ws)
   full = [(r.dtype, r.shape) for r in res.items if np.prod(r.shape) == x.size]
@@ -532,8 +532,8 @@ def test_norm_and_three_linears_share_one_code(kind):
   assert len(outputs) == 3, res.table()
 
   def block_plain(x, ws):  # without the sin: nothing of x's size but the code
-    qt, _ = ms_norm_int8(kind, x, 1e-6, QuantState.create(1))
-    return sum(jnp.sum(int8_vjp(jnp.matmul, [qt], (w,))) for w in ws)
+    qt, _ = ms_norm_coded(kind, x, 1e-6, QuantState.create(1))
+    return sum(jnp.sum(coded_vjp(jnp.matmul, [qt], (w,))) for w in ws)
 
   res = saved_residuals(block_plain, x, ws)
   full = [(r.dtype, r.shape) for r in res.items if np.prod(r.shape) == x.size]
@@ -556,7 +556,7 @@ def test_bf16_inputs():
     if not quantize:
       return jnp.sum((x @ w).astype(jnp.float32) * r)
     qt, _ = quantize_tensor(x, state, groups=2)
-    return jnp.sum(int8_vjp(jnp.matmul, [qt], (w,)).astype(jnp.float32) * r)
+    return jnp.sum(coded_vjp(jnp.matmul, [qt], (w,)).astype(jnp.float32) * r)
 
   grads = jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)
   got, want = grads(x, w, True), grads(x, w, False)
@@ -564,8 +564,8 @@ def test_bf16_inputs():
   np.testing.assert_array_equal(np.asarray(got[0], np.float32), np.asarray(want[0], np.float32))
   assert_quantized_grad(np.asarray(got[1], np.float32), np.asarray(want[1], np.float32))
 
-  y, _ = ms_norm_int8("rms", x, 1e-6, QuantState.create(1))
+  y, _ = ms_norm_coded("rms", x, 1e-6, QuantState.create(1))
   assert y.value.dtype == y.dequantized().dtype == jnp.bfloat16
-  dx = jax.jit(jax.grad(lambda x: jnp.sum(ms_norm_int8("rms", x, 1e-6, QuantState.create(1))[0]
+  dx = jax.jit(jax.grad(lambda x: jnp.sum(ms_norm_coded("rms", x, 1e-6, QuantState.create(1))[0]
                                           .value.astype(jnp.float32) * r[..., :1])))(x)
   assert dx.dtype == jnp.bfloat16
