@@ -4,6 +4,7 @@ embedded default."""
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,12 +116,74 @@ def test_incomplete_checkpoint_is_ignored(tmp_path):
 
 
 def test_non_finite_loss_stops_with_the_step_and_saves_last_good_state(tmp_path):
+  # log_every=7: the bad step falls between boundaries, where the host reads nothing back
   cfg = _cfg(tmp_path, "steps=20", "lr=1e30", "grad_clip=0.0", "warmup_steps=0",
-             "schedule=constant")
-  with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step (\d+)"):
+             "schedule=constant", "log_every=7")
+  with pytest.raises(FloatingPointError, match=r"non-finite loss or gradient at step (\d+) "
+                     r"\(loss (.+), grad norm (.+)\); the last good state \(step (\d+)\) is "
+                     r"saved in") as e:
     train(cfg)
+  from train.batches import Batches
   from train.checkpoint import Checkpoints
-  assert Checkpoints(tmp_path / "checkpoints").latest_step() is not None
+  from train.images import digits
+  bad, loss, grad_norm, good = re.match(r".* at step (\d+) \(loss (.+), grad norm (.+)\);"
+                                        r".* \(step (\d+)\)", str(e.value)).groups()
+  bad, good = int(bad), int(good)
+  assert good == bad - 1 and bad % 7, (bad, good)
+  # the saved state is the one after step `good`, at its data position: the next batch from
+  # there is the first bad step again, with the same loss and gradient norm
+  trainer, batches = Trainer.create(cfg), Batches(digits("train"), cfg.batch_size, seed=cfg.seed)
+  ckpt = Checkpoints(tmp_path / "checkpoints")
+  assert ckpt.latest_step() == good
+  trainer.restore(ckpt, batches)
+  ckpt.close()
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(trainer.state["params"]))
+  trainer.step(trainer.put(next(batches)))
+  assert trainer.first_bad_step() == {"step": bad, "loss": pytest.approx(float(loss), nan_ok=True),
+                                      "grad_norm": pytest.approx(float(grad_norm), nan_ok=True)}
+
+
+def test_a_non_finite_step_and_every_step_after_it_keep_the_whole_state(tmp_path):
+  """first_bad records the first non-finite step; that step and all later ones, finite or
+  not, leave every leaf of the state as it was: parameters, site state (Mesa ranges and
+  counts), optimizer counts, step."""
+  from train.batches import Batches
+  from train.checkpoint import state_checksum
+  from train.images import digits
+  trainer = Trainer.create(_cfg(tmp_path, "policy=mesa8"))
+  start = state_checksum(trainer.state)
+  good = next(Batches(digits("train"), 32))
+  nan = {**good, "image": np.full_like(good["image"], np.nan)}
+  trainer.step(trainer.put(good))
+  after_good = state_checksum(trainer.state)
+  assert after_good != start and trainer.first_bad_step() is None
+  trainer.step(trainer.put(nan))
+  trainer.step(trainer.put(good))  # finite, but after the first bad step
+  assert state_checksum(trainer.state) == after_good and int(trainer.state["step"]) == 1
+  bad = trainer.first_bad_step()
+  assert bad["step"] == 2 and not np.isfinite([bad["loss"], bad["grad_norm"]]).all(), bad
+
+
+def test_steps_between_boundaries_read_nothing_back(tmp_path, monkeypatch):
+  """The host reads a device value (bool/int/float/device_get of a jax.Array: a wait for the
+  device) only at log/eval/save boundaries, never after the steps in between. Counted where
+  jax.Array makes its host copy (jax.transfer_guard sees no transfer on a CPU)."""
+  from jax._src import array
+  reads, steps_run = [], [0]
+  value = array.ArrayImpl._value
+  monkeypatch.setattr(array.ArrayImpl, "_value",
+                      property(lambda x: reads.append(steps_run[0]) or value.fget(x)))
+  step = Trainer.step
+
+  def counted_step(self, batch):
+    metrics = step(self, batch)
+    steps_run[0] += 1
+    return metrics
+
+  monkeypatch.setattr(Trainer, "step", counted_step)
+  train(_cfg(tmp_path, "steps=6", "log_every=3"))
+  assert steps_run[0] == 6 and 3 in reads, reads  # the boundary at step 3 reads
+  assert set(reads) <= {0, 3, 6}, sorted(set(reads))
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
