@@ -12,6 +12,9 @@ persistent cache per pytest session, shared by the xdist workers and the subproc
 they start, compiles each program once. It is a fresh folder per session, removed at the
 end, so every run compiles what it runs as CI does (set ``JAX_COMPILATION_CACHE_DIR``
 yourself to keep one across runs).
+
+Tiny models: the model and training setups shared by test files (``from conftest import
+TINY_TRAIN``), each a second or two to compile on a CPU.
 """
 
 import os
@@ -30,6 +33,20 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  (after the environment: JAX reads it at import)
 import pytest  # noqa: E402
+
+
+# Overrides of a model preset's config (``vit.config("vit-digits", **TINY_MODEL)``, or
+# ``--set model.<key>=<value>``): one block of width 32.
+TINY_MODEL = {"num_layers": 1, "dim": 32, "mlp_dim": 64}
+# The training tests' digits-vit run: TINY_MODEL in fp32, a log line every step, no eval and
+# no baseline compile (``key=value`` overrides, as ``load_config`` and ``--set`` take them).
+TINY_TRAIN = [*(f"model.{k}={v}" for k, v in TINY_MODEL.items()), "batch_size=32",
+              "log_every=1", "eval_every=0", "compare_baseline=false", "dtype=float32"]
+
+
+def set_args(overrides) -> list[str]:
+  """``["k=v", ...]`` -> ``["--set", "k=v", ...]``: overrides as CLI arguments."""
+  return [arg for kv in overrides for arg in ("--set", kv)]
 
 
 def pytest_unconfigure(config):

@@ -14,16 +14,16 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import TINY_TRAIN, set_args
 from train import config as config_lib
 from train.loop import Trainer, train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model.num_layers=1", "model.dim=32", "model.mlp_dim=64", "batch_size=32",
-        "log_every=1", "eval_every=0", "compare_baseline=false", "dtype=float32"]
 
 
 def _cfg(tmp_path, *extra):
-  return config_lib.load_config("digits-vit", None, TINY + [f"out_dir={tmp_path}", *extra])
+  return config_lib.load_config("digits-vit", None,
+                                TINY_TRAIN + [f"out_dir={tmp_path}", *extra])
 
 
 def _losses(out_dir):
@@ -245,7 +245,7 @@ def test_cli_reports_bad_config_clearly():
 @pytest.mark.slow
 def test_multi_device_data_and_fsdp_match_one_device(tmp_path):
   common = ["--set", "steps=3", "--set", "out_dir=" + str(tmp_path / "{}")] + \
-      [a for kv in TINY for a in ("--set", kv)]
+      set_args(TINY_TRAIN)
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
   losses = {}
   for mesh in ("", "data=2,fsdp=4"):  # batch sharded over data and fsdp, params over fsdp
@@ -318,7 +318,7 @@ def test_sigkill_mid_run_loses_at_most_the_steps_since_the_last_checkpoint(tmp_p
   import signal
   import time
   args = ["--set", f"out_dir={tmp_path}", "--set", "steps=400", "--set", "save_every=1"] + \
-      [a for kv in TINY for a in ("--set", kv)]
+      set_args(TINY_TRAIN)
   proc = subprocess.Popen([sys.executable, "-m", "train", *args], cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   ckpts = tmp_path / "checkpoints"
@@ -340,8 +340,8 @@ def test_sigkill_mid_run_loses_at_most_the_steps_since_the_last_checkpoint(tmp_p
 def finished_run(tmp_path_factory):
   """A finished 4-step run with checkpoints at steps 2 and 4 (copy it before changing it)."""
   out = tmp_path_factory.mktemp("finished")
-  cfg = config_lib.load_config("digits-vit", None, TINY + [f"out_dir={out}", "steps=4",
-                                                          "save_every=2"])
+  cfg = config_lib.load_config("digits-vit", None,
+                               TINY_TRAIN + [f"out_dir={out}", "steps=4", "save_every=2"])
   train(cfg)
   return cfg
 

@@ -5,9 +5,11 @@ import sys
 
 import pytest
 
+from conftest import TINY_MODEL, set_args
 from train import bench
 
-TINY = ["--set", "model.num_layers=1", "--set", "batch_size=16"]
+TINY_OVERRIDES = [f"model.{k}={v}" for k, v in TINY_MODEL.items()] + ["batch_size=16"]
+TINY = set_args(TINY_OVERRIDES)
 
 
 @pytest.mark.slow
@@ -21,7 +23,7 @@ def test_bench_end_to_end(tmp_path, capsys):
   assert data == json.loads(json.dumps(result))
   for key in ("device_kind", "backend", "jax_version", "config", "rows"):
     assert key in data
-  assert data["config"]["model_overrides"] == {"num_layers": 1}
+  assert data["config"]["model_overrides"] == TINY_MODEL
   assert data["config"]["batch_size"] == 16 and data["items_per_step"] == 16
   assert data["throughput_unit"] == "examples/s"
   rows = {r["policy"]: r for r in data["rows"]}
@@ -45,8 +47,7 @@ def test_bench_end_to_end(tmp_path, capsys):
   from train.batches import Batches
   from train.datasets import make_datasets
   from train.trainer import Trainer
-  cfg = load_config("digits-vit", None, ["model.num_layers=1", "batch_size=16",
-                                         "policy=baseline"])
+  cfg = load_config("digits-vit", None, TINY_OVERRIDES + ["policy=baseline"])
   trainer = Trainer.create(cfg)
   batch = trainer.put(next(Batches(make_datasets(cfg)[0], 16, seed=cfg.seed)))
   assert trainer.compiled_memory(batch).as_dict() == base["compiled"]

@@ -1,4 +1,4 @@
-"""Model building: a preset or pretrained model under a memory policy, and which parameters train."""
+"""Model building: a preset or pretrained model under a memory policy; which parameters train."""
 
 from __future__ import annotations
 
