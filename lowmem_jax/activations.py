@@ -17,8 +17,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax import dispatch
 from lowmem_jax.packing import pack_2bit, unpack_2bit
-from pallas_kernels import activations as pallas_activations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +90,26 @@ def silu(x: jnp.ndarray) -> jnp.ndarray:
   return (xf * jax.nn.sigmoid(xf)).astype(x.dtype)
 
 
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
-_STEPS = {"gelu": (gelu, REGELU2), "silu": (silu, RESILU2)}
+EXACT = {"gelu": gelu, "silu": silu}
+STEPS = {"gelu": REGELU2, "silu": RESILU2}
+
+
+def check_kind(kind: str) -> None:
+  if kind not in STEPS:
+    raise ValueError(f"unknown activation kind {kind!r}; valid: {', '.join(STEPS)}")
+
+
+def approx2_forward(kind: str, x):
+  """``(exact activation of x, its packed 2-bit code)``: the jnp reference of the fused
+  forward kernel."""
+  return EXACT[kind](x), pack_2bit(STEPS[kind].code(x))
+
+
+def approx2_backward(kind: str, g, packed):
+  """``g * d[code]`` in g's dtype (fp32 math), codes unpacked from ``packed``: the jnp
+  reference of the fused backward kernel."""
+  code = unpack_2bit(packed, g.shape)
+  return (g.astype(jnp.float32) * STEPS[kind].derivative_of_code(code)).astype(g.dtype)
 
 
 @functools.cache
@@ -103,40 +121,26 @@ def approx2_fn(kind: str, implementation: str = "xla"):
   ``implementation``: "xla" (jnp), "pallas" (fused GPU kernels) or "pallas_interpret"
   (the same kernels in interpret mode, any backend).
   """
-  if kind not in _STEPS:
-    raise ValueError(f"unknown activation kind {kind!r}; valid: {', '.join(_STEPS)}")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown implementation {implementation!r}; valid: "
-                     f"{', '.join(IMPLEMENTATIONS)}")
-  exact_fn, step = _STEPS[kind]
-  interpret = implementation == "pallas_interpret"
-
-  def approx2_forward(x):
-    if implementation == "xla":
-      return exact_fn(x), pack_2bit(step.code(x))
-    return pallas_activations.approx2_forward(
-        x, kind=kind, thresholds=step.thresholds, interpret=interpret)
+  check_kind(kind)
+  forward = dispatch.implementation_of(approx2_forward, implementation, "activation")
+  backward = dispatch.implementation_of(approx2_backward, implementation, "activation")
+  name = STEPS[kind].name
 
   @jax.custom_vjp
   def act(x):
-    _check_floating(x, step.name)
-    return approx2_forward(x)[0]
+    _check_floating(x, name)
+    return forward(kind, x)[0]
 
   def act_fwd(x):
-    _check_floating(x, step.name)
+    _check_floating(x, name)
     # Residual: the packed code alone, ceil(n/4) bytes; shape comes back with g.
-    return approx2_forward(x)
+    return forward(kind, x)
 
   def act_bwd(packed, g):
-    if implementation != "xla":
-      return (pallas_activations.approx2_backward(g, packed, levels=step.levels,
-                                                  interpret=interpret),)
-    code = unpack_2bit(packed, g.shape)
-    dx = g.astype(jnp.float32) * step.derivative_of_code(code)
-    return (dx.astype(g.dtype),)
+    return (backward(kind, g, packed),)
 
   act.defvjp(act_fwd, act_bwd)
-  act.__name__ = step.name
+  act.__name__ = name
   act.__doc__ = approx2_fn.__doc__
   return act
 

@@ -36,9 +36,6 @@ from jax import lax
 from lowmem_jax import activations, block_stack, norms, packing
 from lowmem_jax.memory import format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
-from pallas_kernels import activations as pallas_activations
-from pallas_kernels import norms as pallas_norms
-from pallas_kernels import packing as pallas_packing
 
 # HBM bandwidth from the spec sheets, bytes/s, by a substring of jax's device_kind;
 # the first match wins (so "H100 PCIe" before "H100"). Unknown device: no flag.
@@ -222,13 +219,16 @@ def _max_err(a, b) -> float:
 
 def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
   """(name, pallas fn, xla fn, args, bytes read + written) for every kernel; the xla fn
-  is the jnp path of the same op (the reference)."""
+  is the kernel's jnp reference (same name in ``lowmem_jax``, same arguments)."""
+  from pallas_kernels import activations as pallas_activations
+  from pallas_kernels import norms as pallas_norms
+  from pallas_kernels import packing as pallas_packing
+
   x = jax.random.normal(jax.random.key(0), (n // hidden, hidden), jnp.float32) * 3
   x = x.astype(dtype)
   g = jax.random.normal(jax.random.key(1), x.shape, jnp.float32).astype(dtype)
   s, rows, n = jnp.dtype(dtype).itemsize, x.shape[0], x.size
-  step = activations.REGELU2
-  codes = step.code(x)
+  codes = activations.REGELU2.code(x)
   packed = packing.pack_2bit(codes)
   ln_y, ln_rstd = norms.ms_norm_forward("layer", x, 1e-6)
   p = dict(interpret=interpret)
@@ -238,21 +238,18 @@ def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
       ("unpack_2bit", lambda b: pallas_packing.unpack_2bit(b, x.shape, **p),
        lambda b: packing.unpack_2bit(b, x.shape), (packed,), n // 4 + n),
       ("regelu2_forward",
-       lambda x: pallas_activations.approx2_forward(
-           x, kind="gelu", thresholds=step.thresholds, **p),
-       lambda x: (activations.gelu(x), packing.pack_2bit(step.code(x))),
-       (x,), 2 * n * s + n // 4),
+       functools.partial(pallas_activations.approx2_forward, "gelu", **p),
+       functools.partial(activations.approx2_forward, "gelu"), (x,), 2 * n * s + n // 4),
       ("approx2_backward",
-       lambda g, b: pallas_activations.approx2_backward(g, b, levels=step.levels, **p),
-       lambda g, b: (g.astype(jnp.float32) * step.derivative_of_code(
-           packing.unpack_2bit(b, g.shape))).astype(g.dtype),
+       functools.partial(pallas_activations.approx2_backward, "gelu", **p),
+       functools.partial(activations.approx2_backward, "gelu"),
        (g, packed), 2 * n * s + n // 4),
       ("ms_layer_norm_forward",
-       lambda x: pallas_norms.ms_norm_forward(x, kind="layer", eps=1e-6, **p),
+       lambda x: pallas_norms.ms_norm_forward("layer", x, 1e-6, **p),
        lambda x: norms.ms_norm_forward("layer", x, 1e-6), (x,), 2 * n * s + 4 * rows),
       ("ms_layer_norm_backward",
-       lambda g, y, r: pallas_norms.ms_norm_backward(g, y, r, kind="layer", **p),
-       lambda g, y, r: norms.ms_norm_input_grad("layer", g, y, r),
+       functools.partial(pallas_norms.ms_norm_input_grad, "layer", **p),
+       functools.partial(norms.ms_norm_input_grad, "layer"),
        (g, ln_y, ln_rstd), 3 * n * s + 4 * rows),
   ]
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from pallas_kernels import norms as pallas_norms
+from lowmem_jax import dispatch
 
 
 def _tag(y, name):
@@ -45,6 +45,15 @@ def _rms_norm_stats(x, eps):
 
 
 # ----------------------------------------------------------------------------- standard
+def _affine(y, scale, bias, dtype, name):
+  """``y * scale + bias`` in fp32 (either optional), cast to ``dtype``, tagged ``name``."""
+  if scale is not None:
+    y = y * scale.astype(jnp.float32)
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return _tag(y.astype(dtype), name)
+
+
 def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, name: str | None = None):
   """Standard LayerNorm over the last axis, fp32 statistics, plain autodiff (the baseline).
 
@@ -52,12 +61,7 @@ def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, name: str | None 
   """
   _check_input(x, "layer_norm")
   xc, rstd = _layer_norm_stats(x, eps)
-  y = xc * rstd
-  if scale is not None:
-    y = y * scale.astype(jnp.float32)
-  if bias is not None:
-    y = y + bias.astype(jnp.float32)
-  return _tag(y.astype(x.dtype), name)
+  return _affine(xc * rstd, scale, bias, x.dtype, name)
 
 
 def rms_norm(x, scale=None, eps: float = 1e-6, *, name: str | None = None):
@@ -67,15 +71,16 @@ def rms_norm(x, scale=None, eps: float = 1e-6, *, name: str | None = None):
   """
   _check_input(x, "rms_norm")
   xf, rstd = _rms_norm_stats(x, eps)
-  y = xf * rstd
-  if scale is not None:
-    y = y * scale.astype(jnp.float32)
-  return _tag(y.astype(x.dtype), name)
+  return _affine(xf * rstd, scale, None, x.dtype, name)
 
 
 # ----------------------------------------------------------------------------- MS-BP
-IMPLEMENTATIONS = ("xla", "pallas", "pallas_interpret")
 _STATS = {"layer": _layer_norm_stats, "rms": _rms_norm_stats}
+
+
+def check_kind(kind: str) -> None:
+  if kind not in _STATS:
+    raise ValueError(f"unknown norm kind {kind!r}; valid: {', '.join(_STATS)}")
 
 
 def _mean(a):
@@ -83,13 +88,15 @@ def _mean(a):
 
 
 def ms_norm_forward(kind: str, x, eps: float):
-  """MS norm forward in jnp: ``(y in x's dtype, fp32 rstd per row)``."""
+  """MS norm forward in jnp: ``(y in x's dtype, fp32 rstd per row)``; the reference of the
+  fused forward kernel."""
   centred, rstd = _STATS[kind](x, eps)
   return (centred * rstd).astype(x.dtype), rstd[..., 0]
 
 
 def ms_norm_input_grad(kind: str, g, y, rstd):
-  """MS norm backward in jnp from the output ``y`` and ``rstd`` (exact, eps included)."""
+  """MS norm backward in jnp from the output ``y`` and ``rstd`` (exact, eps included); the
+  reference of the fused backward kernel."""
   gf, yf = g.astype(jnp.float32), y.astype(jnp.float32)
   bracket = gf - yf * _mean(gf * yf)
   if kind == "layer":
@@ -108,33 +115,23 @@ def ms_norm_fn(kind: str, implementation: str = "xla"):
   makes no second array. ``implementation``: "xla" (jnp), "pallas" (fused GPU kernels,
   one row per program) or "pallas_interpret" (those kernels in interpret mode).
   """
-  if kind not in _STATS:
-    raise ValueError(f"unknown norm kind {kind!r}; valid: {', '.join(_STATS)}")
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"unknown implementation {implementation!r}; valid: "
-                     f"{', '.join(IMPLEMENTATIONS)}")
-  interpret = implementation == "pallas_interpret"
-
-  def forward(x, eps):
-    if implementation == "xla":
-      return ms_norm_forward(kind, x, eps)
-    return pallas_norms.ms_norm_forward(x, kind=kind, eps=eps, interpret=interpret)
+  check_kind(kind)
+  forward = dispatch.implementation_of(ms_norm_forward, implementation, "norm")
+  input_grad = dispatch.implementation_of(ms_norm_input_grad, implementation, "norm")
 
   @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
   def norm(x, eps, name):
     return norm_fwd(x, eps, name)[0]
 
   def norm_fwd(x, eps, name):
-    y, rstd = forward(x, eps)
+    y, rstd = forward(kind, x, eps)
     y = _tag(y, name)
     return y, (y, rstd)
 
   def norm_bwd(eps, name, res, g):
     del eps, name
     y, rstd = res
-    if implementation != "xla":
-      return (pallas_norms.ms_norm_backward(g, y, rstd, kind=kind, interpret=interpret),)
-    return (ms_norm_input_grad(kind, g, y, rstd),)
+    return (input_grad(kind, g, y, rstd),)
 
   norm.defvjp(norm_fwd, norm_bwd)
 

@@ -38,8 +38,9 @@ def pack_2bit(codes: jnp.ndarray) -> jnp.ndarray:
           | (quads[:, 3] << 6)).astype(jnp.uint8)
 
 
-def unpack_2bit(packed: jnp.ndarray, shape: Sequence[int]) -> jnp.ndarray:
-  """Inverse of :func:`pack_2bit`: returns ``uint8[shape]`` codes in 0..3."""
+def check_packed(packed, shape: Sequence[int]) -> tuple[int, ...]:
+  """``shape`` as a tuple of ints, once ``packed`` is a 1-D uint8 array of exactly the
+  bytes that hold it; a one-line error otherwise."""
   shape = tuple(int(d) for d in shape)
   n = math.prod(shape)
   if packed.ndim != 1 or packed.dtype != jnp.uint8:
@@ -49,6 +50,12 @@ def unpack_2bit(packed: jnp.ndarray, shape: Sequence[int]) -> jnp.ndarray:
     raise ValueError(
         f"unpack_2bit: {packed.shape[0]} bytes cannot hold shape {shape} "
         f"({n} codes need {packed_size(n)} bytes)")
+  return shape
+
+
+def unpack_2bit(packed: jnp.ndarray, shape: Sequence[int]) -> jnp.ndarray:
+  """Inverse of :func:`pack_2bit`: returns ``uint8[shape]`` codes in 0..3."""
+  shape = check_packed(packed, shape)
   shifts = jnp.asarray(_SHIFTS, dtype=jnp.uint8)
   codes = (packed[:, None] >> shifts[None, :]) & 3
-  return codes.reshape(-1)[:n].reshape(shape)
+  return codes.reshape(-1)[:math.prod(shape)].reshape(shape)

@@ -1,9 +1,10 @@
 """Fused ReGELU2 / ReSiLU2 kernels: one pass forward, one pass backward.
 
-Forward reads x once and writes y and the packed 2-bit code (``ceil(n/4)`` bytes).
-Backward reads g and the packed code and writes dx; the unpacked code lives only in
-registers, never in HBM. The thresholds and derivative levels come from the caller
-(``lowmem_jax.activations``), so this file holds no method constants.
+Mirrors :mod:`lowmem_jax.activations`: ``approx2_forward`` / ``approx2_backward`` take
+their references' arguments (plus keyword-only ``interpret`` and ``block_elements``) and
+read the thresholds and derivative levels from there (``STEPS``). Forward reads x once
+and writes y and the packed 2-bit code (``ceil(n/4)`` bytes). Backward reads g and the
+packed code and writes dx; the unpacked code lives only in registers, never in HBM.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lowmem_jax.activations import STEPS, check_kind
 from pallas_kernels import layout
-
-ACTIVATIONS = ("gelu", "silu")
 
 
 def erfc(z):
@@ -52,33 +52,31 @@ def _forward_kernel(x_ref, y_ref, packed_ref, *, t, kind, thresholds):
   code = ((xf > c0).astype(jnp.int32) + (xf > c1).astype(jnp.int32)
           + (xf > c2).astype(jnp.int32))
   code = jnp.where(mask, code, 0)
-  byte = jnp.sum(code << layout.shifts(), axis=-1)
-  plgpu.store(packed_ref.at[rows, quads], byte.astype(jnp.uint8), mask=byte_mask)
+  plgpu.store(packed_ref.at[rows, quads], layout.pack_bytes(code), mask=byte_mask)
 
 
 def _backward_kernel(g_ref, packed_ref, dx_ref, *, t, levels):
   rows, quads, mask, byte_mask = t.tile()
   byte = plgpu.load(packed_ref.at[rows, quads], mask=byte_mask, other=0)
-  code = (byte.astype(jnp.int32)[..., None] >> layout.shifts()) & 3
+  code = layout.unpack_bytes(byte)
   l0, l1, l2, l3 = levels
   d = jnp.where(code == 0, l0, jnp.where(code == 1, l1, jnp.where(code == 2, l2, l3)))
   g = plgpu.load(g_ref.at[rows, quads, :], mask=mask, other=0).astype(jnp.float32)
   plgpu.store(dx_ref.at[rows, quads, :], (g * d).astype(dx_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "thresholds", "interpret",
-                                             "block_elements"))
-def approx2_forward(x, *, kind: str, thresholds: tuple[float, float, float],
-                    interpret: bool = False, block_elements: int = layout.BLOCK_ELEMENTS):
-  """``(act(x), packed codes)``: y in x's dtype (fp32 math), codes ``uint8[ceil(n/4)]``."""
-  if kind not in ACTIVATIONS:
-    raise ValueError(f"unknown activation {kind!r}; valid: {', '.join(ACTIVATIONS)}")
+@functools.partial(jax.jit, static_argnames=("kind", "interpret", "block_elements"))
+def approx2_forward(kind: str, x, *, interpret: bool = False,
+                    block_elements: int = layout.BLOCK_ELEMENTS):
+  """``(act(x), packed codes)``: y in x's dtype (fp32 math), codes ``uint8[ceil(n/4)]``.
+  Reference: ``lowmem_jax.activations.approx2_forward``."""
+  check_kind(kind)
   n = x.size
   if n == 0:
     return x, jnp.zeros((0,), jnp.uint8)
   t = layout.tiling(n, block_elements)
   y, packed = pl.pallas_call(
-      functools.partial(_forward_kernel, t=t, kind=kind, thresholds=thresholds),
+      functools.partial(_forward_kernel, t=t, kind=kind, thresholds=STEPS[kind].thresholds),
       out_shape=(jax.ShapeDtypeStruct((t.rows, t.quads, 4), x.dtype),
                  jax.ShapeDtypeStruct((t.rows, t.quads), jnp.uint8)),
       grid=t.grid, interpret=interpret, compiler_params=layout.compiler_params(),
@@ -87,16 +85,18 @@ def approx2_forward(x, *, kind: str, thresholds: tuple[float, float, float],
   return layout.from_tiles(y, t, x.shape), packed.reshape(-1)
 
 
-@functools.partial(jax.jit, static_argnames=("levels", "interpret", "block_elements"))
-def approx2_backward(g, packed, *, levels: tuple[float, float, float, float],
-                     interpret: bool = False, block_elements: int = layout.BLOCK_ELEMENTS):
-  """``dx = g * levels[code]`` in g's dtype (fp32 math) from the packed codes."""
+@functools.partial(jax.jit, static_argnames=("kind", "interpret", "block_elements"))
+def approx2_backward(kind: str, g, packed, *, interpret: bool = False,
+                     block_elements: int = layout.BLOCK_ELEMENTS):
+  """``dx = g * levels[code]`` in g's dtype (fp32 math) from the packed codes.
+  Reference: ``lowmem_jax.activations.approx2_backward``."""
+  check_kind(kind)
   n = g.size
   if n == 0:
     return g
   t = layout.tiling(n, block_elements)
   dx = pl.pallas_call(
-      functools.partial(_backward_kernel, t=t, levels=levels),
+      functools.partial(_backward_kernel, t=t, levels=STEPS[kind].levels),
       out_shape=jax.ShapeDtypeStruct((t.rows, t.quads, 4), g.dtype),
       grid=t.grid, interpret=interpret, compiler_params=layout.compiler_params(),
       name="approx2_backward",

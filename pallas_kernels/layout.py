@@ -86,9 +86,20 @@ def from_tiles(tiles: jax.Array, t: Tiling, shape) -> jax.Array:
   return flat.reshape(shape)
 
 
-def shifts():
-  """``[1, 1, 4]`` bit offsets 0, 2, 4, 6 of the four codes in a byte (int32)."""
+def _shifts():
+  """``[1, 1, 4]`` bit offsets 0, 2, 4, 6 of the four codes in a byte (int32), as
+  ``lowmem_jax.packing``."""
   return (2 * jnp.arange(4, dtype=jnp.int32))[None, None, :]
+
+
+def pack_bytes(codes):
+  """Inside a kernel: int32 codes ``[R, Q, 4]`` in 0..3 -> their ``[R, Q]`` uint8 bytes."""
+  return jnp.sum(codes << _shifts(), axis=-1).astype(jnp.uint8)
+
+
+def unpack_bytes(byte):
+  """Inside a kernel: ``[R, Q]`` bytes -> their int32 codes ``[R, Q, 4]`` in 0..3."""
+  return (byte.astype(jnp.int32)[..., None] >> _shifts()) & 3
 
 
 def compiler_params(num_warps: int = 4, num_stages: int = 1):

@@ -1,10 +1,12 @@
 """Fused MS-LayerNorm / MS-RMSNorm kernels: one row per program, any hidden size.
 
-Forward reads x and writes ``y`` (x's dtype) and fp32 ``rstd`` per row. Backward reads
-g, y and rstd and writes dx (``rstd * (g - mean(g) - y * mean(g * y))`` for LayerNorm,
-without the ``mean(g)`` term for RMSNorm). A row is processed in power-of-two column
-blocks with masks, so the hidden size need not be a power of two; a row that fits one
-block is read once.
+Mirrors :mod:`lowmem_jax.norms`: ``ms_norm_forward`` / ``ms_norm_input_grad`` take their
+references' arguments (plus keyword-only ``interpret`` and ``max_block``). Forward reads
+x and writes ``y`` (x's dtype) and fp32 ``rstd`` per row. Backward reads g, y and rstd
+and writes dx (``rstd * (g - mean(g) - y * mean(g * y))`` for LayerNorm, without the
+``mean(g)`` term for RMSNorm). A row is processed in power-of-two column blocks with
+masks, so the hidden size need not be a power of two; a row that fits one block is read
+once.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lowmem_jax.norms import check_kind
 from pallas_kernels import layout
 
-KINDS = ("layer", "rms")
 MAX_BLOCK = 8192  # columns per load
 
 
@@ -83,8 +85,7 @@ def _backward_kernel(g_ref, y_ref, rstd_ref, dx_ref, *, kind, cols, block):
 
 
 def _check(kind, x):
-  if kind not in KINDS:
-    raise ValueError(f"unknown norm kind {kind!r}; valid: {', '.join(KINDS)}")
+  check_kind(kind)
   if x.ndim < 1:
     raise ValueError("ms norm kernels need at least one axis (the normalised one)")
 
@@ -94,9 +95,10 @@ def _num_warps(block):
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "eps", "interpret", "max_block"))
-def ms_norm_forward(x, *, kind: str, eps: float, interpret: bool = False,
+def ms_norm_forward(kind: str, x, eps: float, *, interpret: bool = False,
                     max_block: int = MAX_BLOCK):
-  """``(y, rstd)``: y in x's shape and dtype, rstd fp32 of shape ``x.shape[:-1]``."""
+  """``(y, rstd)``: y in x's shape and dtype, rstd fp32 of shape ``x.shape[:-1]``.
+  Reference: ``lowmem_jax.norms.ms_norm_forward``."""
   _check(kind, x)
   cols = x.shape[-1]
   rows = x.size // cols if cols else 0
@@ -115,9 +117,10 @@ def ms_norm_forward(x, *, kind: str, eps: float, interpret: bool = False,
 
 
 @functools.partial(jax.jit, static_argnames=("kind", "interpret", "max_block"))
-def ms_norm_backward(g, y, rstd, *, kind: str, interpret: bool = False,
-                     max_block: int = MAX_BLOCK):
-  """dx (g's dtype) from the cotangent, the saved output y and the saved fp32 rstd."""
+def ms_norm_input_grad(kind: str, g, y, rstd, *, interpret: bool = False,
+                       max_block: int = MAX_BLOCK):
+  """dx (g's dtype) from the cotangent, the saved output y and the saved fp32 rstd.
+  Reference: ``lowmem_jax.norms.ms_norm_input_grad``."""
   _check(kind, g)
   cols = g.shape[-1]
   rows = g.size // cols if cols else 0

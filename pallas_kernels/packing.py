@@ -1,4 +1,6 @@
-"""2-bit pack / unpack as Pallas kernels, bit-identical to ``lowmem_jax.packing``.
+"""2-bit pack / unpack as Pallas kernels, bit-identical to their references
+``lowmem_jax.packing.pack_2bit`` / ``unpack_2bit`` (same names and arguments, plus
+keyword-only ``interpret`` and ``block_elements``).
 
 Layout: element ``i`` -> byte ``i >> 2``, bits ``2 * (i & 3)``; ``ceil(n / 4)`` bytes,
 unused high fields zero. Tiling and 64-bit safety: :mod:`pallas_kernels.layout`.
@@ -14,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lowmem_jax.packing import check_packed
 from pallas_kernels import layout
 
 
@@ -21,14 +24,13 @@ def _pack_kernel(codes_ref, packed_ref, *, t: layout.Tiling):
   rows, quads, mask, byte_mask = t.tile()
   codes = plgpu.load(codes_ref.at[rows, quads, :], mask=mask, other=0).astype(jnp.int32)
   codes = jnp.where(mask, codes & 3, 0)  # padding and out-of-tile lanes pack as 0
-  byte = jnp.sum(codes << layout.shifts(), axis=-1)
-  plgpu.store(packed_ref.at[rows, quads], byte.astype(jnp.uint8), mask=byte_mask)
+  plgpu.store(packed_ref.at[rows, quads], layout.pack_bytes(codes), mask=byte_mask)
 
 
 def _unpack_kernel(packed_ref, codes_ref, *, t: layout.Tiling):
   rows, quads, mask, byte_mask = t.tile()
   byte = plgpu.load(packed_ref.at[rows, quads], mask=byte_mask, other=0)
-  codes = (byte.astype(jnp.int32)[..., None] >> layout.shifts()) & 3
+  codes = layout.unpack_bytes(byte)
   plgpu.store(codes_ref.at[rows, quads, :], codes.astype(jnp.uint8), mask=mask)
 
 
@@ -67,12 +69,4 @@ def _unpack(packed, shape, interpret, block_elements):
 def unpack_2bit(packed: jax.Array, shape, *, interpret: bool = False,
                 block_elements: int = layout.BLOCK_ELEMENTS) -> jax.Array:
   """Inverse of :func:`pack_2bit`: ``uint8[shape]`` codes in 0..3."""
-  shape = tuple(int(d) for d in shape)
-  n = math.prod(shape)
-  if packed.ndim != 1 or packed.dtype != jnp.uint8:
-    raise ValueError(
-        f"unpack_2bit expects a 1-D uint8 array, got {packed.dtype}{list(packed.shape)}")
-  if packed.shape[0] != -(-n // 4):
-    raise ValueError(f"unpack_2bit: {packed.shape[0]} bytes cannot hold shape {shape} "
-                     f"({n} codes need {-(-n // 4)} bytes)")
-  return _unpack(packed, shape, interpret, block_elements)
+  return _unpack(packed, check_packed(packed, shape), interpret, block_elements)

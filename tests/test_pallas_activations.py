@@ -16,8 +16,7 @@ from pallas_kernels import activations as pa
 from pallas_kernels import layout
 
 KINDS = ("gelu", "silu")
-STEPS = {"gelu": REGELU2, "silu": RESILU2}
-EXACT = {"gelu": activations.gelu, "silu": activations.silu}
+STEPS = activations.STEPS
 # dtype -> (rtol, atol) of y against the jnp path (16-bit: one rounding of the output).
 DTYPES = {"float32": (jnp.float32, 1e-6, 1e-6), "bfloat16": (jnp.bfloat16, 2.0 ** -8, 1e-6),
           "float16": (jnp.float16, 2.0 ** -10, 1e-6)}
@@ -38,10 +37,7 @@ def rand(shape, seed, scale=4.0, dtype=jnp.float32):
   return jnp.asarray(x).astype(dtype)
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
-def xla_forward(kind, x):
-  step = STEPS[kind]
-  return EXACT[kind](x), packing.pack_2bit(step.code(x))
+xla_forward = jax.jit(activations.approx2_forward, static_argnums=0)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -51,13 +47,11 @@ def value_and_vjp(kind, implementation, x, g):
 
 
 def kernel_forward(kind, x, block_elements=layout.BLOCK_ELEMENTS):
-  return pa.approx2_forward(x, kind=kind, thresholds=STEPS[kind].thresholds, interpret=True,
-                            block_elements=block_elements)
+  return pa.approx2_forward(kind, x, interpret=True, block_elements=block_elements)
 
 
 def kernel_backward(kind, g, packed, block_elements=layout.BLOCK_ELEMENTS):
-  return pa.approx2_backward(g, packed, levels=STEPS[kind].levels, interpret=True,
-                             block_elements=block_elements)
+  return pa.approx2_backward(kind, g, packed, interpret=True, block_elements=block_elements)
 
 
 def f64(a):
@@ -154,11 +148,10 @@ def test_kernel_codes_cover_all_levels(kind):
 
 def test_unknown_kind_raises():
   with pytest.raises(ValueError, match="unknown activation"):
-    pa.approx2_forward(jnp.ones((4,)), kind="relu", thresholds=REGELU2.thresholds,
-                       interpret=True)
+    pa.approx2_forward("relu", jnp.ones((4,)), interpret=True)
   with pytest.raises(ValueError, match="unknown activation kind"):
     approx2_fn("relu", "pallas_interpret")
-  with pytest.raises(ValueError, match="unknown implementation"):
+  with pytest.raises(ValueError, match="unknown activation implementation 'triton'"):
     approx2_fn("gelu", "triton")
 
 
@@ -235,15 +228,13 @@ def test_backward_materialises_no_full_size_codes(kind, shape):
   n = math.prod(shape)
   g = jnp.zeros(shape, jnp.float32)
   p = jnp.zeros((math.ceil(n / 4),), jnp.uint8)
-  levels = STEPS[kind].levels
   closed = jax.make_jaxpr(
-      lambda g, p: pa.approx2_backward(g, p, levels=levels, interpret=False))(g, p)
+      lambda g, p: pa.approx2_backward(kind, g, p, interpret=False))(g, p)
   found = _outvars_outside_kernels(closed.jaxpr)
   assert found["pallas_calls"] == 1
   assert not _full_size_uint8(found, n), closed
   # The forward neither: y and the packed bytes come straight out of the kernel.
-  closed = jax.make_jaxpr(lambda x: pa.approx2_forward(
-      x, kind=kind, thresholds=STEPS[kind].thresholds, interpret=False))(g)
+  closed = jax.make_jaxpr(lambda x: pa.approx2_forward(kind, x, interpret=False))(g)
   found = _outvars_outside_kernels(closed.jaxpr)
   assert found["pallas_calls"] == 1
   assert not _full_size_uint8(found, n), closed

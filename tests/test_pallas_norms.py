@@ -55,7 +55,7 @@ def check_kernels(kind, shape, dtype="float32", max_block=pn.MAX_BLOCK, eps=1e-6
   jdtype, _ = DTYPES[dtype]
   x = rand(shape, seed, scale, shift, jdtype)
   g = rand(shape, seed + 1, dtype=jdtype)
-  y, rstd = pn.ms_norm_forward(x, kind=kind, eps=eps, interpret=True, max_block=max_block)
+  y, rstd = pn.ms_norm_forward(kind, x, eps, interpret=True, max_block=max_block)
   y_ref, dx_ref = value_and_vjp(kind, "xla", x, g, eps)
   rstd_ref = jnp_rstd(kind, x, eps)
   assert y.dtype == jdtype and y.shape == shape
@@ -63,7 +63,7 @@ def check_kernels(kind, shape, dtype="float32", max_block=pn.MAX_BLOCK, eps=1e-6
   assert_close(y, y_ref, dtype, 1e-6)
   np.testing.assert_allclose(f64(rstd), f64(rstd_ref), rtol=1e-6, atol=0)
   # Backward from the very residuals the jnp path saved.
-  dx = pn.ms_norm_backward(g, y_ref, rstd_ref, kind=kind, interpret=True, max_block=max_block)
+  dx = pn.ms_norm_input_grad(kind, g, y_ref, rstd_ref, interpret=True, max_block=max_block)
   assert dx.dtype == jdtype and dx.shape == shape
   assert_close(dx, dx_ref, dtype, 1e-5)
   return y, rstd, dx
@@ -99,7 +99,7 @@ def test_kernels_offset_input(kind, max_block):
   """A mean far from zero (LayerNorm subtracts it; RMSNorm does not). fp32 sums in another
   order differ by a few 1e-7 * |mean| * rstd, so compare with the float64 truth too."""
   x = rand((3, 100), 6, scale=0.5, shift=3.0)
-  y, rstd = pn.ms_norm_forward(x, kind=kind, eps=1e-6, interpret=True, max_block=max_block)
+  y, rstd = pn.ms_norm_forward(kind, x, 1e-6, interpret=True, max_block=max_block)
   xd = f64(x)
   centred = xd - xd.mean(-1, keepdims=True) if kind == "layer" else xd
   rstd_true = 1 / np.sqrt(np.mean(centred * centred, axis=-1) + 1e-6)
@@ -112,10 +112,10 @@ def test_kernels_offset_input(kind, max_block):
 @pytest.mark.parametrize("shape", [(0, 7), (2, 0, 33), (0, 0)], ids=str)
 def test_no_rows(kind, shape):
   x = jnp.zeros(shape, jnp.float32)
-  y, rstd = pn.ms_norm_forward(x, kind=kind, eps=1e-6, interpret=True)
+  y, rstd = pn.ms_norm_forward(kind, x, 1e-6, interpret=True)
   assert y.shape == shape and y.dtype == jnp.float32
   assert rstd.shape == shape[:-1] and rstd.dtype == jnp.float32
-  dx = pn.ms_norm_backward(x, y, rstd, kind=kind, interpret=True)
+  dx = pn.ms_norm_input_grad(kind, x, y, rstd, interpret=True)
   assert dx.shape == shape and dx.dtype == jnp.float32
   for impl in ("pallas_interpret", "xla"):
     y, dx = value_and_vjp(kind, impl, x, x)
@@ -127,10 +127,10 @@ def test_no_rows(kind, shape):
 def test_empty_rows_keep_shape_and_dtype(kind, dtype):
   jdtype, _ = DTYPES[dtype]
   x = jnp.zeros((3, 0), jdtype)
-  y, rstd = pn.ms_norm_forward(x, kind=kind, eps=1e-6, interpret=True)
+  y, rstd = pn.ms_norm_forward(kind, x, 1e-6, interpret=True)
   assert y.shape == (3, 0) and y.dtype == jdtype
   assert rstd.shape == (3,) and rstd.dtype == jnp.float32
-  dx = pn.ms_norm_backward(x, y, rstd, kind=kind, interpret=True)
+  dx = pn.ms_norm_input_grad(kind, x, y, rstd, interpret=True)
   assert dx.shape == (3, 0) and dx.dtype == jdtype
   y, dx = value_and_vjp(kind, "pallas_interpret", x, x)
   assert y.shape == dx.shape == (3, 0) and dx.dtype == jdtype
@@ -152,15 +152,15 @@ def test_eps_is_used(kind):
 
 def test_bad_arguments():
   with pytest.raises(ValueError, match="unknown norm kind"):
-    pn.ms_norm_forward(jnp.ones((2, 3)), kind="batch", eps=1e-6, interpret=True)
+    pn.ms_norm_forward("batch", jnp.ones((2, 3)), 1e-6, interpret=True)
   with pytest.raises(ValueError, match="unknown norm kind"):
-    pn.ms_norm_backward(jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones((2,)), kind="batch",
-                        interpret=True)
+    pn.ms_norm_input_grad("batch", jnp.ones((2, 3)), jnp.ones((2, 3)), jnp.ones((2,)),
+                          interpret=True)
   with pytest.raises(ValueError, match="at least one axis"):
-    pn.ms_norm_forward(jnp.float32(1.0), kind="rms", eps=1e-6, interpret=True)
+    pn.ms_norm_forward("rms", jnp.float32(1.0), 1e-6, interpret=True)
   with pytest.raises(ValueError):
     ms_norm_fn("batch", "pallas_interpret")
-  with pytest.raises(ValueError, match="unknown implementation"):
+  with pytest.raises(ValueError, match="unknown norm implementation 'triton'"):
     ms_norm_fn("layer", "triton")
 
 

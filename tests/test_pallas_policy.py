@@ -1,8 +1,13 @@
 """kernels="pallas_interpret" and kernels="xla" are the same model: the block stack under
-"lowmembp" gives the same outputs, gradients and saved residuals with either."""
+"lowmembp" gives the same outputs, gradients and saved residuals with either. And
+kernels="xla" never imports Pallas: not at import, not in a model's forward and backward."""
 
 import functools
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -97,3 +102,40 @@ def test_same_saved_residual_bytes_per_token(kind):
   assert per_token[PALLAS] == per_token[XLA] > 0
   # Array for array the same residuals (dtype and shape).
   assert arrays[PALLAS] == arrays[XLA]
+
+
+# Modules that mean our kernels or Pallas's GPU front end (and its Triton lowering) were
+# loaded. Flax itself imports Pallas's core (jax.extend.pallas), so past `import flax` only
+# these are checked; lowmem_jax alone (no Flax) must load no Pallas module at all.
+KERNEL_MODULES = ("jax.experimental.pallas", "jax._src.pallas.triton", "pallas_kernels")
+
+NO_PALLAS_SCRIPT = textwrap.dedent("""
+    import sys
+    loaded = lambda prefixes: sorted(m for m in sys.modules if m.startswith(prefixes))
+    import lowmem_jax, lowmem_jax.policy, lowmem_jax.quant
+    assert not loaded(("jax.experimental.pallas", "jax._src.pallas", "pallas_kernels")), \\
+        ("import lowmem_jax", loaded(("jax._src.pallas", "pallas_kernels")))
+    import jax, jax.numpy as jnp
+    from flax import nnx
+    import models.vit
+    KERNELS = {modules!r}
+    assert not loaded(KERNELS), ("import models.vit", loaded(KERNELS))
+    for spec in ("lowmembp+kernels=xla", "mesa8+kernels=xla"):
+      model = models.vit.ViT("vit-tiny", spec, dtype=jnp.float32)
+      grads = nnx.grad(lambda m: m(jnp.ones((2, 32, 32, 3))).sum())(model)
+      jax.block_until_ready(jax.tree.leaves(nnx.state(grads)))
+      assert not loaded(KERNELS), (spec, loaded(KERNELS))
+    # Control: the interpret kernels do load Pallas, and the check above would see it.
+    lowmem_jax.policy.MemoryPolicy.parse("lowmembp+kernels=pallas_interpret").activation_fn(
+        "gelu")(jnp.ones((4,)))
+    assert {{"pallas_kernels.activations", "jax.experimental.pallas"}} <= set(
+        loaded(KERNELS)), loaded(KERNELS)
+    print("ok")
+""")
+
+
+def test_xla_kernels_never_import_pallas():
+  script = NO_PALLAS_SCRIPT.format(modules=KERNEL_MODULES)
+  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                        timeout=300, cwd=Path(__file__).resolve().parents[1])
+  assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
