@@ -29,7 +29,7 @@ rebuilds ``h`` itself, so under remat a layer boundary keeps one array, not two.
 q/k/v read the embeddings LayerNorm, which stays standard (its output has no shared
 reader worth it) and is never merged. At random init ``gamma = 1, beta = 0``: nothing to
 merge. After fine-tuning the two copies of an affine may differ; the function is still
-exactly representable by HF BERT: :func:`to_hf_state` exports the residual gamma/beta as
+exactly representable by HF BERT: the export (:func:`hf_map`, ``kept``) writes the residual gamma/beta as
 the LayerNorm and un-merges each merged linear with them (``W = W' / gamma``,
 ``b = b' - beta @ W``).
 
@@ -47,15 +47,15 @@ import numpy as np
 from flax import nnx
 
 from lowmem_jax import quant
-from lowmem_jax.norms import merge_norm_affine
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import make_config, replace_fields
-from models.hf_state import CheckpointError, StateReader, read_linear, write_linear
+from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import Mlp
 from models.norm import Norm
 from models.sites import as_array, seed_sites
+from models.stack import BlockStack
 
 MODEL_TYPES = ("bert", "roberta")
 
@@ -149,10 +149,15 @@ class ResidualAffine(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((dim,), jnp.float32))
 
   def __call__(self, y):
-    """``y`` plain or as a QTensor (Mesa: backward keeps its code, for d gamma)."""
-    if isinstance(y, quant.QTensor):
-      return quant.int8_vjp(_affine, [y], (self.scale[...], self.bias[...]))
-    return _affine(y, self.scale[...], self.bias[...])
+    return residual_affine(y, self.scale[...], self.bias[...])
+
+
+def residual_affine(y, scale, bias):
+  """``scale * y + bias``; ``y`` plain or as a QTensor (Mesa: backward keeps its code,
+  for d gamma)."""
+  if isinstance(y, quant.QTensor):
+    return quant.int8_vjp(_affine, [y], (scale, bias))
+  return _affine(y, scale, bias)
 
 
 def _affine(y, scale, bias):
@@ -193,18 +198,17 @@ class BertLayer(nnx.Module):
     self.attention_affine = ResidualAffine(cfg.dim) if merged else None
     self.output_affine = ResidualAffine(cfg.dim) if merged else None
 
-  def __call__(self, y, mask, prev_affine: ResidualAffine | None = None):
-    """``y``: the previous norm's output, read by q/k/v; the residual stream is
-    ``prev_affine(y)`` (``y`` itself when the previous norm keeps its affine). Returns
-    this layer's LN2 output."""
-    h = as_array(y) if prev_affine is None else prev_affine(y)
+  def __call__(self, carry, mask):
+    """``carry = (y, affine)``: ``y`` the previous norm's output, read by q/k/v, and the
+    ``(scale, bias)`` that turns it into the residual stream (None when the previous
+    norm keeps its affine). Returns this layer's ``(LN2 output, its affine)``."""
+    y, affine = carry
+    h = as_array(y) if affine is None else residual_affine(y, *affine)
     y1 = self.attention_norm(h + self.attention(y, mask=mask))
     h1 = as_array(y1) if self.attention_affine is None else self.attention_affine(y1)
-    return self.output_norm(h1 + self.mlp(y1))
-
-
-def _run_layer(layer, y, mask, prev_affine):
-  return layer(y, mask, prev_affine)
+    y2 = self.output_norm(h1 + self.mlp(y1))
+    out = self.output_affine
+    return y2, None if out is None else (out.scale[...], out.bias[...])
 
 
 class Bert(nnx.Module):
@@ -226,8 +230,8 @@ class Bert(nnx.Module):
     self.policy.check_architecture("Bert")
     self.dtype = dtype
     self.embeddings = BertEmbeddings(cfg, dtype=dtype, rngs=rngs)
-    self.layers = nnx.List([BertLayer(cfg, self.policy, dtype=dtype, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+    self.stack = BlockStack(lambda r: BertLayer(cfg, self.policy, dtype=dtype, rngs=r),
+                            cfg.num_layers, self.policy, rngs)
     head = dict(dtype=dtype, kernel_init=nnx.initializers.normal(cfg.initializer_range),
                 bias_init=nnx.initializers.zeros_init(), rngs=rngs)
     # Under MS norms the last LN2's affine is merged into ``pooler``.
@@ -265,18 +269,16 @@ class Bert(nnx.Module):
 
   # -------------------------------------------------------------------------- forward
   def _encode(self, tokens, mask, token_types):
-    """The last LN2 output ``y`` and the affine that turns it into the hidden state."""
+    """The last LN2 output ``y`` and the ``(scale, bias)`` that turns it into the hidden
+    state (None when the norms keep their affine)."""
     tokens, mask, token_types = self._inputs(tokens, mask, token_types)
     y = self.embeddings(tokens, self._positions(tokens), token_types)
-    attn_mask = mask[:, None, None, :]
-    checkpoint_policy = self.policy.checkpoint_policy()
-    run = (_run_layer if checkpoint_policy is None
-           else nnx.remat(_run_layer, policy=checkpoint_policy))
-    prev_affine = None
-    for layer in self.layers:
-      y = run(layer, y, attn_mask, prev_affine)
-      prev_affine = layer.output_affine
-    return y, prev_affine
+    # Layer 0 reads the embeddings LayerNorm, which keeps its affine: under MS norms it
+    # gets the identity (exact: y * 1 + 0 == y) so every layer sees one carry structure.
+    d = self.cfg.dim
+    identity = ((jnp.ones((d,), jnp.float32), jnp.zeros((d,), jnp.float32))
+                if self.policy.merges_norm_affine else None)
+    return self.stack((y, identity), mask[:, None, None, :])
 
   def _logits(self, y):
     pooled = jnp.tanh(self.pooler(as_array(y)[:, 0]))
@@ -285,7 +287,7 @@ class Bert(nnx.Module):
   def forward(self, tokens, mask=None, token_types=None):
     """``(hidden [B, T, D], logits [B, num_labels])``, both fp32, from one pass."""
     y, affine = self._encode(tokens, mask, token_types)
-    hidden = as_array(y) if affine is None else affine(y)
+    hidden = as_array(y) if affine is None else residual_affine(y, *affine)
     return hidden.astype(jnp.float32), self._logits(y)
 
   def encode(self, tokens, mask=None, token_types=None):
@@ -379,12 +381,12 @@ def config_to_hf(cfg: BertConfig) -> dict:
   }
 
 
-def _hf_prefix(reader: StateReader, cfg: BertConfig) -> str:
+def _hf_prefix(cfg: BertConfig, keys) -> str:
   """"bert."/"roberta." (``*For*`` checkpoints) or "" (plain ``BertModel`` ones)."""
   for prefix in (f"{cfg.model_type}.", ""):
-    if reader.has(f"{prefix}embeddings.word_embeddings.weight"):
+    if keys is not None and f"{prefix}embeddings.word_embeddings.weight" in keys:
       return prefix
-  return f"{cfg.model_type}."  # neither: report the missing keys under the usual names
+  return f"{cfg.model_type}."  # neither, or writing: the usual names
 
 
 def _head_names(cfg: BertConfig, prefix: str) -> tuple[str, str]:
@@ -394,136 +396,43 @@ def _head_names(cfg: BertConfig, prefix: str) -> tuple[str, str]:
   return f"{prefix}pooler.dense", "classifier"
 
 
-def _read_param(reader: StateReader, key: str, param) -> None:
-  value = reader.take(key, tuple(param[...].shape))
-  param[...] = jnp.asarray(np.asarray(value, np.float32).reshape(param[...].shape))
+def hf_map(cfg: BertConfig, keys=None) -> list:
+  """HF ``*ForSequenceClassification`` names of our variables (``bert.``/``roberta.``
+  prefixed or not, :mod:`models.hf_state`).
 
-
-def _read_norm(reader: StateReader, prefix: str, target):
-  """LayerNorm ``prefix.weight``/``.bias`` into ``target`` (a Norm or a ResidualAffine);
-  returns them (float64) for merging."""
-  _read_param(reader, f"{prefix}.weight", target.scale)
-  _read_param(reader, f"{prefix}.bias", target.bias)
-  return np.asarray(target.scale[...], np.float64), np.asarray(target.bias[...], np.float64)
-
-
-def _merge_into(module, gamma, beta) -> None:
-  """Folds a norm affine into a linear already holding (unmerged) weights."""
-  kernel, bias = merge_norm_affine(gamma, beta, module.kernel[...], module.bias[...])
-  module.kernel[...], module.bias[...] = kernel, bias
-
-
-def from_hf_state(reader: StateReader, cfg: BertConfig, policy: MemoryPolicy | str,
-                  dtype, rngs: nnx.Rngs) -> Bert:
-  """Builds :class:`Bert` from HF tensors (``bert.``/``roberta.`` prefixed or not).
-
-  Under MS norms every LayerNorm after the embeddings is merged into the linear(s) reading
-  it and kept for the residual path. A checkpoint with no classification head at all (a
-  plain ``BertModel``/``RobertaModel``, e.g. sentence encoders) gets a fresh one from
-  ``rngs`` (merged like a loaded one, so every policy computes the same function); any
-  other absent tensor is reported by ``reader.finish()``.
+  Under MS norms every LayerNorm after the embeddings is merged into the linear(s)
+  reading it (LN1 -> fc1; LN2 -> the next layer's q/k/v, the last one -> the pooler)
+  and kept for the residual path. A checkpoint with no classification head at all (a
+  plain ``BertModel``/``RobertaModel``, e.g. sentence encoders) keeps the model's fresh
+  head (merged like a loaded one, so every policy computes the same function); BERT's
+  pooler is read all the same.
   """
-  model = Bert(cfg, policy, dtype=dtype, rngs=rngs)
-  prefix = _hf_prefix(reader, cfg)
-  emb = model.embeddings
+  prefix = _hf_prefix(cfg, keys)
   e = f"{prefix}embeddings."
-  _read_param(reader, f"{e}word_embeddings.weight", emb.word.embedding)
-  _read_param(reader, f"{e}position_embeddings.weight", emb.position.embedding)
-  _read_param(reader, f"{e}token_type_embeddings.weight", emb.token_type.embedding)
-  _read_norm(reader, f"{e}LayerNorm", emb.norm)
-
-  prev = None  # (gamma, beta) of the previous LN2 when its affine is merged forward
-  for i, layer in enumerate(model.layers):
+  entries = [Tensor(f"{e}word_embeddings.weight", "embeddings.word.embedding"),
+             Tensor(f"{e}position_embeddings.weight", "embeddings.position.embedding"),
+             Tensor(f"{e}token_type_embeddings.weight", "embeddings.token_type.embedding"),
+             HFNorm(f"{e}LayerNorm", "embeddings.norm")]
+  ours = "stack.blocks"
+  prev = None  # the LN2 the next q/k/v read (merged there under MS norms)
+  for i in range(cfg.num_layers):
     p = f"{prefix}encoder.layer.{i}."
-    attn = layer.attention
-    for name, module in (("query", attn.query), ("key", attn.key), ("value", attn.value)):
-      read_linear(reader, f"{p}attention.self.{name}", module, norm=prev)
-    read_linear(reader, f"{p}attention.output.dense", attn.out)
-    merged = layer.attention_affine is not None
-    g1 = _read_norm(reader, f"{p}attention.output.LayerNorm",
-                    layer.attention_affine if merged else layer.attention_norm)
-    read_linear(reader, f"{p}intermediate.dense", layer.mlp.fc1, norm=g1 if merged else None)
-    read_linear(reader, f"{p}output.dense", layer.mlp.fc2)
-    merged = layer.output_affine is not None
-    g2 = _read_norm(reader, f"{p}output.LayerNorm",
-                    layer.output_affine if merged else layer.output_norm)
-    prev = g2 if merged else None
-
+    ln1, ln2 = f"{p}attention.output.LayerNorm", f"{p}output.LayerNorm"
+    entries += [HFLinear(f"{p}attention.self.{n}", f"{ours}.attention.{n}", i, norm=prev)
+                for n in ("query", "key", "value")]
+    entries += [
+        HFLinear(f"{p}attention.output.dense", f"{ours}.attention.out", i),
+        HFNorm(ln1, f"{ours}.attention_norm", i,
+               kept=(f"{ours}.attention_affine.scale", f"{ours}.attention_affine.bias")),
+        HFLinear(f"{p}intermediate.dense", f"{ours}.mlp.fc1", i, norm=ln1),
+        HFLinear(f"{p}output.dense", f"{ours}.mlp.fc2", i),
+        HFNorm(ln2, f"{ours}.output_norm", i,
+               kept=(f"{ours}.output_affine.scale", f"{ours}.output_affine.bias"))]
+    prev = ln2
   dense, out = _head_names(cfg, prefix)
-  head_keys = [f"{name}.{w}" for name in ((out,) if cfg.model_type == "bert" else (dense, out))
-               for w in ("weight", "bias")]
-  if any(reader.has(k) for k in head_keys):
-    read_linear(reader, dense, model.pooler, norm=prev)
-    read_linear(reader, out, model.classifier)
-  else:  # no head in the checkpoint: keep the fresh one (BERT's pooler is still read)
-    if cfg.model_type == "bert":
-      read_linear(reader, dense, model.pooler, norm=prev)
-    elif prev is not None:
-      _merge_into(model.pooler, *prev)
-  return model
-
-
-def _unmerge(state: dict, prefix: str, gamma, beta) -> None:
-  """Inverse of the merge on a torch-layout linear in ``state``: ``W = W' / gamma``
-  (per input), ``b = b' - W @ beta``, in float64."""
-  gamma = np.asarray(gamma, np.float64)
-  if np.any(gamma == 0):
-    raise ValueError(f"to_hf_state: {prefix} reads a LayerNorm with gamma == 0 in "
-                     f"{int(np.sum(gamma == 0))} channel(s); its merged weights cannot be "
-                     "un-merged")
-  w = np.asarray(state[f"{prefix}.weight"], np.float64) / gamma[None, :]
-  b = np.asarray(state[f"{prefix}.bias"], np.float64) - w @ np.asarray(beta, np.float64)
-  state[f"{prefix}.weight"], state[f"{prefix}.bias"] = w.astype(np.float32), b.astype(np.float32)
-
-
-def _write_norm(state: dict, prefix: str, target):
-  gamma = np.asarray(target.scale[...], np.float32)
-  beta = np.asarray(target.bias[...], np.float32)
-  state[f"{prefix}.weight"], state[f"{prefix}.bias"] = gamma, beta
-  return gamma, beta
-
-
-def to_hf_state(model: Bert) -> dict[str, np.ndarray]:
-  """HF ``*ForSequenceClassification`` tensors (torch layout) of ``model``.
-
-  Merged models export the residual-path gamma/beta as each LayerNorm and un-merge every
-  merged linear with them, so HF computes the same function even after fine-tuning.
-  """
-  cfg = model.cfg
-  prefix = f"{cfg.model_type}."
-  state: dict[str, np.ndarray] = {}
-  emb = model.embeddings
-  e = f"{prefix}embeddings."
-  state[f"{e}word_embeddings.weight"] = np.asarray(emb.word.embedding[...], np.float32)
-  state[f"{e}position_embeddings.weight"] = np.asarray(emb.position.embedding[...], np.float32)
-  state[f"{e}token_type_embeddings.weight"] = np.asarray(emb.token_type.embedding[...],
-                                                         np.float32)
-  _write_norm(state, f"{e}LayerNorm", emb.norm)
-
-  prev = None
-  for i, layer in enumerate(model.layers):
-    p = f"{prefix}encoder.layer.{i}."
-    attn = layer.attention
-    for name, module in (("query", attn.query), ("key", attn.key), ("value", attn.value)):
-      write_linear(state, f"{p}attention.self.{name}", module)
-      if prev is not None:
-        _unmerge(state, f"{p}attention.self.{name}", *prev)
-    write_linear(state, f"{p}attention.output.dense", attn.out)
-    merged = layer.attention_affine is not None
-    g1 = _write_norm(state, f"{p}attention.output.LayerNorm",
-                     layer.attention_affine if merged else layer.attention_norm)
-    write_linear(state, f"{p}intermediate.dense", layer.mlp.fc1)
-    if merged:
-      _unmerge(state, f"{p}intermediate.dense", *g1)
-    write_linear(state, f"{p}output.dense", layer.mlp.fc2)
-    merged = layer.output_affine is not None
-    g2 = _write_norm(state, f"{p}output.LayerNorm",
-                     layer.output_affine if merged else layer.output_norm)
-    prev = g2 if merged else None
-
-  dense, out = _head_names(cfg, prefix)
-  write_linear(state, dense, model.pooler)
-  if prev is not None:
-    _unmerge(state, dense, *prev)
-  write_linear(state, out, model.classifier)
-  return state
+  head = (out,) if cfg.model_type == "bert" else (dense, out)
+  if keys is None or any(f"{n}.{w}" in keys for n in head for w in ("weight", "bias")):
+    return entries + [HFLinear(dense, "pooler", norm=prev), HFLinear(out, "classifier")]
+  # no head in the checkpoint: keep the fresh one (BERT's pooler is still read)
+  return entries + [HFLinear(dense, "pooler", norm=prev,
+                             keep_weights=cfg.model_type == "roberta")]

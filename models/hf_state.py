@@ -1,18 +1,30 @@
-"""Reading and writing Hugging Face state dicts (name -> numpy array) with clear errors.
+"""Hugging Face state dicts (name -> numpy array) <-> our models, by a declared key map.
 
-A model module's ``from_hf_state(reader, cfg, policy, dtype, rngs)`` takes tensors by HF
-name through :class:`StateReader`, which checks shapes and remembers what was used;
-``reader.finish()`` then names every missing, unexpected or mis-shaped key at once.
-Tensors stay in float64/float32 numpy until the model holds them, so the norm-affine
-merge (``lowmem_jax.norms.merge_norm_affine``) runs in float64.
+A model module declares ``hf_map(cfg, keys)``: a list of :class:`Tensor`,
+:class:`Linear` and :class:`Norm` entries, each an HF name and the path of our
+variable or module (``"stack.blocks.attn.query"``) with, for stacked blocks, the
+``layer`` row. One generic pair applies any map: :func:`read_state` (through a
+:class:`StateReader`, which checks shapes and remembers what was used, so
+``reader.finish()`` names every missing, unexpected or mis-shaped key at once) and
+:func:`write_state`.
+
+MS norms: a :class:`Norm` whose module holds no affine (the policy merges it) has its
+HF affine folded into every :class:`Linear` that names it as ``norm``
+(``lowmem_jax.norms.merge_norm_affine``, float64). Exported, such a norm is weight 1 /
+bias 0 with the merged linears, unless the entry names where the affine is ``kept``
+(BERT's residual path): then that affine is exported and the linears un-merged with it.
+Tensors stay in float64 numpy until the model holds them; each stacked variable is
+filled row by row in numpy and assigned once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 
 class CheckpointError(ValueError):
@@ -63,42 +75,188 @@ class StateReader:
       raise CheckpointError("checkpoint does not match the model: " + " | ".join(problems))
 
 
-# ----------------------------------------------------------------------------- linears
-def read_linear(reader: StateReader, prefix: str, module, *, norm=None) -> None:
-  """Loads HF ``{prefix}.weight`` (torch ``[out, in]``) and ``.bias`` into an
-  ``nnx.Linear``/``nnx.LinearGeneral`` (kernel ``[in..., out...]``).
+# ----------------------------------------------------------------------------- the map
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+  """HF tensor ``hf`` <-> our variable at ``path`` (row ``layer`` if stacked);
+  ``to_ours``/``to_hf`` change layout (e.g. a conv kernel's axes). ``copy_of``: the HF
+  tensor is a tied copy of that one (read only to check that it is equal; not written)."""
+  hf: str
+  path: str
+  layer: int | None = None
+  to_ours: Callable[[np.ndarray], np.ndarray] | None = None
+  to_hf: Callable[[np.ndarray], np.ndarray] | None = None
+  copy_of: str | None = None
 
-  ``norm=(scale, bias)`` (either may be None) folds the affine of the norm that feeds
-  this linear into it (``merge_norm_affine``, float64), for MS-norm policies.
-  """
+
+@dataclasses.dataclass(frozen=True)
+class Linear:
+  """HF ``{hf}.weight`` (torch ``[out, in]``) and ``.bias`` <-> the ``nnx.Linear`` /
+  ``LinearGeneral`` at ``path`` (kernel ``[in..., out...]``). ``norm``: the HF prefix of
+  the norm whose output it reads (merged into it when that norm is). ``keep_weights``:
+  the checkpoint has none (a fresh head); only the norm is merged into the model's own."""
+  hf: str
+  path: str
+  layer: int | None = None
+  norm: str | None = None
+  keep_weights: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Norm:
+  """HF ``{hf}.weight`` (and ``.bias`` if ``bias``) <-> the norm module at ``path``.
+  When the norm is merged, ``kept`` names variables that keep its affine anyway:
+  ``(scale path, bias path or None)``."""
+  hf: str
+  path: str
+  layer: int | None = None
+  bias: bool = True
+  kept: tuple[str, str | None] | None = None
+
+
+Entry = Tensor | Linear | Norm
+
+
+def _resolve(model, path: str):
+  node = model
+  for part in path.split("."):
+    node = getattr(node, part)
+  return node
+
+
+def _row(value, layer):
+  return value if layer is None else value[layer]
+
+
+class _Rows:
+  """Numpy copies of the variables being written (float32), assigned once at the end."""
+
+  def __init__(self):
+    self.arrays: dict[int, tuple[nnx.Variable, np.ndarray]] = {}
+
+  def set(self, var: nnx.Variable, layer: int | None, value) -> None:
+    if id(var) not in self.arrays:
+      self.arrays[id(var)] = (var, np.array(var[...], np.float32))
+    array = self.arrays[id(var)][1]
+    target = array if layer is None else array[layer]
+    target[...] = np.asarray(value, np.float32).reshape(target.shape)
+
+  def get(self, var: nnx.Variable, layer: int | None) -> np.ndarray:
+    array = self.arrays[id(var)][1] if id(var) in self.arrays else np.asarray(var[...])
+    return np.asarray(_row(array, layer), np.float64)
+
+  def assign(self) -> None:
+    for var, array in self.arrays.values():
+      var[...] = jnp.asarray(array, var[...].dtype)
+
+
+def _kernel_dims(module, layer) -> tuple[tuple[int, ...], int]:
+  """(kernel shape of one layer, number of input axes)."""
+  shape = tuple(module.kernel[...].shape)[0 if layer is None else 1:]
+  axis = getattr(module, "axis", (-1,))
+  return shape, len(axis) if isinstance(axis, tuple) else 1
+
+
+def read_state(model, entries: Sequence[Entry], reader: StateReader) -> None:
+  """Loads every entry of the map from ``reader`` into ``model`` (in place). Norms come
+  first, so the linears reading a merged norm find its affine."""
   from lowmem_jax.norms import merge_norm_affine
 
-  shape = tuple(module.kernel[...].shape)
-  n_in = _num_in_axes(module)
-  d_in, d_out = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
-  kernel = reader.take(f"{prefix}.weight", (d_out, d_in)).T
-  has_bias = getattr(module, "bias", None) is not None
-  bias = reader.take(f"{prefix}.bias", (d_out,)) if has_bias else None
-  if norm is not None:
-    kernel, bias = merge_norm_affine(norm[0], norm[1], kernel.astype(np.float32), bias)
-    if bias is not None and not has_bias:
-      raise CheckpointError(f"{prefix}: merging the norm bias needs a bias on this linear")
-  module.kernel[...] = jnp.asarray(np.asarray(kernel, np.float32).reshape(shape))
-  if has_bias:
-    module.bias[...] = jnp.asarray(np.asarray(bias, np.float32).reshape(
-        tuple(module.bias[...].shape)))
+  rows, affines = _Rows(), {}
+  for e in (e for e in entries if isinstance(e, Norm)):
+    norm = _resolve(model, e.path)
+    d = norm.dim
+    scale = reader.take(f"{e.hf}.weight", (d,))
+    bias = reader.take(f"{e.hf}.bias", (d,)) if e.bias else None
+    if norm.scale is not None:
+      rows.set(norm.scale, e.layer, scale)
+      if bias is not None:
+        rows.set(norm.bias, e.layer, bias)
+      continue
+    affines[e.hf] = (scale, bias)
+    if e.kept is not None:
+      rows.set(_resolve(model, e.kept[0]), e.layer, scale)
+      if e.kept[1] is not None:
+        rows.set(_resolve(model, e.kept[1]), e.layer, bias)
+  for e in entries:
+    if isinstance(e, Tensor) and e.copy_of is not None:
+      if not np.array_equal(reader.take(e.hf), reader.take(e.copy_of)):
+        raise CheckpointError(f"{e.hf} differs from {e.copy_of} but the config ties them")
+    elif isinstance(e, Tensor):
+      var = _resolve(model, e.path)
+      ours = tuple(var[...].shape)[0 if e.layer is None else 1:]
+      hf_shape = ours if e.to_hf is None else e.to_hf(np.zeros(ours)).shape
+      value = reader.take(e.hf, hf_shape)
+      rows.set(var, e.layer, value if e.to_ours is None else e.to_ours(value))
+    elif isinstance(e, Linear):
+      module = _resolve(model, e.path)
+      shape, n_in = _kernel_dims(module, e.layer)
+      d_in, d_out = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
+      has_bias = getattr(module, "bias", None) is not None
+      if e.keep_weights:
+        kernel = rows.get(module.kernel, e.layer).reshape(d_in, d_out)
+        bias = rows.get(module.bias, e.layer).reshape(d_out) if has_bias else None
+      else:
+        kernel = reader.take(f"{e.hf}.weight", (d_out, d_in)).T
+        bias = reader.take(f"{e.hf}.bias", (d_out,)) if has_bias else None
+      if e.norm in affines:
+        kernel, bias = merge_norm_affine(*affines[e.norm], kernel.astype(np.float32), bias)
+        if bias is not None and not has_bias:
+          raise CheckpointError(f"{e.hf}: merging the norm bias needs a bias on this linear")
+      rows.set(module.kernel, e.layer, kernel)
+      if has_bias:
+        rows.set(module.bias, e.layer, bias)
+  rows.assign()
 
 
-def write_linear(state: dict, prefix: str, module) -> None:
-  """The inverse of :func:`read_linear` (without a merge): torch layout into ``state``."""
-  kernel = np.asarray(module.kernel[...], np.float32)
-  n_in = _num_in_axes(module)
-  d_in = int(np.prod(kernel.shape[:n_in]))
-  state[f"{prefix}.weight"] = kernel.reshape(d_in, -1).T
-  if getattr(module, "bias", None) is not None:
-    state[f"{prefix}.bias"] = np.asarray(module.bias[...], np.float32).reshape(-1)
+def write_state(model, entries: Sequence[Entry]) -> dict[str, np.ndarray]:
+  """HF tensors (torch layout, float32) of ``model`` by the map: the inverse of
+  :func:`read_state`. A merged norm with a ``kept`` affine is exported as that affine
+  and each linear reading it un-merged with it."""
+  state: dict[str, np.ndarray] = {}
+  unmerge = {}
+  for e in (e for e in entries if isinstance(e, Norm)):
+    norm = _resolve(model, e.path)
+    if norm.scale is not None:
+      scale = _row(np.asarray(norm.scale[...]), e.layer)
+      bias = _row(np.asarray(norm.bias[...]), e.layer) if e.bias else None
+    elif e.kept is not None:
+      scale = _row(np.asarray(_resolve(model, e.kept[0])[...]), e.layer)
+      bias = (None if e.kept[1] is None
+              else _row(np.asarray(_resolve(model, e.kept[1])[...]), e.layer))
+      unmerge[e.hf] = (scale, bias)
+    else:  # merged into its readers: an identity affine computes the same function
+      scale, bias = np.ones(norm.dim), np.zeros(norm.dim) if e.bias else None
+    state[f"{e.hf}.weight"] = np.asarray(scale, np.float32)
+    if e.bias:
+      state[f"{e.hf}.bias"] = np.asarray(bias, np.float32)
+  for e in entries:
+    if isinstance(e, Tensor) and e.copy_of is None:
+      value = _row(np.asarray(_resolve(model, e.path)[...], np.float32), e.layer)
+      state[e.hf] = value if e.to_hf is None else e.to_hf(value)
+    elif isinstance(e, Linear):
+      module = _resolve(model, e.path)
+      shape, n_in = _kernel_dims(module, e.layer)
+      kernel = _row(np.asarray(module.kernel[...], np.float32), e.layer)
+      state[f"{e.hf}.weight"] = kernel.reshape(int(np.prod(shape[:n_in])), -1).T
+      if getattr(module, "bias", None) is not None:
+        state[f"{e.hf}.bias"] = _row(np.asarray(module.bias[...], np.float32),
+                                     e.layer).reshape(-1)
+      if e.norm in unmerge:
+        _unmerge(state, e.hf, *unmerge[e.norm])
+  return {k: np.ascontiguousarray(v, np.float32) for k, v in state.items()}
 
 
-def _num_in_axes(module) -> int:
-  axis = getattr(module, "axis", (-1,))
-  return len(axis) if isinstance(axis, tuple) else 1
+def _unmerge(state: dict, prefix: str, gamma, beta) -> None:
+  """Inverse of the merge on a torch-layout linear in ``state``: ``W = W' / gamma``
+  (per input), ``b = b' - W @ beta``, in float64."""
+  gamma = np.asarray(gamma, np.float64)
+  if np.any(gamma == 0):
+    raise ValueError(f"write_state: {prefix} reads a norm with gamma == 0 in "
+                     f"{int(np.sum(gamma == 0))} channel(s); its merged weights cannot be "
+                     "un-merged")
+  w = np.asarray(state[f"{prefix}.weight"], np.float64) / gamma[None, :]
+  state[f"{prefix}.weight"] = w.astype(np.float32)
+  if beta is not None:
+    b = np.asarray(state[f"{prefix}.bias"], np.float64) - w @ np.asarray(beta, np.float64)
+    state[f"{prefix}.bias"] = b.astype(np.float32)

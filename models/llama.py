@@ -13,7 +13,7 @@ applied to the head's weight (not to the activation), so the norm output is stil
 array the head saves.
 
 HF interop (``models.hf`` dispatches here for ``model_type == "llama"``):
-``config_from_hf``, ``config_to_hf``, ``from_hf_state``, ``to_hf_state``,
+``config_from_hf``, ``config_to_hf``, ``hf_map`` (HF names of our variables),
 ``HF_IGNORED_KEYS``.
 """
 
@@ -29,11 +29,12 @@ from flax import nnx
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import make_config
-from models.hf_state import CheckpointError, StateReader, read_linear, write_linear
+from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import GatedMlp
 from models.norm import Norm
 from models.sites import as_array, seed_sites
+from models.stack import BlockStack
 
 
 # ----------------------------------------------------------------------------- config
@@ -152,14 +153,10 @@ class LlamaBlock(nnx.Module):
     self.mlp = GatedMlp(cfg.dim, cfg.mlp_dim, activation="silu", policy=policy, dtype=dtype,
                         rngs=rngs)
 
-  def __call__(self, x, cos, sin, mask=None):
+  def __call__(self, x, cos, sin, mask):
     rotary = lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
     x = x + self.attn(self.norm1(x), mask=mask, rotary=rotary)
     return x + self.mlp(self.norm2(x))
-
-
-def _run_block(block, x, cos, sin, mask):
-  return block(x, cos, sin, mask)
 
 
 class Llama(nnx.Module):
@@ -182,8 +179,8 @@ class Llama(nnx.Module):
     self.dtype = jnp.dtype(dtype)
     init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
     self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
-    self.blocks = nnx.List([LlamaBlock(cfg, self.policy, dtype=self.dtype, rngs=rngs)
-                            for _ in range(cfg.num_layers)])
+    self.stack = BlockStack(lambda r: LlamaBlock(cfg, self.policy, dtype=self.dtype, rngs=r),
+                            cfg.num_layers, self.policy, rngs)
     self.norm = Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=self.policy)
     if cfg.tie_embeddings:
       self.lm_head = None
@@ -216,11 +213,7 @@ class Llama(nnx.Module):
 
     x = self.embed(tokens).astype(self.dtype)
     cos, sin = rope_tables(t, self.cfg.resolved_head_dim, self.cfg.rope_theta, self.dtype)
-    ckpt = self.policy.checkpoint_policy()
-    run = _run_block if ckpt is None else nnx.remat(_run_block, policy=ckpt)
-    for block in self.blocks:
-      x = run(block, x, cos, sin, attn_mask)
-    h = self.norm(x)
+    h = self.norm(self.stack(x, cos, sin, attn_mask))
     if self.lm_head is not None:
       return self.lm_head(h).astype(jnp.float32)
     h = as_array(h)  # the tied head keeps h itself
@@ -301,92 +294,26 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
   }
 
 
-def _hf_layer(i: int) -> str:
-  return f"model.layers.{i}"
-
-
-def _abstract_to_zeros(model):
-  """Materialises an ``nnx.eval_shape`` model with zeros (cheap; every parameter is
-  then overwritten from the checkpoint), instead of paying for a random init."""
-  graphdef, state = nnx.split(model)
-  state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), state)
-  return nnx.merge(graphdef, state)
-
-
-def from_hf_state(reader: StateReader, cfg: LlamaConfig, policy: MemoryPolicy, dtype,
-                  rngs: nnx.Rngs) -> Llama:
-  """Builds :class:`Llama` from HF ``LlamaForCausalLM`` tensors.
-
-  Under ``policy.merges_norm_affine`` each norm weight is merged (float64) into the
-  linears that read it; otherwise it is loaded as the norm's scale. Problems are
-  recorded in ``reader`` (the caller runs ``reader.finish()``)."""
-  policy = MemoryPolicy.parse(policy)
-  model = _abstract_to_zeros(
-      nnx.eval_shape(lambda r: Llama(cfg, policy, dtype=dtype, rngs=r), rngs))
-  merge = policy.merges_norm_affine
-  d = cfg.dim
-
-  def norm_weight(key, norm):
-    w = reader.take(key, (d,))
-    if merge:
-      return (w, None)
-    norm.scale[...] = jnp.asarray(np.asarray(w, np.float32))
-    return None
-
-  embed = reader.take("model.embed_tokens.weight", (cfg.vocab_size, d))
-  model.embed.embedding[...] = jnp.asarray(np.asarray(embed, np.float32))
-  for i, block in enumerate(model.blocks):
-    p = _hf_layer(i)
-    norm = norm_weight(f"{p}.input_layernorm.weight", block.norm1)
-    for name, module in (("q", block.attn.query), ("k", block.attn.key),
-                         ("v", block.attn.value)):
-      read_linear(reader, f"{p}.self_attn.{name}_proj", module, norm=norm)
-    read_linear(reader, f"{p}.self_attn.o_proj", block.attn.out)
-    norm = norm_weight(f"{p}.post_attention_layernorm.weight", block.norm2)
-    read_linear(reader, f"{p}.mlp.gate_proj", block.mlp.gate, norm=norm)
-    read_linear(reader, f"{p}.mlp.up_proj", block.mlp.up, norm=norm)
-    read_linear(reader, f"{p}.mlp.down_proj", block.mlp.down)
-
-  if cfg.tie_embeddings:
-    final = reader.take("model.norm.weight", (d,))
-    target = model.head_scale if merge else model.norm.scale
-    target[...] = jnp.asarray(np.asarray(final, np.float32))
-    if reader.has("lm_head.weight"):  # some exports write the tied copy too
-      head = reader.take("lm_head.weight", (cfg.vocab_size, d))
-      if head.shape == embed.shape and not np.array_equal(head, embed):
-        raise CheckpointError("lm_head.weight differs from model.embed_tokens.weight but "
-                              "the config ties them (tie_word_embeddings=true)")
-  else:
-    norm = norm_weight("model.norm.weight", model.norm)
-    read_linear(reader, "lm_head", model.lm_head, norm=norm)
-  return model
-
-
-def to_hf_state(model: Llama) -> dict[str, np.ndarray]:
-  """HF ``LlamaForCausalLM`` tensors (torch layout). Merged norms are written as weight 1
-  with the merged linears, so transformers computes the same function."""
-  cfg = model.cfg
-  ones = np.ones((cfg.dim,), np.float32)
-
-  def norm_weight(norm):
-    return ones if norm.scale is None else np.asarray(norm.scale[...], np.float32)
-
-  state: dict[str, np.ndarray] = {
-      "model.embed_tokens.weight": np.asarray(model.embed.embedding[...], np.float32)}
-  for i, block in enumerate(model.blocks):
-    p = _hf_layer(i)
-    state[f"{p}.input_layernorm.weight"] = norm_weight(block.norm1)
-    write_linear(state, f"{p}.self_attn.q_proj", block.attn.query)
-    write_linear(state, f"{p}.self_attn.k_proj", block.attn.key)
-    write_linear(state, f"{p}.self_attn.v_proj", block.attn.value)
-    write_linear(state, f"{p}.self_attn.o_proj", block.attn.out)
-    state[f"{p}.post_attention_layernorm.weight"] = norm_weight(block.norm2)
-    write_linear(state, f"{p}.mlp.gate_proj", block.mlp.gate)
-    write_linear(state, f"{p}.mlp.up_proj", block.mlp.up)
-    write_linear(state, f"{p}.mlp.down_proj", block.mlp.down)
-  state["model.norm.weight"] = norm_weight(model.norm)
-  if model.head_scale is not None:
-    state["model.norm.weight"] = np.asarray(model.head_scale[...], np.float32)
-  if model.lm_head is not None:
-    write_linear(state, "lm_head", model.lm_head)
-  return state
+def hf_map(cfg: LlamaConfig, keys=None) -> list:
+  """HF ``LlamaForCausalLM`` names of our variables (:mod:`models.hf_state`). With tied
+  embeddings the final norm's scale is kept as ``head_scale`` when the policy merges it
+  (the head is the embedding: nothing to merge into)."""
+  entries = [Tensor("model.embed_tokens.weight", "embed.embedding")]
+  for i in range(cfg.num_layers):
+    hf, ours = f"model.layers.{i}", "stack.blocks"
+    norm1, norm2 = f"{hf}.input_layernorm", f"{hf}.post_attention_layernorm"
+    entries += [HFNorm(norm1, f"{ours}.norm1", i, bias=False),
+                HFNorm(norm2, f"{ours}.norm2", i, bias=False)]
+    entries += [HFLinear(f"{hf}.self_attn.{n}_proj", f"{ours}.attn.{m}", i, norm=norm1)
+                for n, m in (("q", "query"), ("k", "key"), ("v", "value"))]
+    entries += [HFLinear(f"{hf}.self_attn.o_proj", f"{ours}.attn.out", i)]
+    entries += [HFLinear(f"{hf}.mlp.{n}_proj", f"{ours}.mlp.{n}", i, norm=norm2)
+                for n in ("gate", "up")]
+    entries += [HFLinear(f"{hf}.mlp.down_proj", f"{ours}.mlp.down", i)]
+  if not cfg.tie_embeddings:
+    return entries + [HFNorm("model.norm", "norm", bias=False),
+                      HFLinear("lm_head", "lm_head", norm="model.norm")]
+  if keys is not None and "lm_head.weight" in keys:  # some exports write the tied copy too
+    entries.append(Tensor("lm_head.weight", "embed.embedding",
+                          copy_of="model.embed_tokens.weight"))
+  return entries + [HFNorm("model.norm", "norm", bias=False, kept=("head_scale", None))]

@@ -19,11 +19,12 @@ from flax import nnx
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import make_config
-from models.hf_state import StateReader, read_linear, write_linear
-from models.mlp import Mlp
+from models.hf_state import Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
+from models.mlp import Mlp
 from models.norm import Norm
 from models.sites import seed_sites
+from models.stack import BlockStack
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,16 +102,14 @@ class ViT(nnx.Module):
     rngs = nnx.Rngs(0) if rngs is None else rngs
     c = self.cfg
     init_embeddings(self, c, dtype, rngs)
-    self.blocks = nnx.List([ViTBlock(c, self.policy, dtype, rngs) for _ in range(c.num_layers)])
+    self.stack = BlockStack(lambda r: ViTBlock(c, self.policy, dtype, r), c.num_layers,
+                            self.policy, rngs)
     self.norm = Norm(c.dim, eps=c.eps, policy=self.policy)
     self.head = Linear(c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=self.policy)
     seed_sites(self, rngs)
 
   def __call__(self, images):
-    x = embed(self, images)
-    run = _block_runner(self.policy)
-    for block in self.blocks:
-      x = run(block, x)
+    x = self.stack(embed(self, images))
     return self.head(self.norm(x[:, 0])).astype(jnp.float32)
 
 
@@ -134,13 +133,6 @@ def embed(model: nnx.Module, images):
   x = x.reshape(x.shape[0], -1, c.dim)
   cls = jnp.broadcast_to(model.cls_token[...].astype(model.dtype), (x.shape[0], 1, c.dim))
   return jnp.concatenate([cls, x], axis=1) + model.pos_embed[...].astype(model.dtype)
-
-
-def _block_runner(policy: MemoryPolicy):
-  """``block(x)``, rematted per the policy."""
-  checkpoint = policy.checkpoint_policy()
-  call = lambda block, x: block(x)
-  return call if checkpoint is None else nnx.remat(call, policy=checkpoint)
 
 
 # ----------------------------------------------------------------------------- HF interop
@@ -170,69 +162,24 @@ def config_to_hf(cfg: ViTConfig) -> dict:
               label2id={f"LABEL_{i}": i for i in range(cfg.num_labels)})
 
 
-def _read_norm(reader: StateReader, prefix: str, norm: Norm, dim: int):
-  """Loads a norm; returns its affine to merge downstream (None if the norm keeps it)."""
-  scale = reader.take(f"{prefix}.weight", (dim,))
-  bias = reader.take(f"{prefix}.bias", (dim,))
-  if norm.scale is None:  # MS norm: the affine goes into the linears that read it
-    return scale, bias
-  norm.scale[...] = jnp.asarray(scale, jnp.float32)
-  norm.bias[...] = jnp.asarray(bias, jnp.float32)
-  return None
-
-
-def from_hf_state(reader: StateReader, cfg: ViTConfig, policy: MemoryPolicy, dtype,
-                  rngs: nnx.Rngs) -> ViT:
-  model = ViT(cfg, policy, dtype=dtype, rngs=rngs)
-  d, p, c = cfg.dim, cfg.patch_size, cfg.channels
+def hf_map(cfg: ViTConfig, keys=None) -> list:
+  """HF ``ViTForImageClassification`` names of our variables (:mod:`models.hf_state`)."""
+  del keys
   emb = "vit.embeddings"
-  model.cls_token[...] = jnp.asarray(reader.take(f"{emb}.cls_token", (1, 1, d)), jnp.float32)
-  model.pos_embed[...] = jnp.asarray(
-      reader.take(f"{emb}.position_embeddings", (1, cfg.num_patches + 1, d)), jnp.float32)
-  w = reader.take(f"{emb}.patch_embeddings.projection.weight", (d, c, p, p))
-  model.patch_embed.kernel[...] = jnp.asarray(w.transpose(2, 3, 1, 0), jnp.float32)
-  model.patch_embed.bias[...] = jnp.asarray(
-      reader.take(f"{emb}.patch_embeddings.projection.bias", (d,)), jnp.float32)
-  for i, block in enumerate(model.blocks):
-    pre = f"vit.encoder.layer.{i}"
-    affine = _read_norm(reader, f"{pre}.layernorm_before", block.norm1, d)
-    for name in ("query", "key", "value"):
-      read_linear(reader, f"{pre}.attention.attention.{name}", getattr(block.attn, name),
-                  norm=affine)
-    read_linear(reader, f"{pre}.attention.output.dense", block.attn.out)
-    affine = _read_norm(reader, f"{pre}.layernorm_after", block.norm2, d)
-    read_linear(reader, f"{pre}.intermediate.dense", block.mlp.fc1, norm=affine)
-    read_linear(reader, f"{pre}.output.dense", block.mlp.fc2)
-  affine = _read_norm(reader, "vit.layernorm", model.norm, d)
-  read_linear(reader, "classifier", model.head, norm=affine)
-  return model
-
-
-def _write_norm(state: dict, prefix: str, norm: Norm, dim: int) -> None:
-  merged = norm.scale is None  # merged: identity affine, the linears carry it
-  state[f"{prefix}.weight"] = (np.ones(dim, np.float32) if merged
-                               else np.asarray(norm.scale[...], np.float32))
-  state[f"{prefix}.bias"] = (np.zeros(dim, np.float32) if merged
-                             else np.asarray(norm.bias[...], np.float32))
-
-
-def to_hf_state(model: ViT) -> dict[str, np.ndarray]:
-  state, d = {}, model.cfg.dim
-  emb = "vit.embeddings"
-  state[f"{emb}.cls_token"] = np.asarray(model.cls_token[...])
-  state[f"{emb}.position_embeddings"] = np.asarray(model.pos_embed[...])
-  state[f"{emb}.patch_embeddings.projection.weight"] = np.asarray(
-      model.patch_embed.kernel[...]).transpose(3, 2, 0, 1)
-  state[f"{emb}.patch_embeddings.projection.bias"] = np.asarray(model.patch_embed.bias[...])
-  for i, block in enumerate(model.blocks):
-    pre = f"vit.encoder.layer.{i}"
-    _write_norm(state, f"{pre}.layernorm_before", block.norm1, d)
-    for name in ("query", "key", "value"):
-      write_linear(state, f"{pre}.attention.attention.{name}", getattr(block.attn, name))
-    write_linear(state, f"{pre}.attention.output.dense", block.attn.out)
-    _write_norm(state, f"{pre}.layernorm_after", block.norm2, d)
-    write_linear(state, f"{pre}.intermediate.dense", block.mlp.fc1)
-    write_linear(state, f"{pre}.output.dense", block.mlp.fc2)
-  _write_norm(state, "vit.layernorm", model.norm, d)
-  write_linear(state, "classifier", model.head)
-  return state
+  entries = [
+      Tensor(f"{emb}.cls_token", "cls_token"),
+      Tensor(f"{emb}.position_embeddings", "pos_embed"),
+      Tensor(f"{emb}.patch_embeddings.projection.weight", "patch_embed.kernel",
+             to_ours=lambda w: w.transpose(2, 3, 1, 0), to_hf=lambda w: w.transpose(3, 2, 0, 1)),
+      Tensor(f"{emb}.patch_embeddings.projection.bias", "patch_embed.bias")]
+  for i in range(cfg.num_layers):
+    hf, ours = f"vit.encoder.layer.{i}", "stack.blocks"
+    norm1, norm2 = f"{hf}.layernorm_before", f"{hf}.layernorm_after"
+    entries += [HFNorm(norm1, f"{ours}.norm1", i), HFNorm(norm2, f"{ours}.norm2", i)]
+    entries += [HFLinear(f"{hf}.attention.attention.{n}", f"{ours}.attn.{n}", i, norm=norm1)
+                for n in ("query", "key", "value")]
+    entries += [HFLinear(f"{hf}.attention.output.dense", f"{ours}.attn.out", i),
+                HFLinear(f"{hf}.intermediate.dense", f"{ours}.mlp.fc1", i, norm=norm2),
+                HFLinear(f"{hf}.output.dense", f"{ours}.mlp.fc2", i)]
+  return entries + [HFNorm("vit.layernorm", "norm"),
+                    HFLinear("classifier", "head", norm="vit.layernorm")]

@@ -155,7 +155,7 @@ def test_policies_compute_the_same_function_at_init(name):
   assert ref_hidden.shape == (3, 12, cfg.dim) and ref_logits.shape == (3, cfg.num_labels)
   for spec in ("ms-bp", "lowmembp+remat", "approx-bp+attention=xla"):
     model = bert.Bert(cfg, spec, dtype=jnp.float32)
-    layer = model.layers[0]
+    layer = model.stack.layer(0)
     merged = model.policy.merges_norm_affine
     assert (layer.attention_norm.scale is None) == merged
     assert (layer.output_affine is not None) == merged
@@ -236,7 +236,7 @@ def test_state_round_trip(hf_checkpoint):
   _, path, _ = hf_checkpoint
   original = hf.read_safetensors(path)
   for policy, tol in (("baseline", 0.0), ("lowmembp", 1e-5)):
-    state = bert.to_hf_state(hf.load_pretrained(path, policy=policy))
+    state = hf.hf_state(hf.load_pretrained(path, policy=policy))
     assert set(state) == set(original)
     for key, value in state.items():
       assert max_diff(value, original[key]) <= tol * max(1.0, np.max(np.abs(original[key]))), key

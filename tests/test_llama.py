@@ -79,7 +79,7 @@ def test_logits_match_hf(hf_ckpt, policy):
   model = hf.load_pretrained(path, policy=policy, dtype=jnp.float32)
   assert model.cfg.rope_theta == HF_SHAPE["rope_theta"] and model.cfg.num_kv_heads == 2
   merged = model.policy.merges_norm_affine
-  assert (model.blocks[0].norm1.scale is None) == merged  # MS norms carry no params
+  assert (model.stack.layer(0).norm1.scale is None) == merged  # MS norms carry no params
   assert (model.norm.scale is None) == merged
   # Tied embeddings: the final norm's scale cannot merge into the shared table.
   assert (model.head_scale is not None) == (merged and model.cfg.tie_embeddings)
@@ -154,7 +154,8 @@ def test_ms_bp_gradients_exact_and_lowmembp_close(policy_runs):
   assert _max_abs(ms["embed"]["embedding"], g_base) < 1e-4 * scale
   for name in ("attn", "mlp"):  # linears that read no norm are unmerged in both models
     leaf = "out" if name == "attn" else "down"
-    a, b = ms["blocks"][1][name][leaf]["kernel"], base["blocks"][1][name][leaf]["kernel"]
+    a = ms["stack"]["blocks"][name][leaf]["kernel"][1]
+    b = base["stack"]["blocks"][name][leaf]["kernel"][1]
     assert _max_abs(a, b) < 1e-4 * float(np.max(np.abs(b)))
 
   # LowMemoryBP: exact forward, approximate (ReSiLU2) backward: close, not identical.
@@ -224,30 +225,26 @@ def test_ignored_and_unsupported_hf_keys(untied_ckpt, tmp_path):
 
 @pytest.mark.parametrize("policy", ["baseline", "ms-bp"])
 def test_state_roundtrip_tied_without_torch(policy):
-  """to_hf_state -> from_hf_state is the identity on the function (tied head, random
+  """hf_state -> load_state is the identity on the function (tied head, random
   final-norm scale); a redundant lm_head.weight is accepted only if it equals the table."""
-  from models.hf_state import StateReader
   cfg = llama.config(tie_embeddings=True, num_layers=1)
   model = llama.Llama(cfg, "baseline", dtype=jnp.float32)
   model.norm.scale[...] = jnp.linspace(0.5, 1.5, cfg.dim)
   tokens = _tokens(1, 5, vocab=cfg.vocab_size)
   ref = model(tokens)
-  state = llama.to_hf_state(model)
+  state = hf.hf_state(model)
   assert "lm_head.weight" not in state
   for extra in (None, state["model.embed_tokens.weight"]):
     full = dict(state) if extra is None else {**state, "lm_head.weight": extra}
-    reader = StateReader(full, ignore=llama.HF_IGNORED_KEYS)
-    loaded = llama.from_hf_state(reader, cfg, MemoryPolicy.parse(policy), jnp.float32,
-                                 nnx.Rngs(0))
-    reader.finish()
+    loaded = llama.Llama(cfg, policy, dtype=jnp.float32)
+    hf.load_state(loaded, full)
     assert _max_abs(loaded(tokens), ref) < 1e-5
-    again = llama.to_hf_state(loaded)
+    again = hf.hf_state(loaded)
     assert set(again) == set(state)
     np.testing.assert_allclose(again["model.norm.weight"], state["model.norm.weight"])
   bad = {**state, "lm_head.weight": state["model.embed_tokens.weight"] + 1.0}
   with pytest.raises(CheckpointError, match="lm_head.weight"):
-    llama.from_hf_state(StateReader(bad), cfg, MemoryPolicy.parse(policy), jnp.float32,
-                        nnx.Rngs(0))
+    hf.load_state(llama.Llama(cfg, policy, dtype=jnp.float32), bad)
 
 
 # ----------------------------------------------------------------------------- configs
@@ -278,7 +275,7 @@ def test_presets_and_config_errors():
 
 def test_model_call_bf16_mask_and_errors():
   model = llama.Llama("llama-tiny", "lowmembp")  # default compute dtype bf16
-  assert model.dtype == jnp.bfloat16 and model.blocks[0].norm2.scale is None
+  assert model.dtype == jnp.bfloat16 and model.stack.layer(0).norm2.scale is None
   tokens = _tokens(2, 10, vocab=256)
   logits = nnx.jit(lambda m, t: m(t))(model, tokens)
   assert logits.shape == (2, 10, 256) and logits.dtype == jnp.float32
@@ -327,11 +324,18 @@ def test_saved_residuals_ms_norms_share_their_output():
 
   # Under lowmembp every [B,T,D] residual is a norm output (tagged norm_out inside the MS
   # rule, hence the array the linears save), one per norm: not the norm input, not the
-  # residual stream; the norm adds only its fp32 rstd [B,T].
+  # residual stream; the norm adds only its fp32 rstd [B,T]. The blocks' residuals come
+  # out of the scan stacked over layers ([layers, B, T, D], named only "output of scan"),
+  # the final norm's alone.
   num_norms = 2 * layers + 1
-  full = [r for r in low.items if r.shape == (b, t, d)]
-  assert len(full) == num_norms and all("'norm_out'" in r.source for r in full)
-  rstd = [r for r in low.items if r.shape == (b, t)]
-  assert len(rstd) == num_norms and all(r.dtype == "float32" for r in rstd)
+
+  def count(shape):
+    found = [r for r in low.items if r.shape in (shape, (layers,) + shape)]
+    return found, sum(layers if len(r.shape) > len(shape) else 1 for r in found)
+
+  full, n = count((b, t, d))
+  assert n == num_norms and all("'norm_out'" in r.source or "scan" in r.source for r in full)
+  rstd, n = count((b, t))
+  assert n == num_norms and all(r.dtype == "float32" for r in rstd)
   assert not {"rms_norm", "_rms_norm_stats"} & set(low.by_origin())
   assert {"rms_norm", "_rms_norm_stats"} <= set(base.by_origin())

@@ -1,0 +1,95 @@
+"""The model registry: preset name -> family (config, module, HF mapping, input kind).
+
+Every model family is one line of :data:`FAMILIES`; its module provides ``PRESETS``
+(preset names), ``config(name, **overrides)``, the model class, and, for families with
+Hugging Face checkpoints, ``config_from_hf``, ``config_to_hf``, ``hf_map`` and
+``HF_IGNORED_KEYS`` (:mod:`models.hf`). The trainer, ``models.step_memory`` and
+``models.hf`` look models up here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+import jax.numpy as jnp
+from flax import nnx
+
+INPUT_KINDS = ("image", "tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+  """A model family. ``inputs``: "image" (``[B, H, W, C]`` floats -> class logits) or
+  "tokens" (``[B, T]`` ids, with a padding mask -> per-sequence or per-token logits).
+  ``hf_model_types``: the HF ``config.json`` ``model_type`` values it loads."""
+  name: str
+  module_name: str
+  class_name: str
+  inputs: str
+  hf_model_types: tuple[str, ...] = ()
+
+  @property
+  def module(self) -> ModuleType:
+    return importlib.import_module(self.module_name)
+
+  @property
+  def model_class(self) -> type:
+    return getattr(self.module, self.class_name)
+
+  @property
+  def presets(self) -> tuple[str, ...]:
+    return tuple(self.module.PRESETS)
+
+  def config(self, preset: str, **overrides):
+    """The preset's config with fields overridden (errors name the valid ones)."""
+    return self.module.config(preset, **overrides)
+
+  def build(self, cfg, policy="baseline", *, dtype=jnp.bfloat16, rngs=None) -> nnx.Module:
+    return self.model_class(cfg, policy, dtype=dtype, rngs=rngs)
+
+
+FAMILIES = (
+    Family("vit", "models.vit", "ViT", "image", ("vit",)),
+    Family("revvit", "models.revvit", "RevViT", "image"),
+    Family("llama", "models.llama", "Llama", "tokens", ("llama",)),
+    Family("revllama", "models.revllama", "RevLlama", "tokens"),
+    Family("bert", "models.bert", "Bert", "tokens", ("bert", "roberta")),
+)
+
+
+def all_presets() -> dict[str, Family]:
+  """Every preset name and its family."""
+  return {name: f for f in FAMILIES for name in f.presets}
+
+
+def family(preset: str) -> Family:
+  """The family of the preset ``preset``; ValueError naming every preset otherwise."""
+  presets = all_presets()
+  if preset not in presets:
+    raise ValueError(f"unknown model {preset!r}; valid presets: {', '.join(presets)} "
+                     "(or pretrained=<HF directory>)")
+  return presets[preset]
+
+
+def hf_family(model_type: str) -> Family:
+  """The family that loads HF checkpoints of ``model_type``."""
+  from models.hf_state import CheckpointError
+  for f in FAMILIES:
+    if model_type in f.hf_model_types:
+      return f
+  supported = [t for f in FAMILIES for t in f.hf_model_types]
+  raise CheckpointError(f"unsupported model_type {model_type!r}; supported: "
+                        f"{', '.join(supported)}")
+
+
+def config(preset: str, **overrides):
+  """The config of ``preset`` with ``overrides`` applied."""
+  return family(preset).config(preset, **overrides)
+
+
+def build(preset: str, policy="baseline", *, dtype=jnp.bfloat16, rngs=None, **overrides):
+  """The model of ``preset`` (fields ``overrides``) under ``policy``."""
+  f = family(preset)
+  return f.build(f.config(preset, **overrides), policy, dtype=dtype, rngs=rngs)

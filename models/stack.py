@@ -1,0 +1,78 @@
+"""One block stack for every model: blocks stored stacked, run with ``lax.scan``.
+
+``BlockStack(make_block, num_layers, policy, rngs)`` builds ``num_layers`` blocks as one
+module whose variables carry a leading layer axis (``nnx.vmap`` over ``make_block``, each
+layer its own init key), and ``stack(carry, *shared)`` runs them in order with a
+scan: the program holds one block however deep the model, so compile time does
+not grow with depth, and remat is applied here, once, by the policy
+(``policy.remat_block``). ``carry`` is any pytree a block maps to the same structure
+(ViT/LLaMA: the hidden state; BERT: the norm output and the affine it carries);
+``shared`` are the same for every layer (RoPE tables, masks).
+
+State a block updates in its forward (Mesa's ranges, WTA-CRS key counts) is stacked like
+the parameters and comes back updated, per layer. ``stack.layer(i)`` is a view of layer
+``i`` (a copy, for reading); HF import/export and LoRA work on the stacked variables
+(:mod:`models.hf_state`, :mod:`models.lora`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from lowmem_jax.policy import MemoryPolicy
+
+
+def stacked(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
+            rngs: nnx.Rngs) -> nnx.Module:
+  """``num_layers`` modules ``make(rngs)`` as one module with stacked variables (each
+  layer initialised from its own split of ``rngs``)."""
+
+  @nnx.split_rngs(splits=num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num_layers)
+  def create(rngs):
+    return make(rngs)
+
+  return create(rngs)
+
+
+
+
+class BlockStack(nnx.Module):
+  """``num_layers`` blocks of one kind, stacked, scanned, rematted per the policy."""
+
+  def __init__(self, make_block: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
+               policy: MemoryPolicy | str, rngs: nnx.Rngs):
+    if num_layers < 1:
+      raise ValueError(f"BlockStack: num_layers must be >= 1, got {num_layers}")
+    self.num_layers = num_layers
+    self.policy = MemoryPolicy.parse(policy)
+    self.blocks = stacked(make_block, num_layers, rngs)
+
+  def __call__(self, carry, *shared):
+    """``carry`` through every block in order: ``carry = block_i(carry, *shared)``.
+
+    Functional inside (``lax.scan`` over the stacked state, each layer merged afresh), so
+    the stack also runs in a model that was merged inside a jax transform; state the
+    blocks update (anything but ``nnx.Param``) is written back once, after the scan.
+    """
+    graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+
+    def layer(carry, layer_state):
+      block = nnx.merge(graphdef, *layer_state)
+      carry = block(carry, *shared)
+      return carry, nnx.state(block, nnx.Not(nnx.Param))
+
+    carry, new_rest = jax.lax.scan(self.policy.remat_block(layer), carry, (params, rest))
+    if jax.tree.leaves(rest):
+      nnx.update(self.blocks, new_rest)
+    return carry
+
+  def layer(self, i: int) -> nnx.Module:
+    """Layer ``i`` as a plain block (a copy of its variables)."""
+    if not -self.num_layers <= i < self.num_layers:
+      raise IndexError(f"BlockStack: layer {i} of {self.num_layers}")
+    graphdef, state = nnx.split(self.blocks)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: a[i], state))
