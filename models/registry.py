@@ -73,6 +73,14 @@ def family(preset: str) -> Family:
   return presets[preset]
 
 
+def family_of(model: nnx.Module) -> Family:
+  """The family of a built model (by its class)."""
+  for f in FAMILIES:
+    if type(model).__name__ == f.class_name and type(model).__module__ == f.module_name:
+      return f
+  raise ValueError(f"{type(model).__name__} is not a registered model family")
+
+
 def hf_family(model_type: str) -> Family:
   """The family that loads HF checkpoints of ``model_type``."""
   from models.hf_state import CheckpointError

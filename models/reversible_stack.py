@@ -25,6 +25,7 @@ from flax import nnx
 
 from lowmem_jax import reversible
 from lowmem_jax.policy import MemoryPolicy
+from models.stack import stacked
 
 
 def _apply(graphdef, state, x, key):
@@ -32,17 +33,6 @@ def _apply(graphdef, state, x, key):
   blocks' dtype, returns in the streams' (fp32)."""
   del key  # the sub-blocks here draw no randomness
   return nnx.merge(graphdef, state, copy=True)(x).astype(x.dtype)
-
-
-def _stack_of(make: Callable, num_layers: int, rngs: nnx.Rngs):
-  """``num_layers`` modules ``make(rngs)`` as one module with stacked variables."""
-
-  @nnx.split_rngs(splits=num_layers)
-  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=num_layers)
-  def create(rngs):
-    return make(rngs)
-
-  return create(rngs)
 
 
 def check_policy(policy: MemoryPolicy, model: str) -> None:
@@ -58,8 +48,8 @@ class ReversibleStack(nnx.Module):
   def __init__(self, make_f: Callable, make_g: Callable, num_layers: int,
                policy: MemoryPolicy, rngs: nnx.Rngs):
     self.policy = policy
-    self.f_blocks = _stack_of(make_f, num_layers, rngs)
-    self.g_blocks = _stack_of(make_g, num_layers, rngs)
+    self.f_blocks = stacked(make_f, num_layers, rngs)
+    self.g_blocks = stacked(make_g, num_layers, rngs)
 
   def __call__(self, x1, x2):
     """``(y1, y2)`` in fp32 (float64 for float64 inputs) from inputs of any float dtype."""

@@ -21,37 +21,27 @@ from flax import nnx
 
 from lowmem_jax.memory import MiB, format_table, saved_residuals, step_memory, write_json
 from lowmem_jax.policy import MemoryPolicy
+from models import registry
 
 DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat", "lowmembp+remat",
                     "mesa8", "lowmembp+mesa8", "wta-crs")
 
 
 def build(model_name: str, policy, dtype, overrides: dict):
-  """A model by preset name (``vit-*``, ``revvit-*`` or ``llama-*``) under ``policy``."""
-  if model_name.startswith("revvit"):
-    from models import revvit
-    return revvit.RevViT(revvit.config(model_name, **overrides), policy, dtype=dtype)
-  if model_name.startswith("revllama"):
-    from models import revllama
-    return revllama.RevLlama(revllama.config(model_name, **overrides), policy, dtype=dtype)
-  if model_name.startswith("vit"):
-    from models import vit
-    return vit.ViT(vit.config(model_name, **overrides), policy, dtype=dtype)
-  if model_name.startswith("llama"):
-    from models import llama
-    return llama.Llama(llama.config(model_name, **overrides), policy, dtype=dtype)
-  raise ValueError(f"unknown model {model_name!r}: use a vit-*, revvit-*, llama-* or "
-                   "revllama-* preset")
+  """A model by preset name (any family of :mod:`models.registry`) under ``policy``."""
+  return registry.build(model_name, policy, dtype=dtype, **overrides)
 
 
 def example_batch(model, batch: int, seq: int):
-  """(inputs, integer targets) of the right shapes for ``model``."""
+  """(inputs, integer targets) of the right shapes for ``model``: images or tokens by
+  its family's input kind, targets shaped like its logits without the class axis."""
   cfg = model.cfg
-  if cfg.model_type == "vit":
-    images = jnp.zeros((batch, cfg.image_size, cfg.image_size, cfg.channels), jnp.float32)
-    return images, jnp.zeros((batch,), jnp.int32)
-  tokens = jnp.zeros((batch, seq), jnp.int32)
-  return tokens, tokens
+  if registry.family_of(model).inputs == "image":
+    inputs = jnp.zeros((batch, cfg.image_size, cfg.image_size, cfg.channels), jnp.float32)
+  else:
+    inputs = jnp.zeros((batch, seq), jnp.int32)
+  logits = nnx.eval_shape(lambda m, x: m(x), model, inputs)
+  return inputs, jnp.zeros(logits.shape[:-1], jnp.int32)
 
 
 def loss_fn(model, inputs, targets):
@@ -112,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                  jnp.dtype(args.dtype), overrides)
   base = rows[0]
   print(f"{args.model} {overrides or ''} batch {args.batch}"
-        + ("" if args.model.startswith("vit") else f" seq {args.seq}")
+        + ("" if registry.family(args.model).inputs == "image" else f" seq {args.seq}")
         + f", {args.dtype}, full train step (loss, grads, SGD), backend {jax.default_backend()}")
   print(format_table(
       ("policy", "temp MiB", "ratio", "total MiB", "ratio", "saved residuals MiB", "ratio"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import importlib.resources
 import re
 
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
-from models import lora
+from models import lora, registry
 from train.config import TrainConfig
 
 
@@ -27,25 +26,9 @@ def resolve_path(path: str) -> str:
   return path
 
 
-# Model presets by name prefix, first match: (prefix, module in models/, model class).
-PRESET_FAMILIES = (("revvit", "revvit", "RevViT"), ("revllama", "revllama", "RevLlama"),
-                   ("vit", "vit", "ViT"), ("llama", "llama", "Llama"),
-                   ("bert", "bert", "Bert"), ("roberta", "bert", "Bert"))
-
-
-def _preset_family(name: str):
-  """``(module, class name)`` of the model preset ``name``."""
-  for prefix, module, cls in PRESET_FAMILIES:
-    if name.startswith(prefix):
-      return importlib.import_module(f"models.{module}"), cls
-  raise ValueError(f"unknown model {name!r}: use a vit-*, revvit-*, llama-*, revllama-*, "
-                   "bert-* or roberta-* preset, or pretrained=<HF directory>")
-
-
 def model_config(cfg: TrainConfig):
   """The config of ``cfg``'s model preset with ``cfg.model_overrides`` applied."""
-  module, _ = _preset_family(cfg.model)
-  return module.config(cfg.model, **cfg.model_overrides)
+  return registry.config(cfg.model, **cfg.model_overrides)
 
 
 def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
@@ -61,8 +44,7 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
                  **cfg.model_overrides)
   else:
-    module, cls = _preset_family(cfg.model)
-    model = getattr(module, cls)(model_config(cfg), policy, dtype=dtype, rngs=rngs)
+    model = registry.family(cfg.model).build(model_config(cfg), policy, dtype=dtype, rngs=rngs)
   if cfg.trainable == "lora":
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,
