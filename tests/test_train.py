@@ -31,16 +31,22 @@ def _losses(out_dir):
   return {r["step"]: r["loss"] for r in lines if "loss" in r and "step" in r}
 
 
-def _restored(out_dir, cfg):
+def _trainer(cfg):
+  """The trainer ``train(cfg)`` makes (grad-norm caches attached when asked for)."""
   from models import sites
-  from train.checkpoint import Checkpoints
-  from train.batches import Batches
   from train.images import digits
   from train.model import build_model
   model = build_model(cfg)
   if cfg.grad_norm_cache:
     sites.attach_grad_norm_caches(model, len(digits("train")), cfg.batch_size)
-  trainer = Trainer.create(cfg, model)
+  return Trainer.create(cfg, model)
+
+
+def _restored(out_dir, cfg):
+  from train.batches import Batches
+  from train.checkpoint import Checkpoints
+  from train.images import digits
+  trainer = _trainer(cfg)
   ckpt = Checkpoints(Path(out_dir) / "checkpoints")
   trainer.restore(ckpt, Batches(digits("train"), cfg.batch_size))
   ckpt.close()
@@ -146,13 +152,14 @@ def test_non_finite_loss_stops_with_the_step_and_saves_last_good_state(tmp_path)
 def test_a_non_finite_step_and_every_step_after_it_keep_the_whole_state(tmp_path):
   """first_bad records the first non-finite step; that step and all later ones, finite or
   not, leave every leaf of the state as it was: parameters, site state (Mesa ranges and
-  counts), optimizer counts, step."""
+  counts, WTA-CRS keys and gradient-norm caches), optimizer counts, step."""
   from train.batches import Batches
   from train.checkpoint import state_checksum
   from train.images import digits
-  trainer = Trainer.create(_cfg(tmp_path, "policy=mesa8"))
+  # the program of test_site_state_and_grad_norm_cache_are_carried: compiled once
+  trainer = _trainer(_cfg(tmp_path, "steps=3", "policy=mesa8+wta-crs", "grad_norm_cache=true"))
   start = state_checksum(trainer.state)
-  good = next(Batches(digits("train"), 32))
+  good = next(Batches(digits("train"), 32, example_ids=True))
   nan = {**good, "image": np.full_like(good["image"], np.nan)}
   trainer.step(trainer.put(good))
   after_good = state_checksum(trainer.state)
@@ -244,19 +251,17 @@ def test_cli_reports_bad_config_clearly():
 
 @pytest.mark.slow
 def test_multi_device_data_and_fsdp_match_one_device(tmp_path):
-  common = ["--set", "steps=3", "--set", "out_dir=" + str(tmp_path / "{}")] + \
+  common = ["--set", "steps=3", "--set", f"out_dir={tmp_path / 'sharded'}"] + \
       set_args(TINY_TRAIN)
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
-  losses = {}
-  for mesh in ("", "data=2,fsdp=4"):  # batch sharded over data and fsdp, params over fsdp
-    name = mesh.replace("=", "").replace(",", "_") or "single"
-    args = [a.replace("{}", name) for a in common] + (["--mesh", mesh] if mesh else [])
-    proc = _run(args, env)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    losses[name] = _losses(tmp_path / name)
-  for name in ("data2_fsdp4",):
-    for step in (1, 2, 3):
-      np.testing.assert_allclose(losses[name][step], losses["single"][step], rtol=1e-5)
+  # batch sharded over data and fsdp, params over fsdp: 8 CPU devices in a subprocess
+  proc = _run([*common, "--mesh", "data=2,fsdp=4"], env)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  with jax.default_device(jax.devices("cpu")[0]):  # one device: this process's CPU
+    train(_cfg(tmp_path / "single", "steps=3"))
+  sharded, single = _losses(tmp_path / "sharded"), _losses(tmp_path / "single")
+  for step in (1, 2, 3):
+    np.testing.assert_allclose(sharded[step], single[step], rtol=1e-5)
 
 
 @pytest.mark.slow
