@@ -16,7 +16,8 @@ import pytest
 
 from conftest import TINY_TRAIN, set_args
 from train import config as config_lib
-from train.loop import Trainer, train
+from train.loop import train
+from train.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -59,7 +59,7 @@ class TrainConfig:
   seed: int = 0
   # bookkeeping
   eval_every: int = 100
-  log_every: int = 10
+  log_every: int = 10                 # also how often the host checks for a non-finite step
   out_dir: str | None = None          # None: a new runs/<name>/<YYYYmmdd-HHMMSS> per run
   save_every: int = 100               # checkpoint period in steps; 0: only at the end
   resume: bool = False                # continue out_dir's run (None: the newest of <name>)
