@@ -13,6 +13,7 @@ output), so it adds only the rank-sized ``x @ A`` to what backward keeps.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
@@ -41,18 +42,25 @@ class LoRALinear(nnx.Module):
     kernel_shape = tuple(base.kernel[...].shape)
     axis = getattr(base, "axis", (-1,))
     self.n_in = len(axis) if isinstance(axis, tuple) else 1
+    # Leading axes of a stacked base (the layer axis of models.stack): A and B get them too.
+    out = base.out_features
+    self.lead = len(kernel_shape) - self.n_in - (len(out) if isinstance(out, tuple) else 1)
     self.base = base
     self.scale = float(alpha) / rank
     self.merged = False
-    in_shape, out_shape = kernel_shape[:self.n_in], kernel_shape[self.n_in:]
-    fan_in = int(jnp.prod(jnp.array(in_shape)))
-    self.lora_a = LoRAParam(jax.random.normal(rngs.params(), in_shape + (rank,), jnp.float32)
-                            / fan_in ** 0.5)
-    self.lora_b = LoRAParam(jnp.zeros((rank,) + out_shape, jnp.float32))
+    lead, rest = kernel_shape[:self.lead], kernel_shape[self.lead:]
+    in_shape, out_shape = rest[:self.n_in], rest[self.n_in:]
+    fan_in = math.prod(in_shape)
+    self.lora_a = LoRAParam(jax.random.normal(rngs.params(), lead + in_shape + (rank,),
+                                              jnp.float32) / fan_in ** 0.5)
+    self.lora_b = LoRAParam(jnp.zeros(lead + (rank,) + out_shape, jnp.float32))
 
   def delta(self):
-    """``scale * A @ B`` shaped like the base kernel (fp32)."""
-    return self.scale * jnp.tensordot(self.lora_a[...], self.lora_b[...], axes=1)
+    """``scale * A @ B`` shaped like the base kernel (fp32; per layer when stacked)."""
+    a, b = self.lora_a[...], self.lora_b[...]
+    lead = a.shape[:self.lead]
+    product = a.reshape(lead + (-1, a.shape[-1])) @ b.reshape(lead + (b.shape[self.lead], -1))
+    return self.scale * product.reshape(self.base.kernel[...].shape)
 
   def __call__(self, x):
     y = self.base(x)

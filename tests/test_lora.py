@@ -32,7 +32,9 @@ def test_starts_as_the_base_function_and_only_adapters_train():
   np.testing.assert_array_equal(model(x), before)
   trainable = nnx.state(model, lora.trainable_filter())
   leaves = jax.tree.leaves(trainable)
-  assert len(leaves) == 2 * 3 * model.cfg.num_layers  # A and B for 3 targets per block
+  # A and B for 3 targets, each stacked over the layers
+  assert len(leaves) == 2 * 3
+  assert all(leaf.shape[0] == model.cfg.num_layers for leaf in leaves)
   grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=nnx.DiffState(0, lora.LoRAParam))(model)
   assert {type(v) for v in jax.tree.leaves(grads, is_leaf=lambda v: isinstance(v, nnx.Variable))} \
       == {lora.LoRAParam}
@@ -46,14 +48,14 @@ def test_merge_unmerge_and_strip_keep_the_function():
   lora.apply_lora(model, rank=4, alpha=8)
   _perturb_adapters(model)
   adapted = model(x)
-  kernel = np.asarray(model.blocks[0].attn.query.base.kernel[...])
+  kernel = np.asarray(model.stack.blocks.attn.query.base.kernel[...])
   lora.merge_lora(model)
   np.testing.assert_allclose(model(x), adapted, atol=1e-5)
   lora.unmerge_lora(model)
-  np.testing.assert_allclose(model.blocks[0].attn.query.base.kernel[...], kernel, atol=1e-6)
+  np.testing.assert_allclose(model.stack.blocks.attn.query.base.kernel[...], kernel, atol=1e-6)
   np.testing.assert_allclose(model(x), adapted, atol=1e-5)
   lora.strip_lora(model)
-  assert isinstance(model.blocks[0].attn.query, nnx.LinearGeneral)
+  assert isinstance(model.stack.blocks.attn.query, nnx.LinearGeneral)
   np.testing.assert_allclose(model(x), adapted, atol=1e-5)
 
 
