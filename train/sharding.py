@@ -2,7 +2,9 @@
 
 ``--mesh data=8`` replicates parameters and splits the batch 8 ways; ``data=2,fsdp=4``
 also splits each parameter (and its optimizer state) along its largest axis divisible
-by 4. The batch is split over both axes. Multi-host: ``jax.distributed.initialize()``.
+by 4, never the layer axis of stacked blocks (everything under a model's ``stack``,
+:mod:`models.stack`: the scan takes one layer per step). The batch is split over both
+axes. Multi-host: ``jax.distributed.initialize()``.
 """
 
 from __future__ import annotations
@@ -38,20 +40,28 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, P(AXES))
 
 
-def param_sharding(mesh: Mesh, shape) -> NamedSharding:
-  """FSDP: the largest axis divisible by the fsdp size is split; otherwise replicated."""
+def param_sharding(mesh: Mesh, shape, *, stacked: bool = False) -> NamedSharding:
+  """FSDP: the largest axis divisible by the fsdp size is split (not the leading layer
+  axis of a ``stacked`` variable); otherwise replicated."""
   n = mesh.shape["fsdp"]
   spec = [None] * len(shape)
   if n > 1:
-    for axis in sorted(range(len(shape)), key=lambda a: -shape[a]):
+    first = 1 if stacked else 0
+    for axis in sorted(range(first, len(shape)), key=lambda a: -shape[a]):
       if shape[axis] % n == 0:
         spec[axis] = "fsdp"
         break
   return NamedSharding(mesh, P(*spec))
 
 
+def _is_stacked(path) -> bool:
+  return any(getattr(k, "key", getattr(k, "name", None)) == "stack" for k in path)
+
+
 def shard_state(state, mesh: Mesh):
-  return jax.tree.map(lambda x: jax.device_put(x, param_sharding(mesh, np.shape(x))), state)
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: jax.device_put(x, param_sharding(mesh, np.shape(x),
+                                                       stacked=_is_stacked(path))), state)
 
 
 def shard_batch(batch: dict, mesh: Mesh) -> dict:

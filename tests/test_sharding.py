@@ -1,0 +1,39 @@
+"""FSDP placement: the largest divisible axis of each parameter, never a stack's layer axis."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_fsdp_splits_the_largest_axis_but_never_the_layer_axis():
+  # 8 host devices need a fresh process (the flag is read when the backend starts).
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp
+      from flax import nnx
+      from models import vit
+      from train import sharding
+      # 64 layers of width 16: the layer axis is the largest of many variables
+      model = vit.ViT(vit.config("vit-tiny", num_layers=64, dim=16, mlp_dim=32),
+                      dtype=jnp.float32)
+      state = sharding.shard_state({"params": nnx.state(model, nnx.Param)},
+                                   sharding.make_mesh("data=2,fsdp=4"))
+      for path, x in jax.tree_util.tree_leaves_with_path(state):
+        name = jax.tree_util.keystr(path)
+        spec = tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+        if "stack" in name:
+          assert spec[0] is None, (name, spec)
+        split = [a for a, s in enumerate(spec) if s == "fsdp"]
+        if split:
+          free = [a for a in range(1 if "stack" in name else 0, x.ndim) if x.shape[a] % 4 == 0]
+          assert x.shape[split[0]] == max(x.shape[a] for a in free), (name, x.shape, spec)
+      print("ok")
+  """)
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        env=env, timeout=300)
+  assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
