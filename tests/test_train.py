@@ -211,7 +211,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 @pytest.mark.parametrize("trainable,changes", [
     ("lora", "lora_"),                 # only adapters train
-    ("frozen:blocks/0", "not blocks/0"),  # everything but block 0
+    ("frozen:stack/blocks/attn", "not attn"),  # everything but attention (all layers)
 ])
 def test_trainable_sets(tmp_path, trainable, changes):
   from flax import nnx
@@ -222,8 +222,9 @@ def test_trainable_sets(tmp_path, trainable, changes):
   if changes == "lora_":
     assert all("lora_" in p for p in paths)
   else:
-    assert not any(p.startswith("blocks/0") for p in paths)
-    assert any(p.startswith("blocks/1") or p.startswith("head") for p in paths)
+    assert not any(p.startswith("stack/blocks/attn") for p in paths)
+    assert any(p.startswith("stack/blocks/mlp") for p in paths)
+    assert any(p.startswith("head") for p in paths)
 
 
 def test_config_errors():
