@@ -165,21 +165,26 @@ DEFAULT_PRESETS = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
 def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
   """Per token per layer, what each op must save (PyTorch-style accounting, flash attention).
 
-  Norm: input + fp32 stats (standard) or output + fp32 rstd (MS, output shared with the
-  next linear). Linear: its input. GELU/SiLU: input (exact) or 2 bits (approx2). Attention:
-  q, k, v, o and the fp32 log-sum-exp. Full remat keeps only the block input. None for
-  selective remat (what XLA keeps then is what the measurement shows).
+  Norm: input + fp32 stats (with affine) or output + fp32 rstd (MS, output shared with the
+  next linear). Linear: its input. GELU/SiLU: its input, or the bits per element its
+  strategy keeps (approx2: 2). Attention: q, k, v, o and the fp32 log-sum-exp. A block
+  that keeps only its input (full remat): that. None when a checkpoint policy decides
+  (selective remat, offload: what XLA keeps then is what the measurement shows).
   """
-  if policy.remat == "full":
+  saves = policy.block_strategy().saves
+  if saves == "input":
     return cfg.dim * itemsize
-  if policy.remat is not None:
+  if saves != "ops":
     return None
   d, f, s = cfg.dim, cfg.mlp_dim, itemsize
   kvd = cfg.kv_heads * cfg.head_dim
+  kind = ("layer", "gelu") if cfg.kind == "vit" else ("rms", "silu")
   stats = 8 if cfg.kind == "vit" else 4
-  norm = (d * s + 4) if policy.norm == "ms" else (d * s + stats + d * s)
+  has_affine = policy.norm_strategy(kind[0]).has_affine
+  norm = (d * s + stats + d * s) if has_affine else (d * s + 4)
   attn = (d + 2 * kvd + d) * s + 4 * cfg.num_heads
-  act_in = f // 4 if policy.activation == "approx2" else f * s
+  bits = policy.activation_strategy(kind[1]).saved_bits
+  act_in = f * s if bits is None else f * bits // 8
   if cfg.kind == "vit":
     mlp = act_in + f * s                   # GELU input + fc2 input
   else:

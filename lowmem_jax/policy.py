@@ -1,8 +1,8 @@
 """The memory policy: one object that says how every layer saves for backward.
 
-Models ask the policy which activation, norm and attention to use and whether to remat
-a block; they never branch on preset names. Presets are named field settings, combined
-with ``+``::
+Models ask the policy for the *strategy* of each site (a linear, an activation, a norm,
+the attention, a block, an activation shared by linears) and call it; they never test a
+method's name. Presets are named field settings, combined with ``+``::
 
     MemoryPolicy.parse("lowmembp")                 # approx2 activations + MS norms
     MemoryPolicy.parse("lowmembp+remat")           # ... and full remat of each block
@@ -10,171 +10,88 @@ with ``+``::
     MemoryPolicy.parse("remat:save=qkv_proj,mlp_out")  # save only these tagged tensors
     MemoryPolicy.parse("lowmembp+attention=xla")   # any field as field=value
 
-A new method adds its field values here and one line to ``PRESETS``.
+The fields, presets and strategies come from the methods (:mod:`lowmem_jax.methods`),
+one module each, listed in :data:`METHOD_MODULES`: adding a method is its module and one
+line there.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 
 import jax
 
-from lowmem_jax import activations, norms
-from lowmem_jax import attention as attention_lib
-from lowmem_jax.attention import attention
+from lowmem_jax import methods
+# Re-exported: the names blocks tag, the policy names, the linears WTA-CRS may sample, and
+# the exact activations (tests patch them).
+from lowmem_jax.baseline import EXACT_ACTIVATIONS as _EXACT_ACTIVATIONS  # noqa: F401
+from lowmem_jax.remat import CHECKPOINT_NAMES, REMAT_POLICY_NAMES  # noqa: F401
+from lowmem_jax.wta_crs import LINEAR_NAMES  # noqa: F401
 
-ACTIVATIONS = ("exact", "approx2")
-NORMS = ("standard", "ms")
-ATTENTIONS = attention_lib.IMPLEMENTATIONS
-KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
-QUANTS = ("none", "int8")
-SAMPLED_LINEARS = ("none", "wta-crs")
-REVERSIBLES = ("none", "vanilla", "pareprop")
-# Attribute names of the linears in our blocks (WTA-CRS applies to those in
-# ``sample_targets``); heads and embeddings are never sampled.
-LINEAR_NAMES = ("query", "key", "value", "out", "fc1", "fc2", "gate", "up", "down")
+# The methods, in the order their strategies compose: each site's strategy starts from
+# the baseline's, and every later method may replace or wrap what the earlier ones chose.
+METHOD_MODULES = (
+    "lowmem_jax.baseline",
+    "lowmem_jax.approx_bp",
+    "lowmem_jax.ms_bp",
+    "lowmem_jax.remat",
+    "lowmem_jax.mesa",
+    "lowmem_jax.wta_crs",
+    "lowmem_jax.reversible_bp",
+)
+METHODS = methods.load(*METHOD_MODULES)
+
 # Backends where kernels="auto" picks Pallas: none until a GPU measurement shows the
-# kernels faster than XLA's fusions (see pallas_kernels/bench.py and docs/).
+# kernels faster than XLA's fusions (see lowmem_jax/kernel_bench.py and docs/).
 AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
 
-# jax.checkpoint_policies entries that are policies themselves (not policy factories).
-REMAT_POLICY_NAMES = tuple(n for n in (
-    "nothing_saveable", "everything_saveable", "dots_saveable", "checkpoint_dots",
-    "dots_with_no_batch_dims_saveable", "checkpoint_dots_with_no_batch_dims",
-) if hasattr(jax.checkpoint_policies, n))
 
-# Tensors the blocks tag with jax.ad_checkpoint.checkpoint_name, for remat:save=...
-CHECKPOINT_NAMES = (
-    "norm_out",    # output of a block's norm (input of the next linear)
-    "qkv_proj",    # query/key/value projections
-    "attn_out",    # attention output, before the out-projection
-    "attn_proj",   # out-projection output
-    "mlp_hidden",  # first MLP linear(s) output, before the activation
-    "mlp_act",     # activation output (input of the last MLP linear)
-    "mlp_out",     # last MLP linear output
-)
-
-# Named presets: the fields each sets. Combine with "+".
-PRESETS: dict[str, dict[str, object]] = {
-    "baseline": {},
-    "approx-bp": {"activation": "approx2"},
-    "ms-bp": {"norm": "ms"},
-    "lowmembp": {"activation": "approx2", "norm": "ms"},
-    "remat": {"remat": "full"},
-    "mesa8": {"quant": "int8"},
-    "wta-crs": {"sampled_linear": "wta-crs"},
-    "reversible": {"reversible": "vanilla"},
-    "pareprop": {"reversible": "pareprop"},
-}
-
-# "exact" is what a Flax user writes: jax.nn's activations in the compute dtype, plain
-# autodiff (nnx.gelu is jax.nn.gelu). activations.gelu/silu are the fp32 references.
-_EXACT_ACTIVATIONS = {"gelu": functools.partial(jax.nn.gelu, approximate=False),
-                      "silu": jax.nn.silu}
-_STANDARD_NORMS = {"layer": norms.layer_norm, "rms": norms.rms_norm}
+def _collect():
+  fields: dict[str, methods.Field] = {}
+  presets: dict[str, dict[str, object]] = {}
+  extra: dict[str, tuple] = {}
+  for method in METHODS:
+    for field in method.fields:
+      if field.name in fields:
+        raise ValueError(f"method {method.name!r} redefines the policy field {field.name!r}")
+      fields[field.name] = field
+    for name, setting in method.presets.items():
+      if name in presets:
+        raise ValueError(f"method {method.name!r} redefines the preset {name!r}")
+      presets[name] = dict(setting)
+    for name, values in method.values.items():
+      extra[name] = extra.get(name, ()) + tuple(values)
+  unknown = set(extra) - set(fields)
+  if unknown:
+    raise ValueError(f"methods add values to unknown policy fields {sorted(unknown)}")
+  return fields, presets, extra
 
 
-def _choice(field, value, valid):
-  if value not in valid:
-    raise ValueError(
-        f"MemoryPolicy: unknown {field} {value!r}; valid: {', '.join(map(repr, valid))}")
+FIELDS, PRESETS, _EXTRA_VALUES = _collect()
 
 
-@dataclasses.dataclass(frozen=True)
-class MemoryPolicy:
-  """How layers save for backward.
-
-  activation: "exact" (plain autodiff) | "approx2" (ReGELU2/ReSiLU2, 2-bit residual).
-  norm: "standard" (affine norms, plain autodiff) | "ms" (MS-LayerNorm/MS-RMSNorm; the
-    model merges the affine into the next linear).
-  attention: "auto" | "flash" | "cudnn" | "cudnn_padded" | "xla" (see
-    :mod:`lowmem_jax.attention`; "auto" never keeps an N x N array nor hits a shape
-    cuDNN refuses).
-  remat: None | "full" | a ``jax.checkpoint_policies`` name | a tuple of
-    ``CHECKPOINT_NAMES`` to save (everything else in the block is recomputed).
-  kernels: which implementation of our ops (approx2 activations, MS norms): "xla" (jnp),
-    "pallas" (fused GPU kernels; an error on other backends), "pallas_interpret" (the
-    kernels in interpret mode, any backend: for tests), "auto" (Pallas where measured
-    faster, see ``AUTO_PALLAS_BACKENDS``; XLA elsewhere).
-  quant: "none" | "int8" (Mesa: linear, activation, norm and attention inputs saved as
-    uint8 codes with per-group EMA ranges, :mod:`lowmem_jax.quant`).
-  sampled_linear: "none" | "wta-crs" (weight gradients of the ``sample_targets`` linears
-    from ``sample_ratio`` of the token rows, :mod:`lowmem_jax.sampling`).
-  reversible: "none" | "vanilla" | "pareprop" (reversible models rebuild block inputs
-    in backward, :mod:`lowmem_jax.reversible`; needs a reversible architecture).
-  """
-  activation: str = "exact"
-  norm: str = "standard"
-  attention: str = "auto"
-  remat: str | tuple[str, ...] | None = None
-  kernels: str = "auto"
-  quant: str = "none"
-  sampled_linear: str = "none"
-  sample_ratio: float = 0.3
-  sample_targets: tuple[str, ...] = LINEAR_NAMES
-  reversible: str = "none"
+class _PolicyMethods:
+  """What :class:`MemoryPolicy` does; its fields come from the methods."""
 
   def __post_init__(self):
-    _choice("activation", self.activation, ACTIVATIONS)
-    _choice("quant", self.quant, QUANTS)
-    _choice("sampled_linear", self.sampled_linear, SAMPLED_LINEARS)
-    _choice("reversible", self.reversible, REVERSIBLES)
-    self._check_sampling()
-    if self.sampled_linear == "none":
-      for field in ("sample_ratio", "sample_targets"):
-        if getattr(self, field) != _DEFAULTS[field]:
-          raise ValueError(f"MemoryPolicy: {field} is set but sampled_linear is 'none'; "
-                           "add 'wta-crs' to the spec")
-    if self.reversible != "none":
-      for field, value, default in (("quant", self.quant, "none"),
-                                    ("sampled_linear", self.sampled_linear, "none"),
-                                    ("remat", self.remat, None)):
-        if value != default:
-          raise ValueError(
-              f"MemoryPolicy: reversible={self.reversible!r} keeps no block activations, "
-              f"so {field}={value!r} would change nothing; drop one of them")
-    _choice("norm", self.norm, NORMS)
-    _choice("attention", self.attention, ATTENTIONS)
-    _choice("kernels", self.kernels, KERNELS)
-    remat = self.remat
-    if isinstance(remat, list):
-      remat = tuple(remat)
-      object.__setattr__(self, "remat", remat)
-    if isinstance(remat, tuple):
-      if not remat:
-        raise ValueError("MemoryPolicy: remat=() saves nothing; use remat='full'")
-      for name in remat:
-        _choice("checkpoint name in remat", name, CHECKPOINT_NAMES)
-    elif remat is not None:
-      _choice("remat", remat, ("full",) + REMAT_POLICY_NAMES)
+    for name, field in FIELDS.items():
+      value = field.normalise(getattr(self, name), _EXTRA_VALUES.get(name, ()))
+      object.__setattr__(self, name, value)
+    for method in METHODS:
+      if method.check is not None:
+        method.check(self)
 
-  def _check_sampling(self):
-    ratio = self.sample_ratio
-    try:
-      ratio = float(ratio)
-    except (TypeError, ValueError):
-      raise ValueError(f"MemoryPolicy: sample_ratio must be a number, got {ratio!r}") from None
-    if not 0.0 < ratio <= 1.0:
-      raise ValueError(f"MemoryPolicy: sample_ratio must be in (0, 1], got {ratio}")
-    object.__setattr__(self, "sample_ratio", ratio)
-    targets = self.sample_targets
-    if isinstance(targets, str):
-      targets = tuple(t.strip() for t in targets.split(",") if t.strip())
-    targets = tuple(targets)
-    if not targets:
-      raise ValueError("MemoryPolicy: sample_targets is empty; name at least one of "
-                       f"{', '.join(LINEAR_NAMES)}")
-    for name in targets:
-      _choice("linear in sample_targets", name, LINEAR_NAMES)
-    object.__setattr__(self, "sample_targets", targets)
+  @staticmethod
+  def default(field: str):
+    """The default value of ``field``."""
+    return FIELDS[field].default
 
   # -------------------------------------------------------------------------- parsing
   @classmethod
   def parse(cls, spec: "str | MemoryPolicy") -> "MemoryPolicy":
     """A policy from a spec: presets, ``remat:...`` and ``field=value`` joined by ``+``."""
-    if isinstance(spec, MemoryPolicy):
+    if isinstance(spec, cls):
       return spec
     if not isinstance(spec, str) or not spec.strip():
       raise ValueError(f"MemoryPolicy.parse expects a non-empty string, got {spec!r}")
@@ -182,6 +99,7 @@ class MemoryPolicy:
     origin: dict[str, str] = {}
     for token in (t.strip() for t in spec.split("+")):
       for field, value in _token_fields(token).items():
+        value = FIELDS[field].normalise(value, _EXTRA_VALUES.get(field, ()))
         if field in fields and fields[field] != value:
           raise ValueError(
               f"MemoryPolicy: {token!r} sets {field}={value!r} but {origin[field]!r} "
@@ -195,29 +113,71 @@ class MemoryPolicy:
   @property
   def spec(self) -> str:
     """The canonical spec string, presets first; ``MemoryPolicy.parse(p.spec) == p``."""
-    left = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-            if getattr(self, f.name) != f.default}
+    left = {name: getattr(self, name) for name in FIELDS
+            if getattr(self, name) != self.default(name)}
     tokens = []
     for name, fields in sorted(PRESETS.items(), key=lambda kv: -len(kv[1])):
-      if fields and all(k in left and left[k] == v for k, v in fields.items()):
+      if (any(k in left for k in fields)
+          and all(getattr(self, k) == v for k, v in fields.items())):
         tokens.append(name)
         for k in fields:
-          del left[k]
+          left.pop(k, None)
     for field, value in left.items():
-      if field == "sample_targets":
-        tokens.append(f"{field}={','.join(value)}")
-      elif field != "remat":
-        tokens.append(f"{field}={value}")
+      if field == "remat":
+        tokens.append("remat:save=" + ",".join(value) if isinstance(value, tuple)
+                      else f"remat:{value}")
       elif isinstance(value, tuple):
-        tokens.append("remat:save=" + ",".join(value))
+        tokens.append(f"{field}={','.join(value)}")
       else:
-        tokens.append(f"remat:{value}")
+        tokens.append(f"{field}={value}")
     return "+".join(tokens) or "baseline"
 
   def __str__(self):
     return self.spec
 
-  # -------------------------------------------------------------------------- what models ask
+  # -------------------------------------------------------------------------- strategies
+  def strategy(self, site: str, **kwargs):
+    """The strategy for a site of kind ``site`` (:data:`lowmem_jax.methods.SITES`): the
+    baseline's, replaced or wrapped by each method in turn."""
+    methods.check_choice("site kind", site, methods.SITES)
+    chosen = None
+    for method in METHODS:
+      hook = method.strategies.get(site)
+      if hook is not None:
+        chosen = hook(self, chosen, **kwargs)
+    return chosen
+
+  def shared_strategy(self, groups: int = 1, axis: int = -1):
+    """``x -> kept x`` for an activation that one or more linears read: what they keep
+    of it, made once for all (``groups`` along ``axis``: how a method may split it)."""
+    return self.strategy("shared", groups=groups, axis=axis)
+
+  def linear_strategy(self, name: str | None = None, *, frozen: bool = False):
+    """``(dense, x, kernel, bias, *, contract) -> y`` for the linear called ``name``
+    ("fc1", ...; None for heads); ``frozen``: its kernel is not trained (LoRA's base)."""
+    return self.strategy("linear", name=name, frozen=frozen)
+
+  def activation_strategy(self, kind: str, *, gated: bool = False):
+    """``h -> act(h)`` for ``kind`` in {"gelu", "silu"}; ``gated``: ``(g, u) -> act(g) * u``."""
+    return self.strategy("activation", kind=kind, gated=gated)
+
+  def norm_strategy(self, kind: str):
+    """``(x, affine, *, eps, name) -> y`` for ``kind`` in {"layer", "rms"}; its
+    ``has_affine`` says whether the norm holds its scale (and bias)."""
+    return self.strategy("norm", kind=kind)
+
+  def attention_strategy(self, num_heads: int | None = None,
+                         num_kv_heads: int | None = None, *, causal: bool = False):
+    """``(q, k, v, mask) -> o`` on ``[B, N, heads, head_dim]`` projections."""
+    return self.strategy("attention", num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         causal=causal)
+
+  def block_strategy(self):
+    """``fn -> fn`` running a block as the policy says (rematted, offloaded, as is);
+    ``checkpoint_policy`` is the ``jax.checkpoint`` policy or None."""
+    return self.strategy("block")
+
+  # -------------------------------------------------------------------------- shortcuts
   def kernel_implementation(self) -> str:
     """"xla", "pallas" or "pallas_interpret": ``kernels`` resolved on this backend."""
     backend = jax.default_backend()
@@ -231,67 +191,60 @@ class MemoryPolicy:
     return self.kernels
 
   def activation_fn(self, kind: str) -> Callable:
-    """The activation to use for ``kind`` in {"gelu", "silu"}."""
-    if kind not in _EXACT_ACTIVATIONS:
-      raise ValueError(f"unknown activation kind {kind!r}; valid: 'gelu', 'silu'")
-    if self.activation == "exact":
-      return _EXACT_ACTIVATIONS[kind]
-    return activations.approx2_fn(kind, self.kernel_implementation())
+    """The activation function for ``kind`` in {"gelu", "silu"}."""
+    return self.activation_strategy(kind).fn
+
+  def norm_fn(self, kind: str) -> Callable:
+    """The norm for ``kind`` in {"layer", "rms"}: ``fn(x, scale, bias, eps, *, name)`` /
+    ``fn(x, scale, eps, *, name)``, or ``fn(x, eps, *, name)`` without affine."""
+    return self.norm_strategy(kind).fn
+
+  def attention_fn(self) -> Callable:
+    """``attention(q, k, v, *, causal, mask)`` with this policy's implementation."""
+    return self.attention_strategy().fn
 
   @property
   def merges_norm_affine(self) -> bool:
     """True when norms carry no affine: the model folds it into the next linear."""
-    return self.norm == "ms"
-
-  def norm_fn(self, kind: str) -> Callable:
-    """The norm for ``kind`` in {"layer", "rms"}.
-
-    Standard: ``fn(x, scale, bias, eps, *, name)`` / ``fn(x, scale, eps, *, name)``;
-    MS: ``fn(x, eps, *, name)``.
-    """
-    if kind not in _STANDARD_NORMS:
-      raise ValueError(f"unknown norm kind {kind!r}; valid: 'layer', 'rms'")
-    if self.norm == "standard":
-      return _STANDARD_NORMS[kind]
-    return norms.ms_norm_fn(kind, self.kernel_implementation())
-
-  def attention_fn(self) -> Callable:
-    """``attention(q, k, v, *, causal, mask)`` with this policy's implementation."""
-    return functools.partial(attention, implementation=self.attention)
+    return not self.norm_strategy("layer").has_affine
 
   @property
   def quantizes(self) -> bool:
-    """True when activations are saved as 8-bit codes (Mesa)."""
-    return self.quant == "int8"
-
-  def samples(self, linear_name: str) -> bool:
-    """True when the linear called ``linear_name`` takes WTA-CRS weight gradients."""
-    return self.sampled_linear == "wta-crs" and linear_name in self.sample_targets
+    """True when activations are kept as codes (Mesa)."""
+    return self.quant != "none"
 
   def check_architecture(self, model: str, *, reversible: bool = False) -> None:
     """ValueError when the policy asks for what ``model`` cannot do (a reversible
     stack on a standard model)."""
-    if self.reversible != "none" and not reversible:
-      raise ValueError(f"{model}: policy {self.spec!r} needs a reversible architecture "
-                       "(revvit-* models); standard blocks cannot be inverted")
+    for method in METHODS:
+      if method.check_model is not None:
+        method.check_model(self, model, reversible)
 
   def checkpoint_policy(self):
     """The ``jax.checkpoint`` policy for a block, or None when blocks are not rematted."""
-    if self.remat is None:
-      return None
-    if self.remat == "full":
-      return jax.checkpoint_policies.nothing_saveable
-    if isinstance(self.remat, tuple):
-      return jax.checkpoint_policies.save_only_these_names(*self.remat)
-    return getattr(jax.checkpoint_policies, self.remat)
+    return self.block_strategy().checkpoint_policy
 
   def remat_block(self, fn: Callable) -> Callable:
-    """``fn`` wrapped in ``jax.checkpoint`` per the policy (``fn`` itself if no remat)."""
-    policy = self.checkpoint_policy()
-    return fn if policy is None else jax.checkpoint(fn, policy=policy)
+    """``fn`` run as the block strategy says (``jax.checkpoint`` with the policy's
+    checkpoint policy; ``fn`` itself without one)."""
+    return self.block_strategy()(fn)
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(MemoryPolicy)}
+def _field_docs() -> str:
+  by_method = []
+  for method in METHODS:
+    for field in method.fields:
+      by_method.append(f"  {field.name} (default {field.default!r}; {method.name}): {field.doc}.")
+  return "\n".join(by_method)
+
+
+MemoryPolicy = dataclasses.make_dataclass(
+    "MemoryPolicy", [(f.name, object, dataclasses.field(default=f.default))
+                     for f in FIELDS.values()],
+    bases=(_PolicyMethods,), frozen=True, kw_only=True)
+MemoryPolicy.__module__ = __name__
+MemoryPolicy.__doc__ = ("How layers save for backward: a frozen, hashable set of fields, one "
+                        "group per method (lowmem_jax.methods).\n\n" + _field_docs())
 
 
 def _token_fields(token: str) -> dict[str, object]:
@@ -304,7 +257,7 @@ def _token_fields(token: str) -> dict[str, object]:
     return {"remat": rest}
   if "=" in token:
     field, value = (s.strip() for s in token.split("=", 1))
-    names = [f.name for f in dataclasses.fields(MemoryPolicy) if f.name != "remat"]
+    names = [name for name in FIELDS if name != "remat"]
     if field not in names:
       raise ValueError(f"MemoryPolicy: unknown field {field!r} in {token!r}; valid: "
                        f"{', '.join(names)} (remat is set as 'remat' or 'remat:...')")

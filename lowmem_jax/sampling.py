@@ -17,6 +17,7 @@ sampling (CRS) with the same k. Shapes are static, so all of it jits.
 
 from __future__ import annotations
 
+import dataclasses
 import fractions
 import functools
 import math
@@ -276,3 +277,62 @@ def wta_crs_linear(x, kernel, bias, key, *, ratio: float = DEFAULT_RATIO, row_we
   _check_key(key)
   k = budget(math.prod(lead), ratio)
   return _wta_crs_linear(x, kernel, bias, key, row_weights, k, contract_ndim)
+
+
+# ----------------------------------------------------------------------------- state
+@dataclasses.dataclass(frozen=True)
+class KeyState:
+  """A sampled linear's state, carried in the train state: its PRNG key data and the
+  number of calls so far (each call samples with ``fold_in(key, count)``), and, when the
+  trainer attaches one, the per-example output-gradient norm cache with the ids of the
+  current batch's examples (see :func:`row_weights`)."""
+  key: jax.Array
+  count: jax.Array
+  grad_norms: jax.Array | None = None
+  example_ids: jax.Array | None = None
+
+  @classmethod
+  def create(cls) -> "KeyState":
+    return cls(jax.random.key_data(jax.random.key(0)), jnp.zeros((), jnp.int32))
+
+  def step_key(self):
+    """This call's key: the site key folded with the call count."""
+    return jax.random.fold_in(jax.random.wrap_key_data(self.key), self.count)
+
+  def advanced(self) -> "KeyState":
+    """The state after one call."""
+    return dataclasses.replace(self, count=self.count + 1)
+
+
+jax.tree_util.register_dataclass(KeyState,
+                                 data_fields=["key", "count", "grad_norms", "example_ids"],
+                                 meta_fields=[])
+
+
+def cached_weights(cache, ids):
+  """Row weights of examples ``ids``: their cached norm, or the mean of the cached norms
+  for examples not seen yet (1 while none is), so both are on one scale. The cotangent
+  goes to ``cache[ids]`` unchanged (straight through), seen or not: that is how the
+  train step reads each example's squared gradient norm back."""
+  seen = cache > 0
+  count = jnp.sum(seen)
+  fill = jnp.where(count > 0, jnp.sum(cache) / jnp.maximum(count, 1), 1.0)
+  w = cache[ids]
+  return w + jax.lax.stop_gradient(jnp.where(w > 0, w, fill) - w)
+
+
+def update_grad_norms(cache, squared_norm_sums):
+  """The new cache: ``sqrt`` of the squared output-gradient norms summed over each
+  example's rows, for the examples of this batch (nonzero), the old value elsewhere."""
+  return jnp.where(squared_norm_sums > 0, jnp.sqrt(squared_norm_sums), cache)
+
+
+def row_weights(state: KeyState, lead: tuple[int, ...]):
+  """The cached per-example norms of ``state`` broadcast to rows of leading shape
+  ``lead`` (batch first), or None: without a cache, or for a batch that is not the one
+  the ids were set for."""
+  if state.grad_norms is None or not lead or lead[0] != state.example_ids.shape[0]:
+    return None
+  ids = state.example_ids
+  w = cached_weights(state.grad_norms, ids).reshape((ids.shape[0],) + (1,) * (len(lead) - 1))
+  return jnp.broadcast_to(w, lead)

@@ -1,12 +1,13 @@
 """LoRA adapters for any of our models: frozen base linears, trainable low-rank updates.
 
 ``apply_lora(model, rank=8, alpha=16, targets=("query", "value"))`` replaces, in place,
-each ``nnx.Linear``/``nnx.LinearGeneral`` whose attribute name is in ``targets`` by a
+each of our linears (:mod:`models.linear`) whose attribute name is in ``targets`` by a
 :class:`LoRALinear`: ``y = base(x) + (alpha / rank) * (x @ A) @ B`` with ``B = 0`` at
 start, so the function is unchanged. Adapter weights are :class:`LoRAParam`, the only
 trainable set (``nnx.Optimizer(model, tx, wrt=LoRAParam)``, ``trainable_filter()``).
 The adapter reads the very ``x`` the base matmul saves (under MS norms, the shared norm
-output), so it adds only the rank-sized ``x @ A`` to what backward keeps.
+output), so it adds only the rank-sized ``x @ A`` to what backward keeps. The base kernel
+is frozen (``freeze_kernel``): its strategy is the policy's for a frozen linear.
 ``merge_lora`` folds adapters into the base kernels (for export), ``unmerge_lora`` undoes it.
 """
 
@@ -21,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax import quant
+from lowmem_jax.methods import read
+from models.linear import Linear, LinearGeneral
 from models.sites import as_array
 
 
@@ -67,11 +69,8 @@ class LoRALinear(nnx.Module):
     if self.merged:
       return y
     lora_a = self.lora_a[...].astype(as_array(x).dtype)
-    if isinstance(x, quant.QTensor):  # Mesa: x @ A keeps the code the base keeps
-      a = quant.int8_vjp(functools.partial(_contract, self.n_in), [x], (lora_a,))
-    else:
-      a = _contract(self.n_in, x, lora_a)
-    a = checkpoint_name(a, "lora_a")
+    # x @ A keeps what the base keeps of x: the array itself, or what a carried x carries
+    a = checkpoint_name(read(functools.partial(_contract, self.n_in), [x], (lora_a,)), "lora_a")
     return y + (self.scale * jnp.tensordot(a, self.lora_b[...].astype(a.dtype), axes=1)
                 ).astype(y.dtype)
 
@@ -83,7 +82,7 @@ def _contract(n_in, x, lora_a):
 
 def _targets(model, targets: Sequence[str]):
   for path, node in nnx.iter_graph(model):
-    if path and path[-1] in targets and isinstance(node, (nnx.Linear, nnx.LinearGeneral)):
+    if path and path[-1] in targets and isinstance(node, (Linear, LinearGeneral)):
       yield path, node
 
 
@@ -100,7 +99,7 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
   found = list(_targets(model, tuple(targets)))
   if not found:
     names = sorted({p[-1] for p, n in nnx.iter_graph(model)
-                    if p and isinstance(n, (nnx.Linear, nnx.LinearGeneral))})
+                    if p and isinstance(n, (Linear, LinearGeneral))})
     raise ValueError(f"apply_lora: no linear named {list(targets)}; this model has "
                      f"{', '.join(map(str, names))}")
   from models.reversible_stack import ReversibleStack
@@ -109,9 +108,7 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
                      "blocks' weights stacked on a layer axis; LoRA is not supported there")
   rngs = nnx.Rngs(seed)
   for path, node in found:
-    # The base kernel is frozen: a WTA-CRS sample for its (discarded) weight gradient
-    # would only add saved rows, so the base runs unsampled.
-    node.sampler = None
+    node.freeze_kernel()
     setattr(_parent(model, path), path[-1], LoRALinear(node, rank=rank, alpha=alpha, rngs=rngs))
   return model
 

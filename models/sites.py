@@ -1,70 +1,31 @@
-"""Per-call state that a forward pass updates: Mesa's EMA ranges and step PRNG keys.
+"""Sites: where the memory policy's strategies act in a model, with their state.
 
-A *site* is one place in a model where a stateful method acts: an :class:`Int8Site`
-codes one activation for backward (Mesa, :mod:`lowmem_jax.quant`), a :class:`KeySite`
-hands a fresh PRNG key to one sampled linear (WTA-CRS). Their state is
-:class:`SiteState`: not trained, updated by each training forward and carried in the
-train state (so it is checkpointed and resumes exactly). A key comes from the site's key
-folded with its call count; :func:`seed_sites` gives every site of a model its own key.
+A component (a linear, a norm, an MLP, the attention) asks the policy for the strategy of
+each of its sites and holds it in a :class:`Site`, which it calls. A stateless strategy
+is just called. A stateful one (Mesa's code ranges, WTA-CRS's keys) declares its state
+as pure pytrees (:mod:`lowmem_jax.methods`); the site holds each in a :class:`StateSite`
+of :class:`SiteState` variables: not trained, updated by each training forward and
+carried in the train state (checkpointed, resumed exactly). :class:`CodeSite` holds a
+Mesa code's :class:`~lowmem_jax.quant.QuantState`, :class:`KeySite` a sampled linear's
+:class:`~lowmem_jax.sampling.KeyState`. :func:`seed_sites` gives every state its own key.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowmem_jax import quant
+from lowmem_jax import methods, quant, sampling
+# Re-exported for the trainer (train/): the WTA-CRS gradient-norm cache arithmetic.
+from lowmem_jax.sampling import cached_weights, update_grad_norms  # noqa: F401
 
 
 class SiteState(nnx.Variable):
   """State a forward pass updates (EMA ranges, call counts, site keys); not trained."""
-
-
-class KeySite(nnx.Module):
-  """A fresh PRNG key per call: the site key folded with the number of calls so far."""
-
-  def __init__(self):
-    self.key = SiteState(jax.random.key_data(jax.random.key(0)))
-    self.count = SiteState(jnp.zeros((), jnp.int32))
-
-  def next_key(self):
-    key = jax.random.fold_in(jax.random.wrap_key_data(self.key[...]), self.count[...])
-    self.count[...] = self.count[...] + 1
-    return key
-
-
-class Int8Site(nnx.Module):
-  """Codes one activation as uint8 for backward, with ``groups`` contiguous groups along
-  ``axis`` (head-wise: ``axis=2, groups=heads`` for ``[B, N, H, D]``)."""
-
-  def __init__(self, groups: int = 1, axis: int = -1, implementation: str = "xla"):
-    state = quant.QuantState.create(groups)
-    self.lo, self.hi = SiteState(state.lo), SiteState(state.hi)
-    self.count, self.key = SiteState(state.count), SiteState(state.key)
-    self.groups, self.axis, self.implementation = groups, axis, implementation
-
-  def _state(self) -> quant.QuantState:
-    return quant.QuantState(self.lo[...], self.hi[...], self.count[...], self.key[...])
-
-  def _store(self, state: quant.QuantState) -> None:
-    self.lo[...], self.hi[...], self.count[...] = state.lo, state.hi, state.count
-
-  def __call__(self, x) -> quant.QTensor:
-    """``x`` with its code (a QTensor made upstream is passed through)."""
-    if isinstance(x, quant.QTensor):
-      return x
-    qt, state = quant.quantize_tensor(x, self._state(), axis=self.axis, groups=self.groups,
-                                      implementation=self.implementation)
-    self._store(state)
-    return qt
-
-  def ms_norm(self, kind: str, x, eps: float) -> quant.QTensor:
-    """MS norm of ``x`` whose only saved activation is this site's code of the output."""
-    qt, state = quant.ms_norm_int8(kind, x, eps, self._state(), groups=self.groups,
-                                   implementation=self.implementation)
-    self._store(state)
-    return qt
 
 
 class GradNormCache(nnx.Variable):
@@ -74,60 +35,107 @@ class GradNormCache(nnx.Variable):
   back (``lowmem_jax.sampling``)."""
 
 
+class StateSite(nnx.Module):
+  """One pure state (a registered dataclass pytree) held as variables, field by field;
+  fields that are None are absent (and read back as None)."""
+
+  def __init__(self, state):
+    self.state_type = type(state)
+    for field in dataclasses.fields(state):
+      value = getattr(state, field.name)
+      if value is not None:
+        setattr(self, field.name, SiteState(value))
+
+  def read(self):
+    """The state as its dataclass."""
+    values = {}
+    for field in dataclasses.fields(self.state_type):
+      var = getattr(self, field.name, None)
+      values[field.name] = None if var is None else var[...]
+    return self.state_type(**values)
+
+  def write(self, state, old) -> None:
+    """Stores the fields of ``state`` that differ from ``old`` (the state read)."""
+    for field in dataclasses.fields(self.state_type):
+      value = getattr(state, field.name)
+      if value is not getattr(old, field.name):
+        getattr(self, field.name)[...] = value
+
+
+class CodeSite(StateSite):
+  """A Mesa code's state: per-group EMA range, update count, PRNG key."""
+
+
+class KeySite(StateSite):
+  """A sampled linear's state: PRNG key and call count (and, once the trainer attaches
+  them, its gradient-norm cache and the current batch's example ids)."""
+
+
+Int8Site = CodeSite  # its name before the code width became a parameter
+
+_HOLDERS = {quant.QuantState: CodeSite, sampling.KeyState: KeySite}
+
+
+class Site(nnx.Module):
+  """A place in a model where a strategy of the policy acts: ``site(*args)`` runs it."""
+
+  def __init__(self, strategy: methods.Strategy):
+    self.strategy = strategy
+    states = strategy.init_state()
+    self.state_names = tuple(states)
+    for name, state in states.items():
+      setattr(self, name, _HOLDERS.get(type(state), StateSite)(state))
+
+  def __call__(self, *args, **kwargs):
+    if not self.state_names:
+      return self.strategy(*args, **kwargs)
+    states = {name: getattr(self, name).read() for name in self.state_names}
+    out, updated = self.strategy.apply(states, *args, **kwargs)
+    for name, state in updated.items():
+      getattr(self, name).write(state, states[name])
+    return out
+
+
+def as_array(x):
+  """The activation itself, whether given plain or carried with its kept form."""
+  return methods.value_of(x)
+
+
 def attach_grad_norm_caches(model: nnx.Module, num_examples: int, batch_size: int) -> int:
   """Gives every sampled linear of ``model`` a :class:`GradNormCache` over
-  ``num_examples`` examples and an ``example_ids`` slot for ``batch_size`` ids; returns
-  how many linears got one."""
-  samplers = [m for _, m in nnx.iter_graph(model) if isinstance(m, KeySite)]
-  for site in samplers:
-    site.grad_norms = GradNormCache(jnp.zeros((num_examples,), jnp.float32))
-    site.example_ids = SiteState(jnp.zeros((batch_size,), jnp.int32))
+  ``num_examples`` examples and an ``example_ids`` slot for ``batch_size`` ids (one each
+  per layer where states are stacked over layers); returns how many states got one."""
+  samplers = [getattr(site, name) for _, site in nnx.iter_graph(model)
+              if isinstance(site, Site) and getattr(site.strategy, "uses_grad_norm_cache", False)
+              for name in site.state_names]
+  for state in samplers:
+    layers = state.count[...].shape  # () or the stacked layers
+    state.grad_norms = GradNormCache(jnp.zeros(layers + (num_examples,), jnp.float32))
+    state.example_ids = SiteState(jnp.zeros(layers + (batch_size,), jnp.int32))
   return len(samplers)
 
 
 def set_example_ids(model: nnx.Module, ids) -> None:
   """Tells the sampled linears which examples the next forward's batch rows are."""
-  for _, site in nnx.iter_graph(model):
-    if isinstance(site, KeySite) and getattr(site, "grad_norms", None) is not None:
-      site.example_ids[...] = jnp.asarray(ids, jnp.int32)
-
-
-def cached_weights(cache, ids):
-  """Row weights of examples ``ids``: their cached norm, or the mean of the cached norms
-  for examples not seen yet (1 while none is), so both are on one scale. The cotangent
-  goes to ``cache[ids]`` unchanged (straight through), seen or not: that is how the
-  train step reads each example's squared gradient norm back."""
-  seen = cache > 0
-  count = jnp.sum(seen)
-  fill = jnp.where(count > 0, jnp.sum(cache) / jnp.maximum(count, 1), 1.0)
-  w = cache[ids]
-  return w + jax.lax.stop_gradient(jnp.where(w > 0, w, fill) - w)
-
-
-def update_grad_norms(cache, squared_norm_sums):
-  """The new cache: ``sqrt`` of the squared output-gradient norms summed over each
-  example's rows, for the examples of this batch (nonzero), the old value elsewhere."""
-  return jnp.where(squared_norm_sums > 0, jnp.sqrt(squared_norm_sums), cache)
-
-
-def int8_site(policy, groups: int = 1, axis: int = -1) -> Int8Site | None:
-  """An Int8Site when the policy quantizes, else None."""
-  if not policy.quantizes:
-    return None
-  return Int8Site(groups, axis, policy.kernel_implementation())
-
-
-def as_array(x):
-  """The activation itself, whether given plain or as a QTensor."""
-  return x.value if isinstance(x, quant.QTensor) else x
+  for _, state in nnx.iter_graph(model):
+    if isinstance(state, KeySite) and getattr(state, "grad_norms", None) is not None:
+      shape = state.example_ids[...].shape
+      state.example_ids[...] = jnp.broadcast_to(jnp.asarray(ids, jnp.int32), shape)
 
 
 def seed_sites(model: nnx.Module, rngs: nnx.Rngs) -> int:
-  """Gives each site of ``model`` its own key (``fold_in(key, i)`` in graph order, one
-  key drawn from ``rngs.params`` only when there are sites, so models without any draw
-  nothing); returns the number of sites."""
-  sites = [m for _, m in nnx.iter_graph(model) if isinstance(m, (KeySite, Int8Site))]
-  key = rngs.params() if sites else None
-  for i, site in enumerate(sites):
-    site.key[...] = jax.random.key_data(jax.random.fold_in(key, i))
-  return len(sites)
+  """Gives each site state of ``model`` its own key (``fold_in(key, i)``, ``i`` counting
+  in graph order, one per layer where states are stacked over layers); one key is drawn
+  from ``rngs.params`` only when there are states, so models without any draw nothing.
+  Returns the number of keys set."""
+  states = [s for _, s in nnx.iter_graph(model)
+            if isinstance(s, StateSite) and getattr(s, "key", None) is not None]
+  key = rngs.params() if states else None
+  count = 0
+  for state in states:
+    shape = state.key[...].shape  # [..., 2]: stacked layers lead
+    n = math.prod(shape[:-1])
+    keys = [jax.random.key_data(jax.random.fold_in(key, count + i)) for i in range(n)]
+    state.key[...] = jnp.stack(keys).reshape(shape)
+    count += n
+  return count

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 from lowmem_jax.memory import saved_residuals
+from lowmem_jax.wta_crs import SampledLinear
 from models import bert, llama, vit
 from models.sites import Int8Site, KeySite, SiteState, seed_sites
 
@@ -98,8 +99,9 @@ def test_sites_carry_state_and_get_distinct_keys():
   sites = [m for _, m in nnx.iter_graph(model) if isinstance(m, (Int8Site, KeySite))]
   assert any(isinstance(s, KeySite) for s in sites) and any(isinstance(s, Int8Site)
                                                             for s in sites)
-  keys = {tuple(np.asarray(s.key[...]).tolist()) for s in sites}
-  assert len(keys) == len(sites)
+  # one key per state and per layer (the blocks' states are stacked over layers)
+  keys = [tuple(k) for s in sites for k in np.asarray(s.key[...]).reshape(-1, 2).tolist()]
+  assert len(set(keys)) == len(keys) > len(sites)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
   @jax.jit
@@ -112,13 +114,13 @@ def test_sites_carry_state_and_get_distinct_keys():
   rest1 = forward(params, rest, x)
   rest2 = forward(params, rest1, 2 * x)
   nnx.update(model, rest2)
-  site = model.blocks[0].norm1.input_code
+  site = model.stack.layer(0).norm1.saving.input
   assert int(site.count[...]) == 2
   # EMA of per-batch ranges: the first batch's, then 0.9 old + 0.1 new
   nnx.update(model, rest1)
-  lo1 = float(model.blocks[0].norm1.input_code.lo[...][0])
+  lo1 = float(model.stack.layer(0).norm1.saving.input.lo[...][0])
   nnx.update(model, rest2)
-  lo2 = float(model.blocks[0].norm1.input_code.lo[...][0])
+  lo2 = float(model.stack.layer(0).norm1.saving.input.lo[...][0])
   assert lo2 != lo1
 
 
@@ -137,11 +139,15 @@ def test_baseline_params_do_not_depend_on_the_policy_sites():
   assert jax.tree.leaves(nnx.state(b, SiteState))
 
 
+def _sampled(linear) -> bool:
+  return isinstance(linear.saving.strategy, SampledLinear)
+
+
 def test_wta_crs_targets_pick_the_linears():
   model = TINY["vit"]("wta-crs+sample_targets=fc1,fc2")
-  block = model.blocks[0]
-  assert block.mlp.fc1.sampler is not None and block.mlp.fc2.sampler is not None
-  assert block.attn.query.sampler is None and model.head.sampler is None
+  block = model.stack.layer(0)
+  assert _sampled(block.mlp.fc1) and _sampled(block.mlp.fc2)
+  assert not _sampled(block.attn.query) and not _sampled(model.head)
 
 
 def test_mesa8_pallas_kernels_match_the_jnp_path_in_a_model():
@@ -178,9 +184,9 @@ def test_cached_weights_put_unseen_examples_on_the_seen_scale():
 def test_lora_bases_run_unsampled_and_reversible_models_refuse_lora():
   from models import lora, revvit
   model = lora.apply_lora(TINY["vit"]("wta-crs"), targets=("query", "fc1"))
-  block = model.blocks[0]
-  assert block.attn.query.base.sampler is None and block.mlp.fc1.base.sampler is None
-  assert block.attn.key.sampler is not None
+  block = model.stack.layer(0)
+  assert not _sampled(block.attn.query.base) and not _sampled(block.mlp.fc1.base)
+  assert _sampled(block.attn.key)
   rev = revvit.RevViT(revvit.config("revvit-digits", num_layers=1), "reversible")
   with pytest.raises(ValueError, match="LoRA is not supported"):
     lora.apply_lora(rev, targets=("query",))

@@ -1,0 +1,32 @@
+"""Approx-BP (LowMemoryBP, ICML 2024) as a policy method: ``activation="approx2"``.
+
+GELU and SiLU become ReGELU2 and ReSiLU2 (:mod:`lowmem_jax.activations`): the exact
+forward, a backward that keeps 2 bits per element of the input (the code of a 4-level
+step derivative) instead of the input itself. Preset ``approx-bp``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from lowmem_jax import activations
+from lowmem_jax.methods import Field, Method
+
+ACTIVATIONS = ("exact", "approx2")
+
+
+def _activation(policy, inner, *, kind: str, gated: bool = False):
+  if policy.activation != "approx2":
+    return inner
+  fn = activations.approx2_fn(kind, policy.kernel_implementation())
+  return dataclasses.replace(inner, fn=fn, saved_bits=2)
+
+
+METHOD = Method(
+    name="approx-bp",
+    fields=(Field("activation", "exact", "exact (plain autodiff) | approx2 (ReGELU2/"
+                  "ReSiLU2: the backward keeps a 2-bit code per element)",
+                  choices=ACTIVATIONS),),
+    presets={"approx-bp": {"activation": "approx2"}},
+    strategies={"activation": _activation},
+)

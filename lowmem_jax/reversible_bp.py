@@ -1,0 +1,41 @@
+"""Reversible backprop (RevViT, PaReprop) as a policy method: the ``reversible`` field.
+
+A reversible model's stack keeps only its outputs and rebuilds block inputs in backward
+(:mod:`lowmem_jax.reversible`; "pareprop" overlaps the rebuild with the gradient work).
+It needs a reversible architecture (``revvit-*``, ``revllama-*``); blocks keep nothing,
+so quantizing, sampling or rematting their activations would change nothing. Presets
+``reversible`` and ``pareprop``.
+"""
+
+from __future__ import annotations
+
+from lowmem_jax.methods import Field, Method
+
+REVERSIBLES = ("none", "vanilla", "pareprop")
+
+
+def _check(policy):
+  if policy.reversible == "none":
+    return
+  for field in ("quant", "sampled_linear", "remat"):
+    value = getattr(policy, field)
+    if value != policy.default(field):
+      raise ValueError(
+          f"MemoryPolicy: reversible={policy.reversible!r} keeps no block activations, "
+          f"so {field}={value!r} would change nothing; drop one of them")
+
+
+def _check_model(policy, model: str, reversible: bool):
+  if policy.reversible != "none" and not reversible:
+    raise ValueError(f"{model}: policy {policy.spec!r} needs a reversible architecture "
+                     "(revvit-* models); standard blocks cannot be inverted")
+
+
+METHOD = Method(
+    name="reversible",
+    fields=(Field("reversible", "none", "none | vanilla | pareprop (reversible models "
+                  "rebuild block inputs in backward)", choices=REVERSIBLES),),
+    presets={"reversible": {"reversible": "vanilla"}, "pareprop": {"reversible": "pareprop"}},
+    check=_check,
+    check_model=_check_model,
+)
