@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lowmem_jax import quant
+from lowmem_jax.methods import read
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import make_config, replace_fields
@@ -54,7 +54,7 @@ from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm,
 from models.linear import Linear
 from models.mlp import Mlp
 from models.norm import Norm
-from models.sites import as_array, seed_sites
+from models.sites import Site, as_array, seed_sites
 from models.stack import BlockStack
 
 MODEL_TYPES = ("bert", "roberta")
@@ -153,11 +153,9 @@ class ResidualAffine(nnx.Module):
 
 
 def residual_affine(y, scale, bias):
-  """``scale * y + bias``; ``y`` plain or as a QTensor (Mesa: backward keeps its code,
-  for d gamma)."""
-  if isinstance(y, quant.QTensor):
-    return quant.int8_vjp(_affine, [y], (scale, bias))
-  return _affine(y, scale, bias)
+  """``scale * y + bias``; ``y`` plain or carried (Mesa: backward keeps its code, for
+  d gamma)."""
+  return read(_affine, [y], (scale, bias))
 
 
 def _affine(y, scale, bias):
@@ -230,6 +228,9 @@ class Bert(nnx.Module):
     self.policy.check_architecture("Bert")
     self.dtype = dtype
     self.embeddings = BertEmbeddings(cfg, dtype=dtype, rngs=rngs)
+    # What layer 0's q/k/v keep of the embeddings output (Mesa: its code), made here so
+    # it enters the stack in the form every layer returns its output in.
+    self.shared_embeddings = Site(self.policy.shared_strategy())
     self.stack = BlockStack(lambda r: BertLayer(cfg, self.policy, dtype=dtype, rngs=r),
                             cfg.num_layers, self.policy, rngs)
     head = dict(dtype=dtype, kernel_init=nnx.initializers.normal(cfg.initializer_range),
@@ -272,7 +273,7 @@ class Bert(nnx.Module):
     """The last LN2 output ``y`` and the ``(scale, bias)`` that turns it into the hidden
     state (None when the norms keep their affine)."""
     tokens, mask, token_types = self._inputs(tokens, mask, token_types)
-    y = self.embeddings(tokens, self._positions(tokens), token_types)
+    y = self.shared_embeddings(self.embeddings(tokens, self._positions(tokens), token_types))
     # Layer 0 reads the embeddings LayerNorm, which keeps its affine: under MS norms it
     # gets the identity (exact: y * 1 + 0 == y) so every layer sees one carry structure.
     d = self.cfg.dim
