@@ -36,6 +36,7 @@ METHOD_MODULES = (
     "lowmem_jax.approx_bp",
     "lowmem_jax.ms_bp",
     "lowmem_jax.remat",
+    "lowmem_jax.offload",
     "lowmem_jax.mesa",
     "lowmem_jax.wta_crs",
     "lowmem_jax.reversible_bp",
