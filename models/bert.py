@@ -49,7 +49,7 @@ from flax import nnx
 from lowmem_jax.methods import read
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import make_config, replace_fields
+from models.config import init_model, make_config, replace_fields, token_ids
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import Mlp
@@ -219,14 +219,8 @@ class Bert(nnx.Module):
 
   def __init__(self, cfg: BertConfig | str, policy: MemoryPolicy | str = "baseline", *,
                dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
-    cfg = config(cfg) if isinstance(cfg, str) else cfg
-    if not isinstance(cfg, BertConfig):
-      raise TypeError(f"Bert: expected a BertConfig or preset name, got {type(cfg).__name__}")
-    rngs = nnx.Rngs(0) if rngs is None else rngs
-    self.cfg = cfg
-    self.policy = MemoryPolicy.parse(policy)
-    self.policy.check_architecture("Bert")
-    self.dtype = dtype
+    rngs = init_model(self, cfg, config, BertConfig, policy, dtype, rngs)
+    cfg, dtype = self.cfg, self.dtype
     self.embeddings = BertEmbeddings(cfg, dtype=dtype, rngs=rngs)
     # What layer 0's q/k/v keep of the embeddings output (Mesa: its code), made here so
     # it enters the stack in the form every layer returns its output in.
@@ -242,13 +236,7 @@ class Bert(nnx.Module):
 
   # -------------------------------------------------------------------------- inputs
   def _inputs(self, tokens, mask, token_types):
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"Bert: tokens must be integer [batch, seq], got "
-                       f"{tokens.dtype}{list(tokens.shape)}")
-    if tokens.shape[1] > self.cfg.max_tokens:
-      raise ValueError(f"Bert: sequence length {tokens.shape[1]} exceeds the "
-                       f"{self.cfg.max_tokens} positions of the model")
+    tokens = token_ids(tokens, "Bert", self.cfg.max_tokens)
     mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask)
     if mask.shape != tokens.shape:
       raise ValueError(f"Bert: mask{list(mask.shape)} must match tokens{list(tokens.shape)}")

@@ -22,3 +22,55 @@ def make_config(cls, presets: dict, name: str, overrides: dict):
     raise ValueError(f"unknown {cls.__name__} preset {name!r}; valid: {', '.join(presets)}")
   preset = presets[name]
   return replace_fields(preset if isinstance(preset, cls) else cls(**preset), overrides)
+
+
+def init_model(model, cfg, config_fn, cfg_cls, policy, dtype, rngs, *, reversible=False):
+  """The common start of a model's ``__init__``: sets ``model.cfg`` (a ``cfg_cls`` or a
+  preset name for ``config_fn``), ``model.policy`` (checked against the architecture:
+  a ``reversible`` one takes what :mod:`models.reversible_stack` supports) and
+  ``model.dtype``; returns ``rngs`` (``nnx.Rngs(0)`` if None)."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from lowmem_jax.policy import MemoryPolicy
+  cfg = config_fn(cfg) if isinstance(cfg, str) else cfg
+  name = type(model).__name__
+  if not isinstance(cfg, cfg_cls):
+    raise TypeError(f"{name}: expected a {cfg_cls.__name__} or preset name, got "
+                    f"{type(cfg).__name__}")
+  model.cfg = cfg
+  model.policy = MemoryPolicy.parse(policy)
+  if reversible:
+    from models.reversible_stack import check_policy
+    check_policy(model.policy, name)
+  else:
+    model.policy.check_architecture(name)
+  model.dtype = jnp.dtype(dtype)
+  return nnx.Rngs(0) if rngs is None else rngs
+
+
+def derived_presets(prefix: str, base_presets, base_config, model: str):
+  """``(PRESETS, config)`` of a family whose presets are another's with a name prefix
+  (``revvit-b16`` has the sizes of ``vit-b16``)."""
+  presets = tuple(prefix + name for name in base_presets)
+
+  def config(name: str, **overrides):
+    if name not in presets:
+      raise ValueError(f"unknown {model} preset {name!r}; valid: {', '.join(presets)}")
+    return base_config(name[len(prefix):], **overrides)
+
+  return presets, config
+
+
+def token_ids(tokens, model: str, max_len: int):
+  """``tokens`` as an int array ``[batch, seq]`` of at most ``max_len`` positions, or a
+  ValueError naming ``model`` and what is wrong."""
+  import jax.numpy as jnp
+  tokens = jnp.asarray(tokens)
+  if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{model} expects int tokens [batch, seq], got {tokens.dtype}"
+                     f"{list(tokens.shape)}")
+  if tokens.shape[1] > max_len:
+    raise ValueError(f"{model}: sequence length {tokens.shape[1]} exceeds the {max_len} "
+                     "positions of the model")
+  return tokens

@@ -28,7 +28,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import make_config
+from models.config import init_model, make_config, token_ids
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import GatedMlp
@@ -169,14 +169,8 @@ class Llama(nnx.Module):
 
   def __init__(self, cfg: LlamaConfig | str, policy: MemoryPolicy | str = "baseline", *,
                dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
-    cfg = config(cfg) if isinstance(cfg, str) else cfg
-    if not isinstance(cfg, LlamaConfig):
-      raise TypeError(f"Llama: expected a LlamaConfig or preset name, got {type(cfg)}")
-    rngs = nnx.Rngs(0) if rngs is None else rngs
-    self.cfg = cfg
-    self.policy = MemoryPolicy.parse(policy)
-    self.policy.check_architecture("Llama")
-    self.dtype = jnp.dtype(dtype)
+    rngs = init_model(self, cfg, config, LlamaConfig, policy, dtype, rngs)
+    cfg = self.cfg
     init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
     self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
     self.stack = BlockStack(lambda r: LlamaBlock(cfg, self.policy, dtype=self.dtype, rngs=r),
@@ -195,14 +189,8 @@ class Llama(nnx.Module):
     seed_sites(self, rngs)
 
   def __call__(self, tokens, mask=None):
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"Llama expects int tokens [batch, seq], got {tokens.dtype}"
-                       f"{list(tokens.shape)}")
+    tokens = token_ids(tokens, "Llama", self.cfg.max_seq_len)
     b, t = tokens.shape
-    if t > self.cfg.max_seq_len:
-      raise ValueError(f"Llama: sequence length {t} exceeds max_seq_len "
-                       f"{self.cfg.max_seq_len}")
     attn_mask = None
     if mask is not None:
       mask = jnp.asarray(mask)

@@ -35,6 +35,16 @@ def _apply(graphdef, state, x, key):
   return nnx.merge(graphdef, state, copy=True)(x).astype(x.dtype)
 
 
+class PreNorm(nnx.Module):
+  """``body(norm(x))``: one stream's sub-block (RevViT's F and G, RevLlama's G)."""
+
+  def __init__(self, norm: nnx.Module, body: nnx.Module):
+    self.norm, self.body = norm, body
+
+  def __call__(self, x):
+    return self.body(self.norm(x))
+
+
 def check_policy(policy: MemoryPolicy, model: str) -> None:
   """ValueError for the policies a reversible model cannot take."""
   policy.check_architecture(model, reversible=True)

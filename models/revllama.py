@@ -16,20 +16,15 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import llama
+from models.config import derived_presets, init_model, token_ids
 from models.attention import SelfAttention
 from models.linear import Linear
 from models.mlp import GatedMlp
 from models.norm import Norm
-from models.reversible_stack import ReversibleStack, check_policy
+from models.reversible_stack import PreNorm, ReversibleStack
 
-PRESETS = tuple("rev" + name for name in llama.PRESETS)
-
-
-def config(name: str = "revllama-tiny", **overrides) -> llama.LlamaConfig:
-  """``revllama-<x>``: the ``llama-<x>`` preset's config (the same sizes)."""
-  if not name.startswith("revllama-"):
-    raise ValueError(f"unknown reversible LLaMA preset {name!r}; valid: {', '.join(PRESETS)}")
-  return llama.config(name[len("rev"):], **overrides)
+# ``revllama-<x>``: the ``llama-<x>`` preset's config (the same sizes).
+PRESETS, config = derived_presets("rev", llama.PRESETS, llama.config, "RevLlama")
 
 
 class RevLlamaAttention(nnx.Module):
@@ -50,16 +45,11 @@ class RevLlamaAttention(nnx.Module):
     return self.attn(self.norm(x), rotary=rotary)
 
 
-class RevLlamaMlp(nnx.Module):
+def _mlp(cfg: llama.LlamaConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs) -> PreNorm:
   """``G(x) = swiglu(rms_norm(x))``."""
-
-  def __init__(self, cfg: llama.LlamaConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs):
-    self.norm = Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=policy)
-    self.mlp = GatedMlp(cfg.dim, cfg.mlp_dim, activation="silu", policy=policy, dtype=dtype,
-                        rngs=rngs)
-
-  def __call__(self, x):
-    return self.mlp(self.norm(x))
+  return PreNorm(Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=policy),
+                 GatedMlp(cfg.dim, cfg.mlp_dim, activation="silu", policy=policy, dtype=dtype,
+                          rngs=rngs))
 
 
 class RevLlama(nnx.Module):
@@ -68,15 +58,13 @@ class RevLlama(nnx.Module):
   def __init__(self, cfg: llama.LlamaConfig | str = "revllama-tiny",
                policy: MemoryPolicy | str = "baseline", *, dtype=jnp.bfloat16,
                rngs: nnx.Rngs | None = None):
-    self.cfg = cfg = config(cfg) if isinstance(cfg, str) else cfg
-    self.policy = policy = MemoryPolicy.parse(policy)
-    check_policy(policy, "RevLlama")
-    self.dtype = jnp.dtype(dtype)
-    rngs = nnx.Rngs(0) if rngs is None else rngs
+    rngs = init_model(self, cfg, config, llama.LlamaConfig, policy, dtype, rngs,
+                      reversible=True)
+    cfg, policy = self.cfg, self.policy
     init = nnx.initializers.normal(stddev=0.02)
     self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
     self.stack = ReversibleStack(lambda r: RevLlamaAttention(cfg, policy, self.dtype, r),
-                                 lambda r: RevLlamaMlp(cfg, policy, self.dtype, r),
+                                 lambda r: _mlp(cfg, policy, self.dtype, r),
                                  cfg.num_layers, policy, rngs)
     self.norm = Norm(2 * cfg.dim, kind="rms", eps=cfg.eps, policy=policy)
     self.lm_head = Linear(2 * cfg.dim, cfg.vocab_size, use_bias=False, dtype=self.dtype,
@@ -85,13 +73,7 @@ class RevLlama(nnx.Module):
 
   def __call__(self, tokens, mask=None):
     """``mask`` must be None or all-True on the keys: the stack has no padding mask."""
-    tokens = jnp.asarray(tokens)
-    if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
-      raise ValueError(f"RevLlama expects int tokens [batch, seq], got {tokens.dtype}"
-                       f"{list(tokens.shape)}")
-    if tokens.shape[1] > self.cfg.max_seq_len:
-      raise ValueError(f"RevLlama: sequence length {tokens.shape[1]} exceeds max_seq_len "
-                       f"{self.cfg.max_seq_len}")
+    tokens = token_ids(tokens, "RevLlama", self.cfg.max_seq_len)
     del mask  # causal attention only; padding on the right is masked in the loss
     x = self.embed(tokens).astype(self.dtype)
     y1, y2 = self.stack(x, x)

@@ -21,44 +21,29 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import vit
+from models.config import derived_presets, init_model
 from models.attention import SelfAttention
 from models.linear import Linear
 from models.mlp import Mlp
 from models.norm import Norm
-from models.reversible_stack import ReversibleStack, check_policy
+from models.reversible_stack import PreNorm, ReversibleStack
 
-PRESETS = tuple("rev" + name for name in vit.PRESETS)
-
-
-def config(name: str = "revvit-digits", **overrides) -> vit.ViTConfig:
-  """``revvit-<x>``: the ``vit-<x>`` preset's config (the same sizes)."""
-  if not name.startswith("revvit-"):
-    raise ValueError(f"unknown RevViT preset {name!r}; valid: {', '.join(PRESETS)}")
-  return vit.config(name[len("rev"):], **overrides)
+# ``revvit-<x>``: the ``vit-<x>`` preset's config (the same sizes).
+PRESETS, config = derived_presets("rev", vit.PRESETS, vit.config, "RevViT")
 
 
-class RevAttention(nnx.Module):
+def _attention(cfg: vit.ViTConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs) -> PreNorm:
   """``F(x) = attn(norm(x))``."""
-
-  def __init__(self, cfg: vit.ViTConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs):
-    self.norm = Norm(cfg.dim, eps=cfg.eps, policy=policy)
-    self.attn = SelfAttention(cfg.dim, cfg.num_heads, qkv_bias=cfg.qkv_bias, policy=policy,
-                              dtype=dtype, rngs=rngs)
-
-  def __call__(self, x):
-    return self.attn(self.norm(x))
+  return PreNorm(Norm(cfg.dim, eps=cfg.eps, policy=policy),
+                 SelfAttention(cfg.dim, cfg.num_heads, qkv_bias=cfg.qkv_bias, policy=policy,
+                               dtype=dtype, rngs=rngs))
 
 
-class RevMlp(nnx.Module):
+def _mlp(cfg: vit.ViTConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs) -> PreNorm:
   """``G(x) = mlp(norm(x))``."""
-
-  def __init__(self, cfg: vit.ViTConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs):
-    self.norm = Norm(cfg.dim, eps=cfg.eps, policy=policy)
-    self.mlp = Mlp(cfg.dim, cfg.mlp_dim, activation="gelu", policy=policy, dtype=dtype,
-                   rngs=rngs)
-
-  def __call__(self, x):
-    return self.mlp(self.norm(x))
+  return PreNorm(Norm(cfg.dim, eps=cfg.eps, policy=policy),
+                 Mlp(cfg.dim, cfg.mlp_dim, activation="gelu", policy=policy, dtype=dtype,
+                     rngs=rngs))
 
 
 class RevViT(nnx.Module):
@@ -66,15 +51,11 @@ class RevViT(nnx.Module):
   def __init__(self, cfg: vit.ViTConfig | str = "revvit-digits",
                policy: MemoryPolicy | str = "baseline", *, dtype=jnp.bfloat16,
                rngs: nnx.Rngs | None = None):
-    self.cfg = config(cfg) if isinstance(cfg, str) else cfg
-    self.policy = policy = MemoryPolicy.parse(policy)
-    check_policy(policy, "RevViT")
-    self.dtype = jnp.dtype(dtype)
-    rngs = nnx.Rngs(0) if rngs is None else rngs
-    c = self.cfg
+    rngs = init_model(self, cfg, config, vit.ViTConfig, policy, dtype, rngs, reversible=True)
+    policy, c = self.policy, self.cfg
     vit.init_embeddings(self, c, dtype, rngs)
-    self.stack = ReversibleStack(lambda r: RevAttention(c, policy, dtype, r),
-                                 lambda r: RevMlp(c, policy, dtype, r), c.num_layers, policy,
+    self.stack = ReversibleStack(lambda r: _attention(c, policy, dtype, r),
+                                 lambda r: _mlp(c, policy, dtype, r), c.num_layers, policy,
                                  rngs)
     self.norm = Norm(2 * c.dim, eps=c.eps, policy=policy)
     self.head = Linear(2 * c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=policy)

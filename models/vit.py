@@ -18,7 +18,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import make_config
+from models.config import init_model, make_config
 from models.hf_state import Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import Mlp
@@ -95,11 +95,7 @@ class ViT(nnx.Module):
 
   def __init__(self, cfg: ViTConfig | str = "vit-b16", policy: MemoryPolicy | str = "baseline",
                *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
-    self.cfg = config(cfg) if isinstance(cfg, str) else cfg
-    self.policy = MemoryPolicy.parse(policy)
-    self.policy.check_architecture("ViT")
-    self.dtype = jnp.dtype(dtype)
-    rngs = nnx.Rngs(0) if rngs is None else rngs
+    rngs = init_model(self, cfg, config, ViTConfig, policy, dtype, rngs)
     c = self.cfg
     init_embeddings(self, c, dtype, rngs)
     self.stack = BlockStack(lambda r: ViTBlock(c, self.policy, dtype, r), c.num_layers,

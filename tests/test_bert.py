@@ -5,6 +5,7 @@ and the residual memory saved under lowmembp. fp32 throughout except the memory 
 The HF checkpoints and outputs are golden files (tests/make_hf_fixtures.py), so only
 the tests that run transformers live need torch."""
 
+import functools
 import json
 import shutil
 
@@ -178,6 +179,16 @@ def test_bad_inputs():
     model(jnp.zeros((2, 8)), jnp.ones((2, 8), bool))
 
 
+def assert_same_outputs(model, hf_outputs):
+  """Our logits and (real-token) hidden states equal ``hf_outputs(batch)``'s."""
+  batch = make_batch(model.cfg)
+  hidden, logits = forward_fn(model)(*batch)
+  hf_hidden, hf_logits = hf_outputs(batch)
+  assert max_diff(logits, hf_logits) < 1e-4
+  mask = np.asarray(batch[1])
+  assert max_diff(hidden[mask], hf_hidden[mask]) < 1e-4
+
+
 # ----------------------------------------------------------------------------- vs HF
 @pytest.mark.parametrize("policy", ["baseline", "lowmembp"])
 def test_matches_hf_logits_and_hidden_states(hf_checkpoint, policy):
@@ -185,12 +196,7 @@ def test_matches_hf_logits_and_hidden_states(hf_checkpoint, policy):
   model = hf.load_pretrained(path, policy=policy)
   assert model.cfg.model_type == arch and model.policy.merges_norm_affine == (
       policy == "lowmembp")
-  batch = make_batch(model.cfg)
-  hidden, logits = forward_fn(model)(*batch)
-  hf_hidden, hf_logits = hf_reference(ref, batch)
-  assert max_diff(logits, hf_logits) < 1e-4
-  mask = np.asarray(batch[1])
-  assert max_diff(hidden[mask], hf_hidden[mask]) < 1e-4
+  assert_same_outputs(model, functools.partial(hf_reference, ref))
 
 
 @requires_torch
@@ -257,12 +263,7 @@ def test_export_of_finetuned_lowmembp_model_loads_in_hf(hf_checkpoint, tmp_path)
   cls = (transformers.BertForSequenceClassification if arch == "bert"
          else transformers.RobertaForSequenceClassification)
   reloaded = cls.from_pretrained(tmp_path / "export", attn_implementation="eager").eval()
-  batch = make_batch(model.cfg)
-  hidden, logits = forward_fn(model)(*batch)
-  hf_hidden, hf_logits = hf_forward(reloaded, batch)
-  assert max_diff(logits, hf_logits) < 1e-4
-  mask = np.asarray(batch[1])
-  assert max_diff(hidden[mask], hf_hidden[mask]) < 1e-4
+  assert_same_outputs(model, functools.partial(hf_forward, reloaded))
 
 
 @pytest.mark.parametrize("case", ["missing", "unexpected", "misshaped"])

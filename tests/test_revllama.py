@@ -1,44 +1,31 @@
 """Reversible LLaMA: the reversible stack equals plain autodiff of the same blocks (fp32),
 is causal, keeps the same saved residuals at any depth; policy errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from lowmem_jax.memory import saved_residuals
 from models import revllama
-
+from param_loss import loss_and_grads, param_loss, saved_bytes
 
 def _model(policy, layers, dtype=jnp.float32):
   cfg = revllama.config("revllama-tiny", num_layers=layers)
   return revllama.RevLlama(cfg, policy, dtype=dtype, rngs=nnx.Rngs(0))
 
-
 @pytest.fixture(scope="module")
 def tokens():
   return jax.random.randint(jax.random.key(0), (2, 12), 0, 256)
 
+def _reduce(logits):
+  return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
-def _loss(model, tokens):
-  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-  def loss(p):
-    logits = nnx.merge(graphdef, p, rest, copy=True)(tokens)
-    return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
-  return loss, params
-
-
-def _grads(model, tokens):
-  loss, params = _loss(model, tokens)
-  value, grads = jax.jit(jax.value_and_grad(loss))(params)
-  return value, grads
-
-
-def _saved_bytes(model, tokens):
-  return saved_residuals(*_loss(model, tokens)).total_bytes
-
+_loss = functools.partial(param_loss, _reduce)
+_grads = functools.partial(loss_and_grads, _reduce)
+_saved_bytes = functools.partial(saved_bytes, _reduce)
 
 def _relative_error(policy, layers, tokens, dtype=jnp.float32):
   flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
@@ -47,7 +34,6 @@ def _relative_error(policy, layers, tokens, dtype=jnp.float32):
   np.testing.assert_allclose(v1, v0, rtol=1e-6)
   ours, base = flat(g1), flat(g0)
   return np.linalg.norm(ours - base) / np.linalg.norm(base)
-
 
 @pytest.mark.parametrize("policy", ["reversible", "pareprop"])
 def test_gradients_equal_plain_autodiff(tokens, policy):
@@ -58,7 +44,6 @@ def test_gradients_equal_plain_autodiff(tokens, policy):
   exactness at depth 4."""
   assert _relative_error(policy, 2, tokens) <= 5e-5
 
-
 @pytest.mark.parametrize("policy", ["reversible", "pareprop"])
 def test_gradients_exact_with_float64_activations(tokens, policy):
   """With float64 activations (streams follow them) the rebuild is exact to far below
@@ -66,7 +51,6 @@ def test_gradients_exact_with_float64_activations(tokens, policy):
   a wrong rebuild or key replay gives errors of order 1."""
   with jax.enable_x64(True):
     assert _relative_error(policy, 4, tokens, jnp.float64) <= 1e-6
-
 
 def test_causal_and_depth_independent_residuals(tokens):
   model = _model("reversible", 2)
@@ -76,7 +60,6 @@ def test_causal_and_depth_independent_residuals(tokens):
   saved = [_saved_bytes(_model("reversible", n), tokens) for n in (2, 4)]
   base = [_saved_bytes(_model("baseline", n), tokens) for n in (2, 4)]
   assert saved[0] == saved[1] and base[1] > base[0] > saved[0]
-
 
 def test_errors():
   with pytest.raises(ValueError, match="not supported"):
