@@ -98,15 +98,16 @@ def test_site_state_and_grad_norm_cache_are_carried(tmp_path):
   train(cfg)
   trainer = _restored(tmp_path, cfg)
   model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
-  found = [m for _, m in nnx.iter_graph(model) if isinstance(m, (sites.Int8Site,
+  found = [m for _, m in nnx.iter_graph(model) if isinstance(m, (sites.CodeSite,
                                                                    sites.KeySite))]
   # every site used updates once per step (input sites whose input arrives already
-  # coded by the norm are never used and stay at 0)
-  counts = {int(m.count[...]) for m in found}
+  # coded by the norm are never used and stay at 0); stacked blocks: one count per layer
+  counts = {int(c) for m in found for c in np.ravel(m.count[...])}
   assert 3 in counts and counts <= {0, 3}, counts
   batches = Batches(digits("train"), cfg.batch_size, seed=cfg.seed, example_ids=True)
   seen = np.concatenate([next(batches)["example_id"] for _ in range(3)])
-  caches = [np.asarray(m.grad_norms[...]) for m in found if isinstance(m, sites.KeySite)]
+  caches = [row for m in found if isinstance(m, sites.KeySite)  # one row per layer
+            for row in np.asarray(m.grad_norms[...]).reshape(-1, len(digits("train")))]
   assert caches
   for cache in caches:  # the examples seen got their gradient norm, the others keep 0
     np.testing.assert_array_equal(np.flatnonzero(cache > 0), np.sort(np.unique(seen)))
