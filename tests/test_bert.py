@@ -175,7 +175,7 @@ def test_bad_inputs():
     model(tokens, jnp.ones((2, 7), bool))
   with pytest.raises(ValueError, match="positions"):
     model(jnp.zeros((1, 65), jnp.int32), jnp.ones((1, 65), bool))
-  with pytest.raises(ValueError, match="integer"):
+  with pytest.raises(ValueError, match="int tokens"):
     model(jnp.zeros((2, 8)), jnp.ones((2, 8), bool))
 
 

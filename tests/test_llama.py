@@ -290,7 +290,7 @@ def test_model_call_bf16_mask_and_errors():
   np.testing.assert_allclose(f32(padded, mask=mask)[:, 3:], f32(short), atol=2e-5)
   np.testing.assert_array_equal(f32(short, mask=np.ones((1, 6), bool)), f32(short))
 
-  with pytest.raises(ValueError, match="max_seq_len"):
+  with pytest.raises(ValueError, match="exceeds the 256 positions"):
     f32(np.zeros((1, 257), np.int32))
   with pytest.raises(ValueError, match="int tokens"):
     f32(np.zeros((1, 4), np.float32))

@@ -64,7 +64,7 @@ def test_causal_and_depth_independent_residuals(tokens):
 def test_errors():
   with pytest.raises(ValueError, match="not supported"):
     _model("lowmembp+mesa8", 2)
-  with pytest.raises(ValueError, match="reversible LLaMA preset"):
+  with pytest.raises(ValueError, match="unknown RevLlama preset"):
     revllama.config("llama-tiny")
   with pytest.raises(ValueError, match="int tokens"):
     _model("reversible", 1)(jnp.zeros((2, 3)))
