@@ -354,7 +354,7 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
           jnp.zeros((b, kh, g, n, d), jnp.float32))
   xs = (jnp.arange(nb), _kv_blocks(k, nb, block), _kv_blocks(v, nb, block), masks)
   (row_max, row_sum, acc), _ = jax.lax.scan(step, init, xs)
-  seen = row_sum > 0
+  seen = ~(row_sum <= 0)  # a NaN row counts as seen: NaN propagates, as in softmax
   out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
   # +inf for rows that see no key: exp(s - lse) is then 0 in backward.
   lse = jnp.where(seen, row_max + jnp.log(jnp.where(seen, row_sum, 1.0)), jnp.inf)

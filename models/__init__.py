@@ -1,1 +1,1 @@
-"""Flax NNX models (ViT, LLaMA, BERT/RoBERTa) on the memory policy. Arrive with the Models issue."""
+"""Flax NNX models (ViT, LLaMA, BERT/RoBERTa, reversible ViT/LLaMA) on the memory policy."""

@@ -66,6 +66,16 @@ def test_flash_matches_xla_values_and_grads(causal, heads, kv_heads, mask_kind, 
     np.testing.assert_allclose(a, r, rtol=1e-4, atol=2e-5)
 
 
+def test_flash_propagates_nan_like_softmax():
+  """A NaN in a query row gives NaN in that row's output (not a silent 0), as xla does."""
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 8, 2, 4)) for i in range(3))
+  q = q.at[0, 3, 1, 0].set(jnp.nan)
+  for implementation in ("flash", "xla"):
+    out = np.asarray(attention(q, k, v, implementation=implementation))
+    assert np.all(np.isnan(out[0, 3, 1])), implementation
+    assert np.all(np.isfinite(np.delete(out[0, :, 1], 3, axis=0)))
+
+
 def test_bf16_close_to_fp32_reference():
   q, k, v = _qkv(2, 40, 40, 4, 2, 16)
   ref = attention(q, k, v, causal=True, implementation="xla")
