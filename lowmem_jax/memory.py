@@ -169,21 +169,22 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
   next linear). Linear: its input. GELU/SiLU: its input, or the bits per element its
   strategy keeps (approx2: 2). Attention: q, k, v, o and the fp32 log-sum-exp. A block
   that keeps only its input (full remat): that. None when a checkpoint policy decides
-  (selective remat, offload: what XLA keeps then is what the measurement shows).
+  (selective remat, offload) or a norm or activation keeps codes (Mesa): what is kept
+  then is what the measurement shows.
   """
   saves = policy.block_strategy().saves
   if saves == "input":
     return cfg.dim * itemsize
-  if saves != "ops":
+  kind = ("layer", "gelu") if cfg.kind == "vit" else ("rms", "silu")
+  norm_s, act_s = policy.norm_strategy(kind[0]), policy.activation_strategy(kind[1])
+  if saves != "ops" or norm_s.init_state() or act_s.init_state():
     return None
   d, f, s = cfg.dim, cfg.mlp_dim, itemsize
   kvd = cfg.kv_heads * cfg.head_dim
-  kind = ("layer", "gelu") if cfg.kind == "vit" else ("rms", "silu")
   stats = 8 if cfg.kind == "vit" else 4
-  has_affine = policy.norm_strategy(kind[0]).has_affine
-  norm = (d * s + stats + d * s) if has_affine else (d * s + 4)
+  norm = (d * s + stats + d * s) if norm_s.has_affine else (d * s + 4)
   attn = (d + 2 * kvd + d) * s + 4 * cfg.num_heads
-  bits = policy.activation_strategy(kind[1]).saved_bits
+  bits = act_s.saved_bits
   act_in = f * s if bits is None else f * bits // 8
   if cfg.kind == "vit":
     mlp = act_in + f * s                   # GELU input + fc2 input

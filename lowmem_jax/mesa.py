@@ -70,18 +70,34 @@ class CodedShared(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class CodedActivation(Strategy):
-  """``inner``'s activation whose backward keeps the code of its input, or, gated, one
-  rule for ``act(g) * u`` keeping the codes of ``g`` and ``u`` only."""
-  inner: Activation
-  coder: Coder
+class _Coded(Strategy):
+  """``inner``'s function (and its ``kind``), with what backward keeps coded."""
+  inner: Strategy
 
   @property
   def fn(self) -> Callable:
     return self.inner.fn
 
+  @property
+  def kind(self) -> str:
+    return self.inner.kind
+
+
+@dataclasses.dataclass(frozen=True)
+class CodedActivation(_Coded):
+  """``inner``'s activation whose backward keeps the code of its input, or, gated, one
+  rule for ``act(g) * u`` keeping the codes of ``g`` and ``u`` only. ``saved_bits``: the
+  code width."""
+  inner: Activation
+  coder: Coder
+  saved_bits: int = 8
+
+  @property
+  def gated(self) -> bool:
+    return self.inner.gated
+
   def _names(self):
-    return ("gate", "up") if self.inner.gated else ("input",)
+    return ("gate", "up") if self.gated else ("input",)
 
   def init_state(self):
     return {name: self.coder.init() for name in self._names()}
@@ -91,7 +107,7 @@ class CodedActivation(Strategy):
     for name, x in zip(self._names(), inputs, strict=True):
       qt, updated[name] = self.coder.code(states[name], x)
       coded.append(qt)
-    rule = functools.partial(gated, self.fn) if self.inner.gated else self.fn
+    rule = functools.partial(gated, self.fn) if self.gated else self.fn
     return quant.coded_vjp(rule, coded), updated
 
 
@@ -102,16 +118,12 @@ def _affine_norm(fn, eps, num_affine, x, *affine):
 
 
 @dataclasses.dataclass(frozen=True)
-class CodedNorm(Strategy):
+class CodedNorm(_Coded):
   """``inner``'s norm returning its output carried with its code (what the linears
   reading it keep). With an affine it keeps the code of its input; an MS norm keeps
   only the code of its output and the fp32 rstd (:func:`lowmem_jax.quant.ms_norm_coded`)."""
   inner: Norm
   coder: Coder
-
-  @property
-  def fn(self) -> Callable:
-    return self.inner.fn
 
   @property
   def has_affine(self) -> bool:
@@ -141,16 +153,12 @@ def _attend(causal, implementation, q, k, v, mask):
 
 
 @dataclasses.dataclass(frozen=True)
-class CodedAttention(Strategy):
+class CodedAttention(_Coded):
   """``inner``'s attention keeping head-wise codes of q, k and v; returns ``o`` (tagged
   ``attn_out``) carried with its head-wise code."""
   inner: Attention
   heads: Coder
   kv_heads: Coder
-
-  @property
-  def fn(self) -> Callable:
-    return self.inner.fn
 
   def init_state(self):
     return {"query": self.heads.init(), "key": self.kv_heads.init(),
@@ -183,7 +191,7 @@ def _activation(policy, inner, *, kind: str, gated: bool = False):
   # A gated product's backward needs act(g) and u as well: two codes are less than that.
   if not gated and inner.saved_bits is not None and inner.saved_bits <= policy.quant_bits:
     return inner
-  return CodedActivation(inner, _coder(policy))
+  return CodedActivation(inner, _coder(policy), policy.quant_bits)
 
 
 def _norm(policy, inner, *, kind: str):

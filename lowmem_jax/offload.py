@@ -4,8 +4,8 @@ A block runs under ``jax.checkpoint`` with
 ``jax.checkpoint_policies.save_and_offload_only_these_names``: the tensors the blocks tag
 (:data:`lowmem_jax.remat.CHECKPOINT_NAMES`) are copied to pinned host memory in forward
 and back to the device in backward; everything else in the block is recomputed. The
-device keeps the block input only, at the cost of the host transfers (overlapped with
-compute where XLA can). Combines with the methods that change what the ops save
+device keeps the block input only, at the cost of the host transfers (whether XLA
+overlaps them with compute is for a GPU measurement to show; none has been made). Combines with the methods that change what the ops save
 (``lowmembp+offload``); it is a value of ``remat``, so not with another remat.
 
 On the CPU backend host and device memory are the same RAM: JAX lowers the moves to

@@ -23,9 +23,7 @@ from collections.abc import Callable
 import jax
 
 from lowmem_jax import methods
-# Re-exported: the names blocks tag, the policy names, the linears WTA-CRS may sample, and
-# the exact activations (tests patch them).
-from lowmem_jax.baseline import EXACT_ACTIVATIONS as _EXACT_ACTIVATIONS  # noqa: F401
+# Re-exported: the names blocks tag, the remat policy names, the linears WTA-CRS may sample.
 from lowmem_jax.remat import CHECKPOINT_NAMES, REMAT_POLICY_NAMES  # noqa: F401
 from lowmem_jax.wta_crs import LINEAR_NAMES  # noqa: F401
 
@@ -48,11 +46,13 @@ METHODS = methods.load(*METHOD_MODULES)
 AUTO_PALLAS_BACKENDS: tuple[str, ...] = ()
 
 
-def _collect():
+def _collect(method_list):
+  """The policy's fields, presets and extra field values from ``method_list``; a field or
+  preset defined twice is a ValueError naming it."""
   fields: dict[str, methods.Field] = {}
   presets: dict[str, dict[str, object]] = {}
   extra: dict[str, tuple] = {}
-  for method in METHODS:
+  for method in method_list:
     for field in method.fields:
       if field.name in fields:
         raise ValueError(f"method {method.name!r} redefines the policy field {field.name!r}")
@@ -69,7 +69,7 @@ def _collect():
   return fields, presets, extra
 
 
-FIELDS, PRESETS, _EXTRA_VALUES = _collect()
+FIELDS, PRESETS, _EXTRA_VALUES = _collect(METHODS)
 
 
 class _PolicyMethods:
@@ -191,18 +191,28 @@ class _PolicyMethods:
           "them in interpret mode")
     return self.kernels
 
+  # The plain functions of the stateless strategies, for code without model state (the
+  # pure-JAX block stack): a stateful one (Mesa's codes) is a ValueError, not dropped.
   def activation_fn(self, kind: str) -> Callable:
     """The activation function for ``kind`` in {"gelu", "silu"}."""
-    return self.activation_strategy(kind).fn
+    return self._stateless(self.activation_strategy(kind), "activation").fn
 
   def norm_fn(self, kind: str) -> Callable:
     """The norm for ``kind`` in {"layer", "rms"}: ``fn(x, scale, bias, eps, *, name)`` /
     ``fn(x, scale, eps, *, name)``, or ``fn(x, eps, *, name)`` without affine."""
-    return self.norm_strategy(kind).fn
+    return self._stateless(self.norm_strategy(kind), "norm").fn
 
   def attention_fn(self) -> Callable:
     """``attention(q, k, v, *, causal, mask)`` with this policy's implementation."""
-    return self.attention_strategy().fn
+    # one head is enough to build it: only its statefulness is asked here
+    return self._stateless(self.attention_strategy(num_heads=1), "attention").fn
+
+  def _stateless(self, strategy, site: str):
+    if strategy.init_state():
+      raise ValueError(f"MemoryPolicy {self.spec!r}: its {site} keeps state "
+                       f"({type(strategy).__name__}); run it in a model (models/), which "
+                       "holds that state, not as a plain function")
+    return strategy
 
   @property
   def merges_norm_affine(self) -> bool:

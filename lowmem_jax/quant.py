@@ -313,8 +313,3 @@ def _ms_coded_bwd(kind, eps, groups, implementation, res, cts):
 
 
 _ms_coded.defvjp(_ms_coded_fwd, _ms_coded_bwd)
-
-
-# Their names before the bit width became a parameter of the method (``quant_bits``).
-int8_vjp = coded_vjp
-ms_norm_int8 = ms_norm_coded

@@ -14,21 +14,29 @@ from lowmem_jax.methods import Field, Method
 REVERSIBLES = ("none", "vanilla", "pareprop")
 
 
+# Fields that act on what blocks keep: a reversible stack's blocks keep nothing.
+BLOCK_FIELDS = ("quant", "sampled_linear", "remat")
+
+
+def _set_block_fields(policy) -> list[str]:
+  return [f for f in BLOCK_FIELDS if getattr(policy, f) != policy.default(f)]
+
+
 def _check(policy):
-  if policy.reversible == "none":
-    return
-  for field in ("quant", "sampled_linear", "remat"):
-    value = getattr(policy, field)
-    if value != policy.default(field):
-      raise ValueError(
-          f"MemoryPolicy: reversible={policy.reversible!r} keeps no block activations, "
-          f"so {field}={value!r} would change nothing; drop one of them")
+  if policy.reversible != "none" and _set_block_fields(policy):
+    field = _set_block_fields(policy)[0]
+    raise ValueError(
+        f"MemoryPolicy: reversible={policy.reversible!r} keeps no block activations, "
+        f"so {field}={getattr(policy, field)!r} would change nothing; drop one of them")
 
 
 def _check_model(policy, model: str, reversible: bool):
   if policy.reversible != "none" and not reversible:
     raise ValueError(f"{model}: policy {policy.spec!r} needs a reversible architecture "
                      "(revvit-* models); standard blocks cannot be inverted")
+  if reversible and _set_block_fields(policy):
+    raise ValueError(f"{model}: policy {policy.spec!r} is not supported; its blocks take "
+                     "norm/activation/attention choices and reversible=vanilla|pareprop")
 
 
 METHOD = Method(

@@ -25,10 +25,6 @@ class SampledLinear(Strategy):
   (a carried input: its value's rows), their indices and scales, and the kernel."""
   ratio: float
 
-  # The trainer may attach a per-example output-gradient norm cache to its state
-  # (models.sites.attach_grad_norm_caches): row weights for the sampling probabilities.
-  uses_grad_norm_cache = True
-
   def init_state(self):
     return {"sampler": sampling.KeyState.create()}
 

@@ -1,8 +1,14 @@
-"""Building a model config from a named preset plus overrides, with clear errors."""
+"""What every model shares before its layers: its config from a named preset plus
+overrides, its policy and dtype, and its token-input check, each with clear errors."""
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax.numpy as jnp
+from flax import nnx
+
+from lowmem_jax.policy import MemoryPolicy
 
 
 def replace_fields(cfg, overrides: dict):
@@ -26,13 +32,9 @@ def make_config(cls, presets: dict, name: str, overrides: dict):
 
 def init_model(model, cfg, config_fn, cfg_cls, policy, dtype, rngs, *, reversible=False):
   """The common start of a model's ``__init__``: sets ``model.cfg`` (a ``cfg_cls`` or a
-  preset name for ``config_fn``), ``model.policy`` (checked against the architecture:
-  a ``reversible`` one takes what :mod:`models.reversible_stack` supports) and
+  preset name for ``config_fn``), ``model.policy`` (checked against the architecture,
+  ``reversible`` or not) and
   ``model.dtype``; returns ``rngs`` (``nnx.Rngs(0)`` if None)."""
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from lowmem_jax.policy import MemoryPolicy
   cfg = config_fn(cfg) if isinstance(cfg, str) else cfg
   name = type(model).__name__
   if not isinstance(cfg, cfg_cls):
@@ -40,11 +42,7 @@ def init_model(model, cfg, config_fn, cfg_cls, policy, dtype, rngs, *, reversibl
                     f"{type(cfg).__name__}")
   model.cfg = cfg
   model.policy = MemoryPolicy.parse(policy)
-  if reversible:
-    from models.reversible_stack import check_policy
-    check_policy(model.policy, name)
-  else:
-    model.policy.check_architecture(name)
+  model.policy.check_architecture(name, reversible=reversible)
   model.dtype = jnp.dtype(dtype)
   return nnx.Rngs(0) if rngs is None else rngs
 
@@ -65,7 +63,6 @@ def derived_presets(prefix: str, base_presets, base_config, model: str):
 def token_ids(tokens, model: str, max_len: int):
   """``tokens`` as an int array ``[batch, seq]`` of at most ``max_len`` positions, or a
   ValueError naming ``model`` and what is wrong."""
-  import jax.numpy as jnp
   tokens = jnp.asarray(tokens)
   if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
     raise ValueError(f"{model} expects int tokens [batch, seq], got {tokens.dtype}"

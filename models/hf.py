@@ -5,8 +5,8 @@ A model directory holds ``config.json`` and ``model.safetensors`` (or shards lis
 :mod:`models.registry` (``vit``, ``llama``, ``bert``/``roberta``); its module declares
 the map from HF names to our variables (``hf_map``), which one generic reader/writer
 (:mod:`models.hf_state`) applies; when the policy uses MS norms it merges each norm's
-affine into the linear(s) reading it (float64, then cast). ``save_pretrained`` writes HF names back so HF transformers
-loads the same function: pre-LN models export merged norms as weight 1, bias 0 with the
+affine into the linear(s) reading it (float64, then cast). ``save_pretrained`` writes HF
+names back so HF transformers loads the same function: pre-LN models export merged norms as weight 1, bias 0 with the
 merged linears; post-LN models (BERT/RoBERTa), whose residual path keeps gamma/beta,
 export those and un-merge the linears.
 """

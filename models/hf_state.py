@@ -56,9 +56,6 @@ class StateReader:
       return np.zeros(tuple(shape))  # keep going: finish() reports every problem
     return value.astype(np.float64) if np.issubdtype(value.dtype, np.floating) else value
 
-  def take_optional(self, key: str, shape: Sequence[int] | None = None):
-    return self.take(key, shape) if key in self.state else None
-
   def finish(self) -> None:
     """Raises :class:`CheckpointError` naming every problem found while reading."""
     unexpected = sorted(k for k in self.state if k not in self.used

@@ -16,9 +16,6 @@ from types import ModuleType
 import jax.numpy as jnp
 from flax import nnx
 
-INPUT_KINDS = ("image", "tokens")
-
-
 @dataclasses.dataclass(frozen=True)
 class Family:
   """A model family. ``inputs``: "image" (``[B, H, W, C]`` floats -> class logits) or
@@ -76,7 +73,7 @@ def family(preset: str) -> Family:
 def family_of(model: nnx.Module) -> Family:
   """The family of a built model (by its class)."""
   for f in FAMILIES:
-    if type(model).__name__ == f.class_name and type(model).__module__ == f.module_name:
+    if type(model) is f.model_class:
       return f
   raise ValueError(f"{type(model).__name__} is not a registered model family")
 

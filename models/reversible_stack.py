@@ -45,14 +45,6 @@ class PreNorm(nnx.Module):
     return self.body(self.norm(x))
 
 
-def check_policy(policy: MemoryPolicy, model: str) -> None:
-  """ValueError for the policies a reversible model cannot take."""
-  policy.check_architecture(model, reversible=True)
-  if policy.quantizes or policy.sampled_linear != "none" or policy.remat is not None:
-    raise ValueError(f"{model}: policy {policy.spec!r} is not supported; its blocks take "
-                     "norm/activation/attention choices and reversible=vanilla|pareprop")
-
-
 class ReversibleStack(nnx.Module):
 
   def __init__(self, make_f: Callable, make_g: Callable, num_layers: int,

@@ -71,8 +71,6 @@ class KeySite(StateSite):
   them, its gradient-norm cache and the current batch's example ids)."""
 
 
-Int8Site = CodeSite  # its name before the code width became a parameter
-
 _HOLDERS = {quant.QuantState: CodeSite, sampling.KeyState: KeySite}
 
 
@@ -105,9 +103,7 @@ def attach_grad_norm_caches(model: nnx.Module, num_examples: int, batch_size: in
   """Gives every sampled linear of ``model`` a :class:`GradNormCache` over
   ``num_examples`` examples and an ``example_ids`` slot for ``batch_size`` ids (one each
   per layer where states are stacked over layers); returns how many states got one."""
-  samplers = [getattr(site, name) for _, site in nnx.iter_graph(model)
-              if isinstance(site, Site) and getattr(site.strategy, "uses_grad_norm_cache", False)
-              for name in site.state_names]
+  samplers = [state for _, state in nnx.iter_graph(model) if isinstance(state, KeySite)]
   for state in samplers:
     layers = state.count[...].shape  # () or the stacked layers
     state.grad_norms = GradNormCache(jnp.zeros(layers + (num_examples,), jnp.float32))

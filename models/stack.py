@@ -38,8 +38,6 @@ def stacked(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
   return create(rngs)
 
 
-
-
 class BlockStack(nnx.Module):
   """``num_layers`` blocks of one kind, stacked, scanned, rematted per the policy."""
 

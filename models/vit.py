@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy

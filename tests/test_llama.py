@@ -15,7 +15,6 @@ from flax import nnx
 
 import make_hf_fixtures as fixtures
 from lowmem_jax.memory import saved_residuals
-from lowmem_jax.policy import MemoryPolicy
 from models import hf, llama
 from models.hf_state import CheckpointError
 

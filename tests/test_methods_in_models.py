@@ -11,7 +11,7 @@ from flax import nnx
 from lowmem_jax.memory import saved_residuals
 from lowmem_jax.wta_crs import SampledLinear
 from models import bert, llama, vit
-from models.sites import Int8Site, KeySite, SiteState, seed_sites
+from models.sites import CodeSite, KeySite, SiteState, seed_sites
 
 TINY = {
     "vit": lambda pol: vit.ViT(vit.config("vit-tiny", num_layers=2), pol, dtype=jnp.float32),
@@ -96,8 +96,8 @@ def test_mesa8_saves_uint8_codes_and_no_float_activation():
 
 def test_sites_carry_state_and_get_distinct_keys():
   model = TINY["vit"]("mesa8+wta-crs")
-  sites = [m for _, m in nnx.iter_graph(model) if isinstance(m, (Int8Site, KeySite))]
-  assert any(isinstance(s, KeySite) for s in sites) and any(isinstance(s, Int8Site)
+  sites = [m for _, m in nnx.iter_graph(model) if isinstance(m, (CodeSite, KeySite))]
+  assert any(isinstance(s, KeySite) for s in sites) and any(isinstance(s, CodeSite)
                                                             for s in sites)
   # one key per state and per layer (the blocks' states are stacked over layers)
   keys = [tuple(k) for s in sites for k in np.asarray(s.key[...]).reshape(-1, 2).tolist()]

@@ -157,7 +157,7 @@ def test_lowmem_quant_dispatch_matches_xla(shape, axis, groups, dtype):
 
 
 def test_int8_linear_through_pallas_interpret_matches_xla():
-  """A whole int8_vjp step (codes, EMA range, backward at the dequantized input)."""
+  """A whole coded_vjp step (codes, EMA range, backward at the dequantized input)."""
   rng = np.random.default_rng(1)
   x = jnp.asarray(rng.standard_normal((4, 6, 16)), jnp.float32)
   w = jnp.asarray(rng.standard_normal((16, 8)), jnp.float32)
@@ -165,7 +165,7 @@ def test_int8_linear_through_pallas_interpret_matches_xla():
   def loss(x, w, implementation):
     qt, _ = quant.quantize_tensor(x, quant.QuantState.create(4), axis=-1, groups=4,
                                   implementation=implementation)
-    return jnp.sum(quant.int8_vjp(jnp.matmul, [qt], (w,)) ** 2)
+    return jnp.sum(quant.coded_vjp(jnp.matmul, [qt], (w,)) ** 2)
 
   grads = {impl: jax.jit(jax.grad(loss, (0, 1)), static_argnums=2)(x, w, impl)
            for impl in ("xla", "pallas_interpret")}

@@ -170,3 +170,19 @@ def test_policy_is_hashable_and_frozen():
   assert hash(p) == hash(MemoryPolicy.parse("approx-bp+ms-bp"))
   with pytest.raises(dataclasses.FrozenInstanceError):
     p.norm = "standard"
+
+
+def test_plain_functions_refuse_stateful_strategies_and_theory_skips_codes():
+  """Mesa's strategies keep state a plain function cannot carry: asking for one is an
+  error (not the uncoded function), and the theoretical figure is left to measurement."""
+  from lowmem_jax import block_stack, memory
+  mesa = MemoryPolicy.parse("mesa8")
+  for ask in (lambda: mesa.activation_fn("gelu"), lambda: mesa.norm_fn("layer"),
+              mesa.attention_fn):
+    with pytest.raises(ValueError, match="keeps state"):
+      ask()
+  cfg = block_stack.StackConfig()
+  for spec in ("mesa8", "lowmembp+mesa8"):
+    assert memory.theoretical_bytes_per_token(cfg, MemoryPolicy.parse(spec), 2) is None
+  assert memory.theoretical_bytes_per_token(cfg, MemoryPolicy.parse("lowmembp"), 2) == 16184
+  assert MemoryPolicy.parse("lowmembp").activation_fn("gelu") is not None
