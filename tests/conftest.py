@@ -11,7 +11,8 @@ same program (a trainer's step, again after a resume, again in a CLI subprocess)
 persistent cache per pytest session, shared by the xdist workers and the subprocesses
 they start, compiles each program once. It is a fresh folder per session, removed at the
 end, so every run compiles what it runs as CI does (set ``JAX_COMPILATION_CACHE_DIR``
-yourself to keep one across runs).
+yourself to keep one across runs). Measured on 2 cores, test_train + test_vit + test_llama
+in one run each way: 197 s with it, 256 s with ``JAX_ENABLE_COMPILATION_CACHE=false``.
 
 Tiny models: the model and training setups shared by test files (``from conftest import
 TINY_TRAIN``), each a second or two to compile on a CPU.

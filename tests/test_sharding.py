@@ -1,4 +1,5 @@
-"""FSDP placement: the largest divisible axis of each parameter, never a stack's layer axis."""
+"""Placement on a mesh: FSDP splits the largest divisible axis of each parameter, never a
+stack's layer axis; data parallelism replicates parameters and splits the batch."""
 
 import os
 import subprocess
@@ -30,6 +31,12 @@ def test_fsdp_splits_the_largest_axis_but_never_the_layer_axis():
         if split:
           free = [a for a in range(1 if "stack" in name else 0, x.ndim) if x.shape[a] % 4 == 0]
           assert x.shape[split[0]] == max(x.shape[a] for a in free), (name, x.shape, spec)
+      # data=8: every parameter replicated, the batch split 8 ways
+      data = sharding.make_mesh("data=8")
+      state = sharding.shard_state({"params": nnx.state(model, nnx.Param)}, data)
+      assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state))
+      batch = sharding.shard_batch({"image": jnp.zeros((16, 32, 32, 3))}, data)
+      assert batch["image"].addressable_shards[0].data.shape == (2, 32, 32, 3)
       print("ok")
   """)
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",

@@ -44,7 +44,7 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
                  **cfg.model_overrides)
   else:
-    model = registry.family(cfg.model).build(model_config(cfg), policy, dtype=dtype, rngs=rngs)
+    model = registry.build(cfg.model, policy, dtype=dtype, rngs=rngs, **cfg.model_overrides)
   if cfg.trainable == "lora":
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,

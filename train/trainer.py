@@ -134,12 +134,12 @@ class Trainer:
              "rest": rest, "opt": opt}  # rest: site state (Mesa ranges, keys) updated
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
       halted = first_bad["step"] > 0
-      new = jax.tree.map(lambda n, o: jnp.where(finite & ~halted, n, o), new, state)
+      keep_new, first = finite & ~halted, ~finite & ~halted
+      new = jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, state)
       this = {"step": state["step"] + 1, "loss": loss.astype(jnp.float32),
               "grad_norm": grad_norm.astype(jnp.float32)}
-      first_bad = jax.tree.map(lambda n, o: jnp.where(~finite & ~halted, n, o), this,
-                               first_bad)
-      return new, first_bad, {"loss": loss, "grad_norm": grad_norm, "finite": finite,
+      first_bad = jax.tree.map(lambda n, o: jnp.where(first, n, o), this, first_bad)
+      return new, first_bad, {"loss": loss, "grad_norm": grad_norm,
                               "correct": aux[1], "count": aux[2]}
 
     return jax.jit(step, donate_argnums=(0, 1))
