@@ -1,0 +1,159 @@
+"""A language-model head fused with its cross-entropy, in token chunks.
+
+``logits = h @ w`` (fp32 accumulation) for every token of ``h [..., D]`` over a vocabulary
+of ``V`` is ``[..., V]`` fp32: 500 MiB for LLaMA-7B's V = 32000 at 4096 tokens, and autodiff
+keeps its gradient too. :func:`chunked_cross_entropy` computes per-token cross-entropy and
+argmax accuracy ``chunk`` tokens at a time: no fp32 array of more than ``[chunk, V]`` exists
+in forward or backward. It saves its arguments ``h`` and ``w`` (no copies) and an fp32
+log-sum-exp per token; backward recomputes each chunk's logits from them.
+
+:func:`cross_entropy_reference` is the same function in plain jnp (full logits, autodiff);
+:func:`logits_cross_entropy` is its loss on given logits (optax's formula), for heads that
+cannot be fused.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.custom_derivatives import SymbolicZero
+
+DEFAULT_CHUNK = 1024  # tokens per chunk: [1024, 32000] fp32 is 125 MiB
+
+
+def logits_cross_entropy(logits, targets):
+  """``(losses, correct)``: per-token ``logsumexp(logits) - logits[target]`` in fp32 (as
+  optax's ``softmax_cross_entropy_with_integer_labels``) and ``argmax(logits) == target``.
+  A target outside ``[0, V)`` selects no logit (its loss is the log-sum-exp, finite)."""
+  logits = logits.astype(jnp.float32)
+  hit = jnp.arange(logits.shape[-1]) == targets[..., None]
+  target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+  losses = jax.nn.logsumexp(logits, axis=-1) - target_logit
+  return losses, jnp.argmax(logits, axis=-1) == targets
+
+
+def _logits(h, w, transposed: bool):
+  """``h [N, D] @ w`` with fp32 accumulation; ``w`` is ``[D, V]``, or ``[V, D]`` when
+  ``transposed`` (a tied embedding)."""
+  contract = ((h.ndim - 1,), (1,) if transposed else (0,))
+  return jax.lax.dot_general(h, w, (contract, ((), ())), preferred_element_type=jnp.float32)
+
+
+def cross_entropy_reference(h, w, targets, *, transposed: bool = False):
+  """:func:`chunked_cross_entropy` in plain jnp: the full fp32 logits, then
+  :func:`logits_cross_entropy`; autodiff keeps the logits' size."""
+  return logits_cross_entropy(_logits(h, w, transposed), targets)
+
+
+def _chunked(x, chunk: int):
+  """``x [N, ...] -> [ceil(N / chunk), chunk, ...]``, zero rows appended to fill the last
+  chunk (a reshape, no copy, when ``chunk`` divides ``N``)."""
+  pad = -x.shape[0] % chunk
+  if pad:
+    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+  return x.reshape((-1, chunk) + x.shape[1:])
+
+
+def _unchunked(x, n: int):
+  return x.reshape((-1,) + x.shape[2:])[:n]
+
+
+def _forward(h, w, targets, chunk, transposed):
+  """Per-token ``(losses, correct, lse)`` of flat ``h [N, D]``, one chunk at a time."""
+  def one(xs):
+    h_c, t_c = xs
+    logits = _logits(h_c, w, transposed)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    hit = jnp.arange(logits.shape[-1]) == t_c[:, None]
+    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+    return lse - target_logit, jnp.argmax(logits, axis=-1) == t_c, lse
+
+  n = h.shape[0]
+  out = jax.lax.map(one, (_chunked(h, chunk), _chunked(targets, chunk)))
+  return tuple(_unchunked(x, n) for x in out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused(h, w, targets, chunk, transposed):
+  losses, correct, _ = _forward(h, w, targets, chunk, transposed)
+  return losses, correct
+
+
+def _fused_fwd(h, w, targets, chunk, transposed):
+  # symbolic_zeros: each argument comes with whether it is differentiated (perturbed)
+  need = (h.perturbed, w.perturbed)
+  h, w, targets = h.value, w.value, targets.value
+  losses, correct, lse = _forward(h, w, targets, chunk, transposed)
+  # Residuals: h and w themselves (arguments: no copies), the targets and an fp32
+  # log-sum-exp per token; never a [tokens, V] array.
+  return (losses, correct), (h, w, targets, lse, need)
+
+
+def _fused_bwd(chunk, transposed, res, cts):
+  h, w, targets, lse, (need_dh, need_dw) = res
+  g = cts[0]
+  if isinstance(g, SymbolicZero) or not (need_dh or need_dw):
+    return None, None, None
+  n = h.shape[0]
+
+  def step(dw, xs):
+    h_c, t_c, lse_c, g_c = xs
+    logits = _logits(h_c, w, transposed)
+    hit = jnp.arange(logits.shape[-1]) == t_c[:, None]
+    # softmax - onehot, scaled by the token's cotangent; matmuls in w's (compute) dtype
+    # with fp32 accumulation, as the attention backward does
+    dlogits = ((jnp.exp(logits - lse_c[:, None]) - hit) * g_c[:, None]).astype(w.dtype)
+    dh_c = None
+    if need_dh:
+      back = ((1,), (0,)) if transposed else ((1,), (1,))
+      dh_c = jax.lax.dot_general(dlogits, w, (back, ((), ())),
+                                 preferred_element_type=jnp.float32).astype(h.dtype)
+    if need_dw:
+      # [V, D] (tied) or [D, V]: contract the chunk's tokens
+      pair = (dlogits, h_c) if transposed else (h_c, dlogits)
+      dw = dw + jax.lax.dot_general(*pair, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32)
+    return dw, dh_c
+
+  dw0 = jnp.zeros(w.shape, jnp.float32) if need_dw else None
+  xs = (_chunked(h, chunk), _chunked(targets, chunk), _chunked(lse, chunk),
+        _chunked(g.astype(jnp.float32), chunk))  # padded rows: g = 0, no contribution
+  dw, dh = jax.lax.scan(step, dw0, xs)
+  return (_unchunked(dh, n) if need_dh else None,
+          dw.astype(w.dtype) if need_dw else None, None)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
+
+
+def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
+                          transposed: bool = False):
+  """``(losses, correct)`` of ``logits = h @ w``: per-token fp32 cross-entropy
+  ``logsumexp(logits) - logits[target]`` and ``argmax(logits) == target``, shaped like
+  ``targets``, computed ``chunk`` tokens at a time (a ragged last chunk is padded inside).
+
+  ``h [..., D]`` and ``w [D, V]`` (``[V, D]`` when ``transposed``) in the compute dtype,
+  ``targets`` integer ``[...]``. Backward (a custom VJP) saves ``h``, ``w`` (no copies) and
+  an fp32 log-sum-exp per token, recomputes each chunk's softmax and accumulates ``dw``
+  over chunks in fp32 (cast to ``w``'s dtype at the end); gradients of ``h`` or ``w`` not
+  asked for are not computed (a frozen head: no ``dw`` pass). Weight or mask tokens by
+  multiplying ``losses``: a zero cotangent contributes nothing."""
+  h, w, targets = jnp.asarray(h), jnp.asarray(w), jnp.asarray(targets)
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+    raise ValueError(f"chunked_cross_entropy: chunk must be a positive int, got {chunk!r}")
+  if w.ndim != 2 or h.ndim < 1 or h.shape[-1] != w.shape[1 if transposed else 0]:
+    raise ValueError(f"chunked_cross_entropy: w must be [D, V] ([V, D] when transposed) "
+                     f"with D = h's last axis {h.shape[-1]}, got {list(w.shape)}")
+  if h.dtype != w.dtype:
+    raise ValueError(f"chunked_cross_entropy: h ({h.dtype}) and w ({w.dtype}) must have "
+                     "one (compute) dtype")
+  if targets.shape != h.shape[:-1] or not jnp.issubdtype(targets.dtype, jnp.integer):
+    raise ValueError(f"chunked_cross_entropy: targets must be integers of shape "
+                     f"{list(h.shape[:-1])}, got {targets.dtype}{list(targets.shape)}")
+  lead = targets.shape
+  n = targets.size
+  losses, correct = _fused(h.reshape(n, h.shape[-1]), w, targets.reshape(n),
+                           min(chunk, max(n, 1)), bool(transposed))
+  return losses.reshape(lead), correct.reshape(lead)
