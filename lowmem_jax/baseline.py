@@ -1,15 +1,28 @@
-"""The baseline method: what each site saves with no memory-saving method on.
+"""The baseline method: the exact function, keeping only what an exact backward needs.
 
-The exact function and what its backward needs, as a Flax user's model would keep it:
-linears save their input, GELU/SiLU their input (``jax.nn``'s, plain autodiff), affine
-norms their input and fp32 statistics, attention q, k, v, o and the row log-sum-exp
-(:mod:`lowmem_jax.attention`: never an N x N array), blocks everything their ops save.
-Every other method starts from these strategies and replaces or wraps some of them.
+``autodiff="lean"`` (preset ``baseline``) keeps what PyTorch keeps, or less: each op runs
+under :func:`keep_inputs` (``jax.checkpoint``, nothing saveable), so its backward keeps
+its inputs and recomputes the rest (cheap elementwise work and casts):
 
-Fields: ``attention`` (the implementation, :data:`lowmem_jax.attention.IMPLEMENTATIONS`)
-and ``kernels`` (which code runs our ops with kernels: "xla" jnp, "pallas" GPU kernels,
-"pallas_interpret" those kernels in interpret mode, "auto" Pallas where measured faster,
-see :meth:`lowmem_jax.policy.MemoryPolicy.kernel_implementation`).
+* a linear: its input and the weight as stored (fp32; the compute-dtype cast is redone in
+  backward, so no per-step cast of a weight is held);
+* GELU/SiLU: its input; the gated ``silu(g) * u``: ``g`` and ``u`` (the product, which
+  the next linear keeps, is recomputed with the derivative);
+* LayerNorm/RMSNorm: its input (statistics recomputed from it);
+* attention: q, k, v, o and the row log-sum-exp (:mod:`lowmem_jax.attention`: never an
+  N x N array on any backend).
+
+Plain autodiff of the same functions, ``autodiff="plain"`` (preset ``plain``, with XLA's
+attention: what a Flax user writes), keeps far more: ``jax.nn.gelu``'s intermediates,
+fp32 copies of a norm's input and output, the per-step bf16 copy of every weight, and
+with ``attention=xla`` the fp32 N x N probabilities. Every other method starts from these
+strategies and replaces or wraps some of them.
+
+Fields: ``autodiff`` (above), ``attention`` (the implementation,
+:data:`lowmem_jax.attention.IMPLEMENTATIONS`) and ``kernels`` (which code runs our ops
+with kernels: "xla" jnp, "pallas" GPU kernels, "pallas_interpret" those kernels in
+interpret mode, "auto" Pallas where measured faster, see
+:meth:`lowmem_jax.policy.MemoryPolicy.kernel_implementation`).
 """
 
 from __future__ import annotations
@@ -22,14 +35,46 @@ import jax
 
 from lowmem_jax import attention as attention_lib
 from lowmem_jax import norms
-from lowmem_jax.methods import Field, Method, Strategy, check_choice, read
+from lowmem_jax.methods import Field, Method, Strategy, check_choice, read, value_of
 
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
-# "exact" is what a Flax user writes: jax.nn's activations in the compute dtype, plain
-# autodiff (nnx.gelu is jax.nn.gelu). activations.gelu/silu are the fp32 references.
+AUTODIFF = ("lean", "plain")
+# The exact functions a Flax user writes: jax.nn's activations in the compute dtype
+# (nnx.gelu is jax.nn.gelu; activations.gelu/silu are the fp32 references), standard
+# norms with fp32 statistics.
 EXACT_ACTIVATIONS = {"gelu": functools.partial(jax.nn.gelu, approximate=False),
                      "silu": jax.nn.silu}
 STANDARD_NORMS = {"layer": norms.layer_norm, "rms": norms.rms_norm}
+
+
+def keep_inputs(fn: Callable) -> Callable:
+  """``fn`` whose backward keeps only its (differentiable) inputs and recomputes what
+  else its derivative needs: ``jax.checkpoint`` saving nothing computed inside."""
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+
+
+@functools.cache
+def lean_activation(kind: str) -> Callable:
+  """The exact activation of ``kind`` (:data:`EXACT_ACTIVATIONS`) keeping only its input."""
+  fn = keep_inputs(EXACT_ACTIVATIONS[kind])
+  fn.__name__ = f"lean_{kind}"
+  return fn
+
+
+def lean_layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, name: str | None = None):
+  """:func:`lowmem_jax.norms.layer_norm` keeping only its input (and affine): the
+  statistics and normalised rows are recomputed in backward."""
+  y = keep_inputs(lambda x, s, b: norms.layer_norm(x, s, b, eps))(x, scale, bias)
+  return norms.tag(y, name)
+
+
+def lean_rms_norm(x, scale=None, eps: float = 1e-6, *, name: str | None = None):
+  """:func:`lowmem_jax.norms.rms_norm` keeping only its input (and scale)."""
+  y = keep_inputs(lambda x, s: norms.rms_norm(x, s, eps))(x, scale)
+  return norms.tag(y, name)
+
+
+LEAN_NORMS = {"layer": lean_layer_norm, "rms": lean_rms_norm}
 
 
 # ----------------------------------------------------------------------------- strategies
@@ -44,15 +89,21 @@ class Shared(Strategy):
 
 @dataclasses.dataclass(frozen=True)
 class Linear(Strategy):
-  """``dense(x, kernel, bias)``: plain autodiff saves ``x`` (a carried ``x``: what its
-  carrier keeps, :func:`lowmem_jax.methods.read`)."""
+  """``dense(x, kernel, bias)``, which casts to the compute dtype itself. ``lean``: keeps
+  ``x`` and the weights as given (the cast is redone in backward); plain autodiff keeps
+  ``x`` and the cast weights. A carried ``x``: what its carrier keeps
+  (:func:`lowmem_jax.methods.read`)."""
+  lean: bool = True
 
   def __call__(self, dense, x, kernel, bias, *, contract: int):
     del contract
-    return read(dense, [x], (kernel,) if bias is None else (kernel, bias))
+    weights = (kernel,) if bias is None else (kernel, bias)
+    if self.lean and value_of(x) is x:
+      return keep_inputs(dense)(x, *weights)
+    return read(dense, [x], weights)
 
 
-def gated(fn, g, u):
+def gated_product(fn, g, u):
   """``fn(g) * u``: a gated activation (SwiGLU's ``silu(gate) * up``)."""
   return fn(g) * u
 
@@ -60,14 +111,20 @@ def gated(fn, g, u):
 @dataclasses.dataclass(frozen=True)
 class Activation(Strategy):
   """``fn(h)``, or ``fn(g) * u`` when ``gated``. ``saved_bits``: bits per element that
-  ``fn``'s backward keeps of its input (None: the input itself, in its dtype)."""
+  ``fn``'s backward keeps of its input (None: the input itself, in its dtype).
+  ``keep_gate_inputs``: the gated product keeps only ``g`` and ``u`` (one rule for
+  ``fn(g) * u``: ``fn(g)`` is recomputed in backward, not kept beside them)."""
   kind: str
   fn: Callable
   gated: bool = False
   saved_bits: int | None = None
+  keep_gate_inputs: bool = False
 
   def __call__(self, *inputs):
-    return gated(self.fn, *inputs) if self.gated else self.fn(*inputs)
+    if not self.gated:
+      return self.fn(*inputs)
+    product = functools.partial(gated_product, self.fn)
+    return (keep_inputs(product) if self.keep_gate_inputs else product)(*inputs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,17 +177,21 @@ def _shared(policy, inner, *, groups: int = 1, axis: int = -1):
 
 
 def _linear(policy, inner, *, name=None, frozen=False):
-  return Linear()
+  return Linear(lean=policy.autodiff == "lean")
 
 
 def _activation(policy, inner, *, kind: str, gated: bool = False):
   check_choice("activation kind", kind, tuple(EXACT_ACTIVATIONS), who="MemoryPolicy")
-  return Activation(kind, EXACT_ACTIVATIONS[kind], gated)
+  if policy.autodiff == "plain":
+    return Activation(kind, EXACT_ACTIVATIONS[kind], gated)
+  return Activation(kind, lean_activation(kind), gated, keep_gate_inputs=gated)
 
 
 def _norm(policy, inner, *, kind: str):
   check_choice("norm kind", kind, tuple(STANDARD_NORMS), who="MemoryPolicy")
-  return Norm(kind, STANDARD_NORMS[kind])
+  if policy.autodiff == "plain":
+    return Norm(kind, STANDARD_NORMS[kind])
+  return Norm(kind, LEAN_NORMS[kind])
 
 
 def _attention(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False):
@@ -149,8 +210,10 @@ METHOD = Method(
               choices=attention_lib.IMPLEMENTATIONS),
         Field("kernels", "auto", "which code runs our ops: " + " | ".join(KERNELS),
               choices=KERNELS),
+        Field("autodiff", "lean", "lean (each op keeps only its inputs, as PyTorch does) | "
+              "plain (plain JAX autodiff of the same functions)", choices=AUTODIFF),
     ),
-    presets={"baseline": {}},
+    presets={"baseline": {}, "plain": {"autodiff": "plain", "attention": "xla"}},
     strategies={"shared": _shared, "linear": _linear, "activation": _activation,
                 "norm": _norm, "attention": _attention, "block": _block},
 )

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lowmem_jax.dense import Dense
 from lowmem_jax.policy import MemoryPolicy
 
 
@@ -54,14 +55,17 @@ def init_stack(key, cfg: StackConfig, policy: MemoryPolicy | str = "baseline"):
   """fp32 parameters with a leading ``num_layers`` axis (no norm params under MS norms)."""
   policy = MemoryPolicy.parse(policy)
   d, f, kvd = cfg.dim, cfg.mlp_dim, cfg.kv_heads * cfg.head_dim
-  shapes = {"wqkv": (d, d + 2 * kvd), "wo": (d, d), "w_out": (f, d)}
+  # the out-projection contracts (heads, head_dim) of o directly: no reshape of o or wo
+  shapes = {"wqkv": (d, d + 2 * kvd), "wo": (cfg.num_heads, cfg.head_dim, d),
+            "w_out": (f, d)}
   shapes["w_in"] = (d, 2 * f) if cfg.kind == "llama" else (d, f)
   keys = jax.random.split(key, len(shapes))
-  params = {name: jax.random.normal(k, (cfg.num_layers,) + s, jnp.float32) / s[0] ** 0.5
+  fan_in = {"wqkv": d, "wo": d, "w_out": f, "w_in": d}
+  params = {name: jax.random.normal(k, (cfg.num_layers,) + s, jnp.float32) / fan_in[name] ** 0.5
             for k, (name, s) in zip(keys, sorted(shapes.items()))}
   if cfg.kind == "vit":
     for name, s in list(shapes.items()):
-      params["b" + name[1:]] = jnp.zeros((cfg.num_layers, s[1]), jnp.float32)
+      params["b" + name[1:]] = jnp.zeros((cfg.num_layers, s[-1]), jnp.float32)
   if not policy.merges_norm_affine:
     for norm in ("norm1", "norm2"):
       params[norm + "_scale"] = jnp.ones((cfg.num_layers, d), jnp.float32)
@@ -70,11 +74,11 @@ def init_stack(key, cfg: StackConfig, policy: MemoryPolicy | str = "baseline"):
   return params
 
 
-def _linear(p, name, x):
-  y = x @ p["w" + name].astype(x.dtype)
-  if "b" + name in p:
-    y = y + p["b" + name].astype(x.dtype)
-  return y
+def _linear(p, name, x, policy, contract=1):
+  """The policy's linear strategy on ``x`` with weights ``w<name>`` (``b<name>``)."""
+  strategy = policy._stateless(policy.linear_strategy(name), "linear")
+  return strategy(Dense(contract, x.dtype), x, p["w" + name], p.get("b" + name),
+                  contract=contract)
 
 
 def _norm(p, which, x, cfg, policy):
@@ -93,27 +97,23 @@ def block(p, x, cfg: StackConfig, policy: MemoryPolicy):
   b, n, d = x.shape
   hd, kvd = cfg.head_dim, cfg.kv_heads * cfg.head_dim
   h = _norm(p, "norm1", x, cfg, policy)
-  qkv = checkpoint_name(_linear(p, "qkv", h), "qkv_proj")
+  qkv = checkpoint_name(_linear(p, "qkv", h, policy), "qkv_proj")
   q = qkv[..., :d].reshape(b, n, cfg.num_heads, hd)
   k = qkv[..., d:d + kvd].reshape(b, n, cfg.kv_heads, hd)
   v = qkv[..., d + kvd:].reshape(b, n, cfg.kv_heads, hd)
   o = policy.attention_fn()(q, k, v, causal=cfg.kind == "llama", name="attn_out")
   # Out-projection contracts (heads, head_dim) directly, so it saves the very o the
   # attention saved (a reshape to [B, N, D] would be a second array in the jaxpr).
-  wo = p["wo"].astype(x.dtype).reshape(cfg.num_heads, hd, d)
-  proj = jnp.einsum("bnhk,hkd->bnd", o, wo)
-  if "bo" in p:
-    proj = proj + p["bo"].astype(x.dtype)
-  x = x + checkpoint_name(proj, "attn_proj")
+  x = x + checkpoint_name(_linear(p, "o", o, policy, contract=2), "attn_proj")
   h = _norm(p, "norm2", x, cfg, policy)
-  u = checkpoint_name(_linear(p, "_in", h), "mlp_hidden")
+  u = checkpoint_name(_linear(p, "_in", h, policy), "mlp_hidden")
   if cfg.kind == "llama":
     gate, up = u[..., :cfg.mlp_dim], u[..., cfg.mlp_dim:]
-    a = policy.activation_fn("silu")(gate) * up
+    a = policy.activation_fn("silu", gated=True)(gate, up)
   else:
     a = policy.activation_fn("gelu")(u)
   a = checkpoint_name(a, "mlp_act")
-  return x + checkpoint_name(_linear(p, "_out", a), "mlp_out")
+  return x + checkpoint_name(_linear(p, "_out", a, policy), "mlp_out")
 
 
 def apply_stack(params, x, cfg: StackConfig, policy: MemoryPolicy | str = "baseline"):

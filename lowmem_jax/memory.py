@@ -1,6 +1,8 @@
 """Memory tools: what backward saves, and what the compiled step needs.
 
 * :func:`step_memory` -- compiled memory of ``jit(fn)`` (``memory_analysis()``).
+* :func:`peak_buffers` -- the buffers live at the compiled peak, with the Python source
+  line of each (:mod:`lowmem_jax.buffer_assignment`): what the compiler keeps.
 * :func:`saved_residuals` -- the arrays autodiff keeps for backward, arguments excluded.
 * ``python -m lowmem_jax.memory`` -- each preset's residual bytes per token and compiled
   temp bytes on the built-in block stack (:mod:`lowmem_jax.block_stack`), side by side.
@@ -25,6 +27,8 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from lowmem_jax.buffer_assignment import Buffer, PeakBuffers, peak_buffers  # noqa: F401
 
 MiB = 2 ** 20
 
@@ -157,7 +161,7 @@ def write_json(path: str | None, result: dict) -> None:
 
 
 # ----------------------------------------------------------------------------- the report
-DEFAULT_PRESETS = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
+DEFAULT_PRESETS = ("baseline", "plain", "approx-bp", "ms-bp", "lowmembp", "remat",
                    "remat:dots_saveable", "remat:dots_with_no_batch_dims_saveable",
                    "remat:save=qkv_proj,attn_out", "lowmembp+remat")
 
@@ -166,13 +170,16 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
   """Per token per layer, what each op must save (PyTorch-style accounting, flash attention).
 
   Norm: input + fp32 stats (with affine) or output + fp32 rstd (MS, output shared with the
-  next linear). Linear: its input. GELU/SiLU: its input, or the bits per element its
-  strategy keeps (approx2: 2). Attention: q, k, v, o and the fp32 log-sum-exp. A block
+  next linear). Linear: its input. GELU: its input, or the bits per element its strategy
+  keeps (approx2: 2). SwiGLU: gate and up (the exact rule keeping only them, which no
+  2-bit code improves on). Attention: q, k, v, o and the fp32 log-sum-exp. A block
   that keeps only its input (full remat): that. None when a checkpoint policy decides
-  (selective remat, offload) or a norm or activation keeps codes (Mesa): what is kept
-  then is what the measurement shows.
+  (selective remat, offload), a norm or activation keeps codes (Mesa), or ops run under
+  plain autodiff (``plain``): what is kept then is what the measurement shows.
   """
   saves = policy.block_strategy().saves
+  if policy.autodiff == "plain":  # keeps what autodiff keeps: measured, not theorised
+    return None
   if saves == "input":
     return cfg.dim * itemsize
   kind = ("layer", "gelu") if cfg.kind == "vit" else ("rms", "silu")
@@ -189,7 +196,7 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
   if cfg.kind == "vit":
     mlp = act_in + f * s                   # GELU input + fc2 input
   else:
-    mlp = act_in + 3 * f * s               # SiLU input; silu(gate), up, fc2 input
+    mlp = 3 * f * s                        # gate and up (one exact rule), fc2 input
   return 2 * norm + attn + mlp
 
 
@@ -208,7 +215,8 @@ def _report_rows(cfg, policies, batch, seq, dtype):
     res = [saved_residuals(forward, params, jnp.zeros((b, seq, cfg.dim), dtype)).total_bytes
            for b in (batch, 2 * batch)]
     step = functools.partial(block_stack.sgd_step, cfg=cfg, policy=policy)
-    mem = step_memory(step, params, jnp.zeros((batch, seq, cfg.dim), dtype))
+    mem, mem2 = (step_memory(step, params, jax.ShapeDtypeStruct((b, seq, cfg.dim), dtype))
+                 for b in (batch, 2 * batch))
     rows.append({
         "policy": policy.spec,
         "residual_bytes_per_token_layer": (res[1] - res[0]) / tokens,
@@ -216,6 +224,8 @@ def _report_rows(cfg, policies, batch, seq, dtype):
         "theory_bytes_per_token_layer": theoretical_bytes_per_token(
             cfg, policy, jnp.dtype(dtype).itemsize),
         "compiled": mem.as_dict(),
+        # what the compiler keeps per token: the step's temp growth from batch to 2*batch
+        "compiled_bytes_per_token_layer": (mem2.temp - mem.temp) / tokens,
     })
   return rows
 
@@ -258,6 +268,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         _ratio(r["residual_bytes_per_token_layer"], base["residual_bytes_per_token_layer"]),
         "-" if r["theory_bytes_per_token_layer"] is None else r["theory_bytes_per_token_layer"],
         _ratio(r["theory_bytes_per_token_layer"], base["theory_bytes_per_token_layer"]),
+        f"{r['compiled_bytes_per_token_layer']:.0f}",
+        _ratio(r["compiled_bytes_per_token_layer"], base["compiled_bytes_per_token_layer"]),
         f"{r['compiled']['temp'] / MiB:.1f}",
         _ratio(r["compiled"]["temp"], base["compiled"]["temp"]),
     ))
@@ -265,7 +277,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"MLP={args.mlp_dim}, batch={args.batch}, seq={args.seq}, {args.dtype}, "
         f"backend={jax.default_backend()}")
   print(format_table(("policy", "saved B/tok/layer", "ratio", "theory B/tok/layer",
-                      "ratio", "compiled temp MiB", "ratio"), table))
+                      "ratio", "compiled B/tok/layer", "ratio", "compiled temp MiB", "ratio"),
+                     table))
   result = {"config": vars(args), "backend": jax.default_backend(),
             "jax_version": jax.__version__, "rows": rows}
   write_json(args.json, result)

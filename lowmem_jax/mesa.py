@@ -29,7 +29,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import attention as attention_lib
 from lowmem_jax import quant
-from lowmem_jax.baseline import Activation, Attention, Norm, gated
+from lowmem_jax.baseline import Activation, Attention, Norm, gated_product
 from lowmem_jax.methods import Field, Method, Strategy, check_choice
 
 QUANTS = ("none", "mesa")
@@ -107,7 +107,7 @@ class CodedActivation(_Coded):
     for name, x in zip(self._names(), inputs, strict=True):
       qt, updated[name] = self.coder.code(states[name], x)
       coded.append(qt)
-    rule = functools.partial(gated, self.fn) if self.gated else self.fn
+    rule = functools.partial(gated_product, self.fn) if self.gated else self.fn
     return quant.coded_vjp(rule, coded), updated
 
 

@@ -18,9 +18,10 @@ from jax.ad_checkpoint import checkpoint_name
 from lowmem_jax import dispatch
 
 
-def _tag(y, name):
+def tag(y, name):
   """Tags ``y`` for ``jax.checkpoint`` policies (``remat:save=...``); no-op for None."""
   return y if name is None else checkpoint_name(y, name)
+
 
 
 def _check_input(x, name):
@@ -51,7 +52,7 @@ def _affine(y, scale, bias, dtype, name):
     y = y * scale.astype(jnp.float32)
   if bias is not None:
     y = y + bias.astype(jnp.float32)
-  return _tag(y.astype(dtype), name)
+  return tag(y.astype(dtype), name)
 
 
 def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, name: str | None = None):
@@ -125,7 +126,7 @@ def ms_norm_fn(kind: str, implementation: str = "xla"):
 
   def norm_fwd(x, eps, name):
     y, rstd = forward(kind, x, eps)
-    y = _tag(y, name)
+    y = tag(y, name)
     return y, (y, rstd)
 
   def norm_bwd(eps, name, res, g):

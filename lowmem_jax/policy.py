@@ -193,9 +193,11 @@ class _PolicyMethods:
 
   # The plain functions of the stateless strategies, for code without model state (the
   # pure-JAX block stack): a stateful one (Mesa's codes) is a ValueError, not dropped.
-  def activation_fn(self, kind: str) -> Callable:
-    """The activation function for ``kind`` in {"gelu", "silu"}."""
-    return self._stateless(self.activation_strategy(kind), "activation").fn
+  def activation_fn(self, kind: str, *, gated: bool = False) -> Callable:
+    """The activation function for ``kind`` in {"gelu", "silu"}; ``gated``: the function
+    ``(g, u) -> act(g) * u`` (the strategy itself, which may keep only g and u)."""
+    strategy = self._stateless(self.activation_strategy(kind, gated=gated), "activation")
+    return strategy if gated else strategy.fn
 
   def norm_fn(self, kind: str) -> Callable:
     """The norm for ``kind`` in {"layer", "rms"}: ``fn(x, scale, bias, eps, *, name)`` /

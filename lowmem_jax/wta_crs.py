@@ -29,9 +29,11 @@ class SampledLinear(Strategy):
     return {"sampler": sampling.KeyState.create()}
 
   def apply(self, states, dense, x, kernel, bias, *, contract: int):
-    del dense
     state = states["sampler"]
-    value = value_of(x).astype(kernel.dtype)
+    # dense casts to its compute dtype; the sampled rule takes everything cast already
+    kernel = kernel.astype(dense.dtype)
+    bias = None if bias is None else bias.astype(dense.dtype)
+    value = value_of(x).astype(dense.dtype)
     weights = sampling.row_weights(state, value.shape[:value.ndim - contract])
     y = sampling.wta_crs_linear(value, kernel, bias, state.step_key(), ratio=self.ratio,
                                 contract_ndim=contract, row_weights=weights)

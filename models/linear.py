@@ -10,23 +10,14 @@ sample of the token rows for the weight gradient.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowmem_jax.dense import Dense
 from lowmem_jax.policy import MemoryPolicy
 from models.sites import Site, as_array
-
-
-def _dense(contract: int, preferred, x, kernel, bias=None):
-  """``x`` (cast to the kernel's dtype) contracted with ``kernel`` over ``contract``
-  trailing axes, plus bias."""
-  x = x.astype(kernel.dtype)
-  axes = (tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract)))
-  y = jax.lax.dot_general(x, kernel, (axes, ((), ())), preferred_element_type=preferred)
-  return y if bias is None else y + bias.astype(y.dtype)
 
 
 class _PolicyDense:
@@ -44,10 +35,9 @@ class _PolicyDense:
 
   def _policy_call(self, x, contract: int):
     dtype = self.dtype or jnp.result_type(as_array(x), self.kernel[...])
-    kernel = self.kernel[...].astype(dtype)
-    bias = None if self.bias is None else self.bias[...].astype(dtype)
-    dense = functools.partial(_dense, contract, self.preferred_element_type)
-    y = self.saving(dense, x, kernel, bias, contract=contract)
+    bias = None if self.bias is None else self.bias[...]
+    dense = Dense(contract, jnp.dtype(dtype), self.preferred_element_type)
+    y = self.saving(dense, x, self.kernel[...], bias, contract=contract)
     pref = self.preferred_element_type
     return y if pref is None else y.astype(pref)
 

@@ -5,6 +5,10 @@
 (cross-entropy loss, gradients of every parameter, an SGD update) and prints
 ``memory_analysis()`` figures side by side as ratios to ``baseline``, plus the bytes
 that backward saves (``saved_residuals``). Nothing is executed: it compiles only.
+
+``--explain`` also prints, for each policy, the buffers live at the compiled step's
+peak and the Python source line that made each (:func:`lowmem_jax.memory.peak_buffers`):
+what the compiler keeps, which is what to read before claiming a saving.
 """
 
 from __future__ import annotations
@@ -19,11 +23,12 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from lowmem_jax.memory import MiB, format_table, saved_residuals, step_memory, write_json
+from lowmem_jax.memory import (MiB, format_table, peak_buffers, saved_residuals, step_memory,
+                               write_json)
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
 
-DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat", "lowmembp+remat",
+DEFAULT_POLICIES = ("baseline", "plain", "approx-bp", "ms-bp", "lowmembp", "remat", "lowmembp+remat",
                     "mesa8", "lowmembp+mesa8", "wta-crs")
 
 
@@ -57,13 +62,26 @@ def sgd_step(graphdef, params, rest, inputs, targets, lr=1e-3):
   return loss, jax.tree.map(lambda p, g: p - lr * g, params, grads)
 
 
+def step_args(model_name, spec, batch, seq, dtype, overrides):
+  """``(graphdef, params, rest, inputs, targets)`` of the step, all abstract: shapes only,
+  nothing allocated (a 7B-wide model compiles on a laptop)."""
+  model = nnx.eval_shape(lambda: build(model_name, MemoryPolicy.parse(spec), dtype, overrides))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  inputs, targets = jax.eval_shape(lambda: example_batch(model, batch, seq))
+  return graphdef, params, rest, inputs, targets
+
+
+def explain(model_name, spec, batch, seq, dtype, overrides, top: int = 20):
+  """The buffers live at the peak of the compiled step under ``spec``."""
+  graphdef, *args = step_args(model_name, spec, batch, seq, dtype, overrides)
+  return peak_buffers(sgd_step, graphdef, *args, top=top)
+
+
 def measure(model_name, policies, batch, seq, dtype, overrides):
   rows = []
   for spec in policies:
-    # Abstract model: shapes only, nothing allocated (a 7B-wide model compiles on a laptop).
-    model = nnx.eval_shape(lambda: build(model_name, MemoryPolicy.parse(spec), dtype, overrides))
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    inputs, targets = jax.eval_shape(lambda: example_batch(model, batch, seq))
+    graphdef, params, rest, inputs, targets = step_args(model_name, spec, batch, seq, dtype,
+                                                        overrides)
     mem = step_memory(sgd_step, graphdef, params, rest, inputs, targets)
     res = saved_residuals(
         lambda p, r, x, t: loss_fn(nnx.merge(graphdef, p, r, copy=True), x, t),
@@ -96,6 +114,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
   ap.add_argument("--json", metavar="FILE")
+  ap.add_argument("--explain", action="store_true",
+                  help="also print the buffers live at each policy's compiled peak")
+  ap.add_argument("--top", type=int, default=20, help="buffers and lines --explain shows")
   args = ap.parse_args(argv)
   overrides = _overrides(args.set)
   rows = measure(args.model, args.policies.split(","), args.batch, args.seq,
@@ -115,6 +136,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
   result = {"model": args.model, "overrides": overrides, "batch": args.batch,
             "seq": args.seq, "dtype": args.dtype, "backend": jax.default_backend(),
             "jax_version": jax.__version__, "rows": rows}
+  if args.explain:
+    for row in rows:
+      peak = explain(args.model, row["policy"], args.batch, args.seq, jnp.dtype(args.dtype),
+                     overrides, top=args.top)
+      print(f"\n[{row['policy']}] " + peak.table(top=args.top))
+      row["peak_buffers"] = {"peak_bytes": peak.peak_bytes,
+                             "by_source": [list(r) for r in peak.by_source()[:args.top]]}
+  write_json(args.json, result)
   write_json(args.json, result)
   return result
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowmem_jax import activations, methods, norms, quant
+from lowmem_jax import activations, baseline, methods, norms, quant
 from lowmem_jax import policy as policy_lib
 from lowmem_jax.baseline import Activation, Linear, Norm, Shared
 from lowmem_jax.memory import saved_residuals
@@ -33,15 +33,22 @@ def test_each_method_brings_its_fields_presets_and_known_site_kinds():
     methods.Method("typo", strategies={"lienar": lambda policy, inner: inner})
 
 
-def test_the_baseline_strategies_are_plain_autodiff():
+def test_the_baseline_strategies_keep_inputs_and_plain_is_autodiff():
   p = MemoryPolicy()
   assert isinstance(p.shared_strategy(), Shared)
-  assert isinstance(p.linear_strategy("fc1"), Linear)
+  assert p.linear_strategy("fc1") == Linear(lean=True)
   act = p.activation_strategy("gelu")
   assert isinstance(act, Activation) and act.saved_bits is None and not act.gated
+  assert act.fn is baseline.lean_activation("gelu")
+  assert p.activation_strategy("silu", gated=True).keep_gate_inputs
   norm = p.norm_strategy("rms")
-  assert isinstance(norm, Norm) and norm.has_affine and norm.fn is norms.rms_norm
+  assert isinstance(norm, Norm) and norm.has_affine and norm.fn is baseline.lean_rms_norm
   assert p.block_strategy().checkpoint_policy is None
+  plain = MemoryPolicy.parse("plain")
+  assert (plain.autodiff, plain.attention) == ("plain", "xla")
+  assert plain.linear_strategy("fc1") == Linear(lean=False)
+  assert plain.norm_strategy("rms").fn is norms.rms_norm
+  assert not plain.activation_strategy("silu", gated=True).keep_gate_inputs
   x = jnp.linspace(-3, 3, 8)
   np.testing.assert_array_equal(p.activation_strategy("silu", gated=True)(x, 2 * x),
                                 jax.nn.silu(x) * 2 * x)
@@ -57,9 +64,12 @@ def test_later_methods_replace_or_wrap_earlier_strategies():
   mesa = MemoryPolicy.parse("lowmembp+mesa8")
   # approx2 keeps 2 bits per element: fewer than a code, so Mesa leaves it...
   assert mesa.activation_strategy("gelu") == low.activation_strategy("gelu")
-  # ...but a gated product's backward needs act(g) and u: Mesa keeps codes of g and u
+  # ...but a gated product's backward needs act(g) and u: Mesa keeps codes of g and u,
+  # with the exact SiLU (approx2 leaves a gated product to the lean exact rule)
+  assert low.activation_strategy("silu", gated=True) == MemoryPolicy().activation_strategy(
+      "silu", gated=True)
   gated = mesa.activation_strategy("silu", gated=True)
-  assert isinstance(gated, CodedActivation) and gated.fn is activations.resilu2
+  assert isinstance(gated, CodedActivation) and gated.fn is baseline.lean_activation("silu")
   assert set(gated.init_state()) == {"gate", "up"}
   exact = MemoryPolicy.parse("mesa8").activation_strategy("gelu")
   assert isinstance(exact, CodedActivation) and set(exact.init_state()) == {"input"}

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lowmem_jax import activations, norms
+from lowmem_jax import activations, baseline, norms
 from lowmem_jax.memory import saved_residuals
 from lowmem_jax.policy import CHECKPOINT_NAMES, PRESETS, REMAT_POLICY_NAMES, MemoryPolicy
 
@@ -64,7 +64,7 @@ def test_every_remat_policy_name_maps_to_jax():
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("lowmem", "unknown preset 'lowmem'.*baseline, approx-bp, ms-bp, lowmembp, remat"),
+    ("lowmem", "unknown preset 'lowmem'.*baseline, plain, approx-bp, ms-bp, lowmembp, remat"),
     ("remat:dots", "unknown remat 'dots'.*dots_saveable"),
     ("remat:save=qkv", "unknown checkpoint name in remat 'qkv'.*qkv_proj"),
     ("remat:save=", "saves nothing"),
@@ -110,7 +110,8 @@ def test_activation_and_norm_choices():
   assert approx.activation_fn("silu") is activations.resilu2
   assert approx.norm_fn("layer") is norms.ms_layer_norm
   assert approx.norm_fn("rms") is norms.ms_rms_norm and approx.merges_norm_affine
-  assert exact.norm_fn("layer") is norms.layer_norm and not exact.merges_norm_affine
+  assert exact.norm_fn("layer") is baseline.lean_layer_norm and not exact.merges_norm_affine
+  assert MemoryPolicy.parse("plain").norm_fn("layer") is norms.layer_norm
   x = jnp.linspace(-4, 4, 33)
   for kind, ref in (("gelu", activations.gelu), ("silu", activations.silu)):
     assert jnp.allclose(exact.activation_fn(kind)(x), ref(x), atol=1e-6)
@@ -127,8 +128,8 @@ def test_kernels_field_picks_the_implementation():
   assert interp.activation_fn("gelu") is activations.approx2_fn("gelu", "pallas_interpret")
   assert interp.norm_fn("rms") is norms.ms_norm_fn("rms", "pallas_interpret")
   assert MemoryPolicy(kernels="xla").kernel_implementation() == "xla"
-  # Plain autodiff layers have no kernels: the field does not change them.
-  assert MemoryPolicy(kernels="pallas_interpret").norm_fn("layer") is norms.layer_norm
+  # The baseline's norms have no kernels: the field does not change them.
+  assert MemoryPolicy(kernels="pallas_interpret").norm_fn("layer") is baseline.lean_layer_norm
 
 
 def test_auto_kernels_pick_xla_until_pallas_is_measured_faster():

@@ -1,0 +1,446 @@
+"""What the compiled executable keeps live at its memory peak, read off XLA's own dumps.
+
+:func:`peak_buffers` compiles a function with ``xla_dump_to`` set for that one compile and
+reads three files XLA writes after buffer assignment (CPU and GPU alike):
+
+* ``*after_optimizations-live-range.txt``: the schedule, each buffer's live range, and the
+  buffers live at the peak ("Live ranges at T (peak)");
+* ``*after_optimizations-buffer-assignment.txt``: each buffer's size, shape and allocation
+  (argument, output, temporary);
+* ``*after_optimizations.txt``: the optimized HLO, whose op metadata names the JAX op and the
+  Python source line of every instruction.
+
+A buffer written by a fused ``dynamic-update-slice`` (a ``lax.scan`` stacking a residual
+per layer) is attributed to the value it stacks, not to the scan. Jaxpr-level residuals
+(:func:`lowmem_jax.memory.saved_residuals`) say what autodiff asks to keep; this says what
+the compiler keeps, after fusion and rematerialisation: use this to decide memory claims.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import math
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+
+import jax
+
+# HLO element types -> numpy dtype names
+_DTYPES = {"f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float16",
+           "s64": "int64", "s32": "int32", "s16": "int16", "s8": "int8", "u64": "uint64",
+           "u32": "uint32", "u16": "uint16", "u8": "uint8", "pred": "bool",
+           "f8e4m3fn": "float8_e4m3fn", "f8e5m2": "float8_e5m2", "s4": "int4", "u4": "uint4"}
+# ops that only move or relabel their first operand: a buffer they write holds its value
+_FORWARDING = {"bitcast", "copy", "reshape", "transpose", "dynamic-update-slice",
+               "get-tuple-element"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """One buffer live at the peak."""
+  name: str          # the HLO value ("fusion.3", "while.2{4}")
+  nbytes: int
+  shape: tuple[int, ...] | None  # None for a tuple (its index table)
+  dtype: str | None
+  kind: str          # "argument", "output", "temp", "constant"
+  instruction: str   # opcode of the producing HLO instruction (a fusion's root op)
+  op_name: str       # JAX's op path: "jit(step)/transpose(jvp())/dot_general"
+  source: str        # "file.py:123 (function)" of the op's innermost Python frame
+
+  @property
+  def type(self) -> str:
+    return "tuple" if self.shape is None else f"{self.dtype}{list(self.shape)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class PeakBuffers:
+  """The buffers live at the executable's peak, largest first."""
+  peak_bytes: int              # the sum of their sizes (XLA's peak)
+  buffers: tuple[Buffer, ...]
+  module: str                  # the HLO module name
+  dump_dir: str | None = None  # where the dump was kept (None: removed)
+  top: int = 20                # how many buffers and lines table() shows
+
+  def find(self, *, shape: Sequence[int] | None = None, dtype: str | None = None,
+           kind: str | None = None) -> list[Buffer]:
+    """The live buffers of this shape / dtype / kind (any of them left None: any)."""
+    return [b for b in self.buffers
+            if (shape is None or b.shape == tuple(shape))
+            and (dtype is None or b.dtype == str(dtype))
+            and (kind is None or b.kind == kind)]
+
+  def bytes_of(self, kind: str) -> int:
+    return sum(b.nbytes for b in self.buffers if b.kind == kind)
+
+  def by_source(self) -> list[tuple[str, int, int]]:
+    """(source line, bytes, buffer count) per Python source line, largest first."""
+    acc: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
+    for b in self.buffers:
+      acc[b.source][0] += b.nbytes
+      acc[b.source][1] += 1
+    return sorted(((s, n, c) for s, (n, c) in acc.items()), key=lambda r: -r[1])
+
+  def table(self, top: int | None = None) -> str:
+    """The ``top`` buffers, then the bytes per source line (also ``top`` lines)."""
+    from lowmem_jax.memory import format_table
+    mib, top = 2 ** 20, self.top if top is None else top
+    rows = [(b.type, f"{b.nbytes / mib:.2f}", b.kind, b.instruction, b.source)
+            for b in self.buffers[:top]]
+    rest = self.buffers[top:]
+    if rest:
+      rows.append((f"{len(rest)} more", f"{sum(b.nbytes for b in rest) / mib:.2f}", "", "", ""))
+    kinds = ", ".join(f"{k} {self.bytes_of(k) / mib:.1f}"
+                      for k in ("argument", "output", "temp", "constant") if self.bytes_of(k))
+    head = (f"live at the peak of {self.module}: {self.peak_bytes / mib:.1f} MiB in "
+            f"{len(self.buffers)} buffers ({kinds} MiB)")
+    sources = [(s, f"{n / mib:.2f}", c) for s, n, c in self.by_source()[:top]]
+    return "\n".join([head, format_table(("buffer", "MiB", "kind", "instruction", "source"),
+                                         rows),
+                      "", "by source line:",
+                      format_table(("source", "MiB", "buffers"), sources)])
+
+
+def peak_buffers(fn: Callable, *args, top: int = 20, keep_dump: str | None = None,
+                 **kwargs) -> PeakBuffers:
+  """The buffers live at the peak of ``jax.jit(fn)(*args, **kwargs)``'s executable.
+
+  ``fn`` may be jitted already (its own donation and static arguments apply). Arguments
+  may be arrays or ``jax.ShapeDtypeStruct``: nothing runs. ``top``: how many buffers and
+  source lines :meth:`PeakBuffers.table` shows (all are kept). ``keep_dump``: write the XLA dump
+  there and keep it (default: a temporary folder, removed). The persistent compilation
+  cache is bypassed for this compile (a cached executable writes no dump).
+  """
+  jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+  lowered = jitted.lower(*args, **kwargs)
+  with tempfile.TemporaryDirectory(prefix="lowmem-xla-dump-") as tmp:
+    where = keep_dump or tmp
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+      lowered.compile(compiler_options={"xla_dump_to": where})
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache)
+    result = read_dump(where)
+  return dataclasses.replace(result, dump_dir=keep_dump, top=top)
+
+
+# ----------------------------------------------------------------------------- the dump
+def read_dump(folder: str) -> PeakBuffers:
+  """:class:`PeakBuffers` from an XLA dump folder (the last module compiled into it)."""
+  found = sorted(glob.glob(os.path.join(folder, "*after_optimizations-buffer-assignment.txt")))
+  if not found:
+    raise FileNotFoundError(f"{folder}: no *after_optimizations-buffer-assignment.txt (was "
+                            "the executable compiled with xla_dump_to, not loaded from a cache?)")
+  prefix = found[-1][:-len("-buffer-assignment.txt")]
+  hlo = HloText(_read(prefix + ".txt"))
+  values = _buffer_values(_read(prefix + "-buffer-assignment.txt"))
+  live_range = prefix + "-live-range.txt"
+  if not os.path.exists(live_range):
+    raise FileNotFoundError(f"{live_range}: XLA wrote no live ranges for this module")
+  live = _peak_live(_read(live_range), values)
+  buffers = []
+  for name, nbytes in live:
+    kind, type_text = values.get(name, ("temp", None))
+    shape, dtype = _parse_type(type_text)
+    base = name.split("{")[0]
+    instr = hlo.origin(base)
+    buffers.append(Buffer(name=name, nbytes=nbytes, shape=shape, dtype=dtype, kind=kind,
+                          instruction=instr.root_opcode if instr else "?",
+                          op_name=instr.op_name if instr else "",
+                          source=hlo.source(instr) if instr else base))
+  buffers.sort(key=lambda b: (-b.nbytes, b.name))
+  return PeakBuffers(peak_bytes=sum(b.nbytes for b in buffers), buffers=tuple(buffers),
+                     module=hlo.module)
+
+
+def _read(path: str) -> str:
+  with open(path) as f:
+    return f.read()
+
+
+def _parse_type(text: str | None):
+  m = re.fullmatch(r"(\w+)\[([\d,]*)\](?:\{.*\})?", text or "")
+  if not m:
+    return None, None
+  shape = tuple(int(d) for d in m.group(2).split(",") if d)
+  return shape, _DTYPES.get(m.group(1), m.group(1))
+
+
+_ALLOCATION = re.compile(r"^allocation \d+: size \d+, (.*)$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=\d+,offset=\d+\): (.*)$")
+
+
+def _buffer_values(text: str) -> dict[str, tuple[str, str]]:
+  """value name (``name{index}``) -> (allocation kind, HLO type text)."""
+  out, kind = {}, "temp"
+  for line in text.splitlines():
+    m = _ALLOCATION.match(line)
+    if m:
+      what = m.group(1)
+      kind = ("argument" if what.startswith("parameter") else
+              "output" if what.startswith("output") else
+              "constant" if what.startswith("constant") else "temp")
+      continue
+    m = _VALUE.match(line)
+    if m:
+      name = m.group(1) if "{" in m.group(1) else m.group(1) + "{}"
+      out.setdefault(name, (kind, m.group(2).strip()))
+  return out
+
+
+_LIVE = re.compile(r"^\s+(\S+\{[\d,]*\}):\s+(\d+) bytes")
+_RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$")
+
+
+def _peak_live(text: str, values: dict) -> list[tuple[str, int]]:
+  """(buffer, bytes) live at the peak: XLA's own list when it wrote one, else the largest
+  sum over the schedule of the buffers' live ranges (sizes from the buffer assignment)."""
+  lines = text.splitlines()
+  for i, line in enumerate(lines):
+    if line.strip().startswith("Live ranges at") and "(peak)" in line:
+      out = []
+      for rest in lines[i + 1:]:
+        m = _LIVE.match(rest)
+        if not m:
+          break
+        out.append((m.group(1), int(m.group(2))))
+      return out
+  ranges = [(m.group(1), int(m.group(2)), int(m.group(3)))
+            for m in map(_RANGE.match, lines) if m]
+  sizes = {name: _type_bytes(t) for name, (_, t) in values.items()}
+  events = collections.defaultdict(int)
+  for name, start, end in ranges:
+    events[start] += sizes.get(name, 0)
+    events[end + 1] -= sizes.get(name, 0)
+  best_t, level, best = 0, 0, -1
+  for t in sorted(events):
+    level += events[t]
+    if level > best:
+      best_t, best = t, level
+  return [(n, sizes.get(n, 0)) for n, s, e in ranges if s <= best_t <= e and sizes.get(n)]
+
+
+def _type_bytes(text: str) -> int:
+  shape, dtype = _parse_type(text)
+  if shape is None:
+    return 0
+  itemsize = {"bool": 1, "bfloat16": 2, "int4": 1, "uint4": 1}.get(dtype)
+  if itemsize is None:
+    import numpy as np
+    itemsize = np.dtype(dtype).itemsize
+  return math.prod(shape) * itemsize
+
+
+# ----------------------------------------------------------------------------- HLO text
+@dataclasses.dataclass
+class _Instr:
+  name: str
+  opcode: str
+  operands: list[str]
+  calls: str | None
+  body: str | None           # a while loop's body computation
+  index: int | None          # a get-tuple-element's index
+  op_name: str
+  frame: int | None          # stack_frame_id
+  source_file: str | None    # older dumps: source_file / source_line in the metadata
+  source_line: int | None
+  computation: str
+  root_opcode: str = ""
+
+
+class HloText:
+  """The instructions of an optimized HLO module's text, with their source lines."""
+  _HEADER = re.compile(r"^(?:ENTRY )?%?(\S+) .*\{$")
+  _INSTR = re.compile(r"^\s+(ROOT )?%?(\S+) = (.*)$")
+
+  def __init__(self, text: str):
+    self.module = ""
+    self.instrs: dict[str, _Instr] = {}
+    self.roots: dict[str, str] = {}          # computation -> root instruction
+    self.params: dict[str, list[str]] = {}   # computation -> parameter names by number
+    self.files: dict[int, str] = {}
+    self.functions: dict[int, str] = {}
+    self.locations: dict[int, tuple[int, int, int]] = {}  # id -> (file, function, line)
+    self.frames: dict[int, int] = {}         # frame id -> location id
+    table, computation = None, None
+    for line in text.splitlines():
+      if line.startswith("HloModule "):
+        self.module = line.split()[1].rstrip(",")
+        continue
+      if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+        table = line
+        continue
+      if table and line and line[0].isdigit():
+        self._table_row(table, line)
+        continue
+      table = None
+      m = self._HEADER.match(line)
+      if m and not line.startswith(" "):
+        computation = m.group(1)
+        self.params[computation] = []
+        continue
+      m = self._INSTR.match(line)
+      if m and computation:
+        instr = self._instr(m.group(2), m.group(3), computation)
+        self.instrs[instr.name] = instr
+        if m.group(1):
+          self.roots[computation] = instr.name
+        if instr.opcode == "parameter":
+          num = re.search(r"parameter\((\d+)\)", m.group(3))
+          plist = self.params[computation]
+          k = int(num.group(1)) if num else len(plist)
+          plist.extend([""] * (k + 1 - len(plist)))
+          plist[k] = instr.name
+    for instr in self.instrs.values():
+      instr.root_opcode = self._root(instr).opcode
+
+  def _table_row(self, table: str, line: str) -> None:
+    key, _, rest = line.partition(" ")
+    key = int(key)
+    if table == "FileNames":
+      self.files[key] = rest.strip().strip('"')
+    elif table == "FunctionNames":
+      self.functions[key] = rest.strip().strip('"')
+    elif table == "FileLocations":
+      f = dict(re.findall(r"(\w+)=(-?\d+)", rest))
+      self.locations[key] = (int(f.get("file_name_id", 0)), int(f.get("function_name_id", 0)),
+                             int(f.get("line", 0)))
+    else:
+      f = dict(re.findall(r"(\w+)=(-?\d+)", rest))
+      self.frames[key] = int(f.get("file_location_id", 0))
+
+  @staticmethod
+  def _instr(name: str, rhs: str, computation: str) -> _Instr:
+    # rhs: "<type> <opcode>(<operands>), attr=..., metadata={...}"
+    if rhs.startswith("("):  # a tuple type: skip to its closing parenthesis
+      depth, i = 0, 0
+      for i, ch in enumerate(rhs):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+          break
+      rest = rhs[i + 1:].lstrip()
+    else:
+      rest = rhs.split(" ", 1)[1] if " " in rhs else ""
+    opcode = rest.split("(", 1)[0].strip()
+    depth, args = 0, ""
+    for j, ch in enumerate(rest[len(opcode):]):
+      depth += ch == "("
+      depth -= ch == ")"
+      if depth == 0:
+        args = rest[len(opcode) + 1:len(opcode) + j]
+        break
+    operands = re.findall(r"%([\w.\-]+)", args)
+    calls = re.search(r"calls=%?([\w.\-]+)", rest)
+    body = re.search(r"body=%?([\w.\-]+)", rest)
+    index = re.search(r"index=(\d+)", rest)
+    op_name = re.search(r'op_name="([^"]*)"', rest)
+    frame = re.search(r"stack_frame_id=(\d+)", rest)
+    src_file = re.search(r'source_file="([^"]*)"', rest)
+    src_line = re.search(r"source_line=(\d+)", rest)
+    return _Instr(name=name, opcode=opcode, operands=operands,
+                  calls=calls.group(1) if calls else None,
+                  body=body.group(1) if body else None,
+                  index=int(index.group(1)) if index else None,
+                  op_name=op_name.group(1) if op_name else "",
+                  frame=int(frame.group(1)) if frame else None,
+                  source_file=src_file.group(1) if src_file else None,
+                  source_line=int(src_line.group(1)) if src_line else None,
+                  computation=computation)
+
+  def _root(self, instr: _Instr) -> _Instr:
+    """A fusion's root instruction (the instruction itself otherwise)."""
+    seen = 0
+    while instr.opcode == "fusion" and instr.calls in self.roots and seen < 16:
+      instr, seen = self.instrs[self.roots[instr.calls]], seen + 1
+    return instr
+
+  def origin(self, name: str) -> _Instr | None:
+    """The instruction whose value a buffer holds: through fusions, copies, bitcasts and
+    dynamic-update-slices (a scan stacking a residual) to the op that computed it."""
+    instr = self.instrs.get(name)
+    for _ in range(32):
+      if instr is None:
+        return None
+      inner = self._root(instr)
+      if inner.opcode == "get-tuple-element" and inner.operands:
+        nxt = self._element(self.instrs.get(inner.operands[0]), inner.index or 0)
+      elif inner.opcode == "dynamic-update-slice" and len(inner.operands) > 1:
+        nxt = self._resolve(inner, inner.operands[1])
+      elif inner.operands and ((inner.opcode in _FORWARDING and inner is not instr)
+                               or _inserted(inner)):
+        nxt = self._resolve(inner, inner.operands[0])
+      else:
+        return instr if inner is instr else _with_outer(inner, instr)
+      if nxt is None:
+        return instr
+      instr = nxt
+    return instr
+
+  def _element(self, tup: _Instr | None, k: int) -> _Instr | None:
+    """Element ``k`` of a tuple or of a while loop's result (its body's root tuple)."""
+    if tup is not None and tup.opcode == "while" and tup.body in self.roots:
+      tup = self.instrs.get(self.roots[tup.body])
+    if tup is not None and tup.opcode == "tuple" and k < len(tup.operands):
+      return self.instrs.get(tup.operands[k])
+    return None
+
+  def _resolve(self, inner: _Instr, operand: str) -> _Instr | None:
+    """``operand`` of ``inner``, followed out of its fusion to the caller's operand when it
+    is a fused computation's parameter, and through forwarding ops inside the fusion."""
+    cur = self.instrs.get(operand)
+    for _ in range(32):
+      if cur is None:
+        return None
+      if cur.opcode == "parameter":
+        callers = [i for i in self.instrs.values()
+                   if i.opcode == "fusion" and i.calls == cur.computation]
+        params = self.params.get(cur.computation, [])
+        if not callers or cur.name not in params:
+          return cur
+        k = params.index(cur.name)
+        outer = callers[0].operands[k] if k < len(callers[0].operands) else None
+        return self.instrs.get(outer) if outer else None
+      if cur.opcode in ("bitcast", "copy", "reshape", "convert") and cur.operands \
+          and cur.computation == inner.computation:
+        if cur.opcode == "convert":
+          return cur
+        cur = self.instrs.get(cur.operands[0])
+        continue
+      return cur
+    return cur
+
+  def source(self, instr: _Instr) -> str:
+    """``file:line (function)`` of the instruction's innermost Python frame."""
+    if instr.frame is not None and instr.frame in self.frames:
+      file_id, fn_id, line = self.locations.get(self.frames[instr.frame], (0, 0, 0))
+      return f"{_short(self.files.get(file_id, '?'))}:{line} ({self.functions.get(fn_id, '?')})"
+    if instr.source_file:
+      return f"{_short(instr.source_file)}:{instr.source_line}"
+    return instr.op_name.rsplit("/", 1)[-1] or instr.name
+
+
+def _inserted(instr: _Instr) -> bool:
+  """An instruction the compiler added (no JAX metadata: a CPU bf16 upcast, a layout
+  copy): its buffer holds its operand's value in another form."""
+  return not instr.op_name and instr.frame is None and not instr.source_file
+
+
+def _with_outer(inner: _Instr, outer: _Instr) -> _Instr:
+  """A fused root's identity with the fusion's metadata where the root has none."""
+  if inner.frame is None and not inner.source_file:
+    return dataclasses.replace(inner, frame=outer.frame, source_file=outer.source_file,
+                               source_line=outer.source_line, op_name=outer.op_name)
+  return inner
+
+
+def _short(path: str) -> str:
+  """A source path relative to the project or site-packages, for tables."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+  if path.startswith(root):
+    return path[len(root):]
+  return path.split("/site-packages/", 1)[-1]
