@@ -9,7 +9,9 @@ Each stage is a subprocess with its own timeout, run one after another (they sha
 GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
 ``python -m train``), ``bench-vit`` and ``bench-llama`` (``train.bench`` on ViT-B/16 at
 224 px, batch 64, LoRA r=8 on query/value; and 4 layers of LLaMA-7B widths, batch 4 x
-1024, LoRA r=8 on all 7 linears; random data), ``kernel-bench``, ``attention-bench``
+1024, LoRA r=8 on all 7 linears; random data; with ``--peers``: timm / HF Llama + peft on
+the same shapes, with and without checkpointing, which on a GPU implies ``--peak``),
+``kernel-bench``, ``attention-bench``
 (recorded as missing until that module exists) and ``tests`` (the suite in pytest-xdist
 workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its JUnit XML). A stage
 that fails or times out is recorded and the next one runs. All stages share a budget
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "train", "bench-vit", "bench-llama", "kernel-bench", "attention-bench",
           "tests")
 LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
+PEERS_S = (120, 55)  # --peers (+ the --peak it implies on a GPU): (timeout, reserve) per bench
 KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
 GPU_BUDGET_S = 510  # all stages on an H100: the command stays under 9 minutes
 SMOKE_BUDGET_S = 1800  # a loaded CPU: slow, and --smoke only checks the check
@@ -69,7 +72,7 @@ def _bench_cmd(out: Path, name: str, sets: Sequence[str], synthetic: int, steps:
                warmup: int, peak: bool) -> list[str]:
   cmd = _py("-m", "train.bench", "--synthetic", str(synthetic), "--policies",
             "baseline,lowmembp", "--steps", str(steps), "--warmup", str(warmup),
-            "--json", str(out / f"{name}.json"))
+            "--json", str(out / f"{name}.json"), "--peers")
   for item in sets:
     cmd += ["--set", item]
   return cmd + (["--peak"] if peak else [])
@@ -102,7 +105,10 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
               "--set", "batch_size=16", "--set", "compare_baseline=false"]
   stages.append(Stage("train", train, 90, 40))
 
+  # --peers implies --peak when the peers ran on a GPU: PEERS_S holds both; --peak adds its
+  # time only where the peers are missing (no torch), hence the max
   peak_s = 60 if peak else 0
+  extra_timeout, extra_reserve = max(PEERS_S[0], peak_s), max(PEERS_S[1], peak_s)
   vit = ["model=vit-b16", "batch_size=64", "trainable=lora", "lora_rank=8",
          "lora_targets=query,value"]
   llama = ["task=lm", "model=llama-7b", "model.num_layers=4", "max_len=1024", "batch_size=4",
@@ -112,10 +118,10 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
     llama[1:5] = ["model=llama-tiny", "model.num_layers=1", "max_len=32", "batch_size=2"]
   steps, warmup, n = (1, 1, 8) if smoke else (10, 2, 128)
   stages.append(Stage("bench-vit", _bench_cmd(out, "bench-vit", vit, n, steps, warmup, peak),
-                      120 + peak_s, 60 + peak_s, json_file="bench-vit.json"))
+                      120 + extra_timeout, 60 + extra_reserve, json_file="bench-vit.json"))
   stages.append(Stage("bench-llama", _bench_cmd(out, "bench-llama", llama, min(n, 32), steps,
                                                 warmup, peak),
-                      150 + peak_s, 70 + peak_s, json_file="bench-llama.json"))
+                      150 + extra_timeout, 70 + extra_reserve, json_file="bench-llama.json"))
 
   kernel = _py("-m", "lowmem_jax.kernel_bench", "--json", str(out / "kernel-bench.json"))
   kernel += ["--interpret"] if smoke else ["--layers", "4"]
@@ -384,10 +390,17 @@ def _train_figure(rec: dict) -> str | None:
 
 
 def _bench_figure(rec: dict) -> str | None:
+  """Our policies' step time, temp and peak; then the peers' step time and peak."""
   cells = []
-  for r in (rec.get("json") or {}).get("rows") or []:
+  result = rec.get("json") or {}
+  for r in result.get("rows") or []:
     cell = f"{r['policy']} {r['step_ms']:.1f} ms, temp {r['temp_mib']:.0f} MiB"
     cells.append(cell + (f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""))
+  for r in result.get("peers") or []:
+    cell = f"{r['policy']} " + (f"{r['step_ms']:.1f} ms" if "step_ms" in r else "failed")
+    cells.append(cell + (f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""))
+  if result.get("peers_note"):
+    cells.append(f"no peers: {result['peers_note']}")
   return f"{rec['name']}: " + "; ".join(cells) if cells else None
 
 

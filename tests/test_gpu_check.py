@@ -99,6 +99,8 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   assert list(stages)[-1] == "tests" and list(stages)[0] == "env"
   vit, llama = " ".join(stages["bench-vit"].cmd), " ".join(stages["bench-llama"].cmd)
   assert "model=vit-b16" in vit and "batch_size=64" in vit and "lora_targets=query,value" in vit
+  assert "--peers" in stages["bench-vit"].cmd and "--peers" in stages["bench-llama"].cmd
+  assert "--peak" not in stages["bench-vit"].cmd  # only when asked for (or implied by GPU peers)
   for item in ("model=llama-7b", "model.num_layers=4", "max_len=1024", "batch_size=4",
                "lora_rank=8", "lora_targets=query,key,value,out,gate,up,down"):
     assert item in llama
@@ -175,6 +177,13 @@ def test_smoke_run_of_the_model_stages(tmp_path):
   bench = {r["name"]: r for r in report["stages"]}["bench-llama"]["json"]
   assert [r["policy"] for r in bench["rows"]] == ["baseline", "lowmembp"]
   assert bench["throughput_unit"] == "tokens/s"
+  # --peers: HF Llama + peft on the same tiny shapes, or one note naming what is missing
+  if "peers_note" in bench:
+    assert "not importable" in bench["peers_note"] and bench["peers"] == []
+  else:
+    assert [r["policy"] for r in bench["peers"]] == ["torch+peft", "torch+peft+ckpt"]
+    for r in bench["peers"]:
+      assert r["step_ms"] > 0 and r["peer"]["shapes"]["seq"] == 32 and r["peer"]["finite"]
 
 
 def test_markdown_shows_key_figures_and_a_low_copy():
@@ -186,7 +195,13 @@ def test_markdown_shows_key_figures_and_a_low_copy():
                 "cuda_runtime": 12080}},
       {"name": "bench-vit", "status": "passed", "exit_code": 0, "wall_s": 50.0,
        "timeout_s": 120, "stdout_tail": "table", "json": {"rows": [
-           {"policy": "baseline", "step_ms": 28.1, "temp_mib": 6000.0}]}},
+           {"policy": "baseline", "step_ms": 28.1, "temp_mib": 6000.0}], "peers": [
+           {"policy": "torch+peft", "step_ms": 28.4, "peak_mib": 3653.0},
+           {"policy": "torch+peft+ckpt", "error": "CUDA out of memory"}]}},
+      {"name": "bench-llama", "status": "passed", "exit_code": 0, "wall_s": 50.0,
+       "timeout_s": 120, "stdout_tail": "table", "json": {"rows": [
+           {"policy": "baseline", "step_ms": 36.0, "temp_mib": 5000.0}], "peers": [],
+           "peers_note": "peft is not importable"}},
       {"name": "kernel-bench", "status": "failed", "exit_code": 1, "wall_s": 40.0,
        "timeout_s": 120, "stdout_tail": "", "stderr_tail": "Traceback: boom",
        "json": {"kernels": {"copy": copy, "rows": rows}}},
@@ -195,11 +210,14 @@ def test_markdown_shows_key_figures_and_a_low_copy():
   ]
   report = gpu_check.build_report(stages, args={"argv": []}, git={"commit": None},
                                   started="2026-11-23T10:00:00", wall_s=213.0)
-  assert report["stage_status"] == {"passed": ["env", "bench-vit"], "failed": ["kernel-bench"],
+  assert report["stage_status"] == {"passed": ["env", "bench-vit", "bench-llama"],
+                                    "failed": ["kernel-bench"],
                                     "timeout": ["attention-bench"]}
   md = gpu_check.markdown(report)
   assert md.startswith("# lowmem-jax GPU check: NVIDIA H100 80GB HBM3, jax 0.11.2 "
                        "(CUDA 12.8, cuDNN 9.8.0)")
-  assert "- bench-vit: baseline 28.1 ms, temp 6000 MiB" in md
+  assert ("- bench-vit: baseline 28.1 ms, temp 6000 MiB; torch+peft 28.4 ms, peak 3653 MiB; "
+          "torch+peft+ckpt failed\n") in md
+  assert "- bench-llama: baseline 36.0 ms, temp 5000 MiB; no peers: peft is not importable" in md
   assert "measured copy 1076 GB/s (32% of peak) **LOW" in md
   assert "| attention-bench | timeout | -9 |" in md and "Traceback: boom" in md

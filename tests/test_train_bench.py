@@ -2,6 +2,7 @@
 
 import json
 import sys
+import textwrap
 
 import pytest
 
@@ -54,19 +55,45 @@ def test_bench_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.precision("default")
-def test_synthetic_llama_lm_with_lora(tmp_path):
+def test_synthetic_llama_lm_with_lora_and_peers(tmp_path, monkeypatch, capsys):
   """--synthetic N: random tokens shaped for a preset (no data files), LoRA on all seven
-  linears, as the GPU check runs LLaMA-7B widths."""
+  linears, as the GPU check runs LLaMA-7B widths. --peers (a fake peers script: the real
+  one is tests/test_peers.py's) adds their rows; peers on a GPU imply --peak."""
+  from train import bench_peers
+  script = tmp_path / "peers.py"
+  script.write_text(textwrap.dedent("""\
+      import json, sys
+      args = sys.argv[1:]
+      ckpt = "--checkpointing" in args
+      open(args[args.index("--json") + 1], "w").write(json.dumps({
+          "case": args[args.index("--case") + 1], "checkpointing": ckpt, "device": "cuda",
+          "device_name": "fake GPU", "versions": {"torch": "0"}, "step_ms": 2.0 + ckpt,
+          "throughput": 32.0, "peak_mib": 10.0 - 5 * ckpt, "resident_mib": 4.0,
+          "peak_minus_resident_mib": 6.0 - 5 * ckpt, "seq": args[args.index("--seq") + 1]}))
+      """))
+  monkeypatch.setattr(bench_peers, "PEERS_SCRIPT", script)
+  asked = []
+  monkeypatch.setattr(bench, "measure_peaks", lambda *a: asked.append(a[1]))  # None: no peak
   out = tmp_path / "bench.json"
   result = bench.main([
       "--synthetic", "8", "--set", "model=llama-tiny", "--set", "task=lm",
       "--set", "max_len=16", "--set", "batch_size=4", "--set", "trainable=lora",
       "--set", "lora_targets=query,key,value,out,gate,up,down", "--set",
       "model.num_layers=1", "--policies", "baseline", "--steps", "2", "--warmup", "1",
-      "--json", str(out)])
+      "--json", str(out), "--peers"])
   row = result["rows"][0]
   assert row["policy"] == "baseline" and row["finite"] and row["steps_run"] == 3
   assert result["items_per_step"] == 4 * 16 and json.loads(out.read_text())["rows"]
+  assert asked == [["baseline"]]  # the peers ran on "cuda": our peaks were asked for
+  lora, ckpt = json.loads(out.read_text())["peers"]
+  assert (lora["policy"], ckpt["policy"]) == ("torch+peft", "torch+peft+ckpt")
+  assert lora["peer"]["case"] == "llama-lora" and lora["peer"]["seq"] == "16"
+  assert ckpt["peak_mib"] == 5.0 and "peak_ratio" not in ckpt  # no peak of ours
+  assert ckpt["speed_ratio"] == pytest.approx(row["step_ms"] / 3.0)
+  text = capsys.readouterr().out
+  assert "torch+peft+ckpt: resident 4.0 MiB before the step, peak - resident 1.0 MiB" in text
+  assert [ln.split()[0] for ln in text.splitlines() if ln.startswith("torch+peft")][-4:] == [
+      "torch+peft", "torch+peft+ckpt", "torch+peft:", "torch+peft+ckpt:"]
   with pytest.raises(ValueError, match="unknown model"):
     bench.synthetic_dataset(bench.load_config("digits-vit", None, ["model=gpt-2"]), 4)
 

@@ -28,6 +28,15 @@ for models that loop over their blocks in Python (ViT, LLaMA, BERT here): XLA's 
 scheduler is not memory-aware, so recomputed activations end up live as long as saved
 ones. GPU runs are the reference for both memory and speed.
 
+``--peers`` runs the PyTorch peers of the bench's case (``benchmarks/peers.py``: timm ViT or
+HF Llama, peft LoRA or full fine-tuning, with and without gradient checkpointing), each in
+a subprocess with the bench's shapes, before this process touches the device, and adds
+their rows (``torch+peft``, ``torch+peft+ckpt``; ``torch``... for full fine-tuning) to the
+table and JSON (``"peers"``): step time, speed vs our baseline, peak and peak ratio. When
+the peers ran on a GPU it implies ``--peak``, so our rows' peak stands beside theirs. A
+missing package (torch, timm, peft, transformers) is one printed line, not a failure.
+See :mod:`train.bench_peers` and docs/peers.md.
+
 ``--synthetic N`` replaces the config's data by N random examples shaped for its model
 (images and labels; or tokens, targets and a full loss mask; or tokens, mask and labels):
 full-size models (ViT-B/16 at 224 px, LLaMA-7B widths) need no image folder or tokenizer.
@@ -49,6 +58,7 @@ import numpy as np
 from lowmem_jax.memory import MiB, split_policies, format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
 from train.batches import batch_items
+from train.bench_peers import merge_peers, ran_on_gpu, run_peers
 from train.config import TrainConfig, add_config_arguments, load_config
 
 DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
@@ -241,7 +251,9 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
 
 
 def table(result: dict) -> str:
-  peak = any("peak_mib" in r for r in result["rows"])
+  """Our policies' rows, then the peers' (``--peers``; no compiled memory: ``-``)."""
+  peers = result.get("peers", [])
+  peak = any("peak_mib" in r for r in result["rows"] + peers)
   headers = ["policy", "temp MiB", "ratio", "total MiB", "ratio", "step ms",
              "speed vs base", result["throughput_unit"]]
   if peak:
@@ -252,7 +264,16 @@ def table(result: dict) -> str:
            f"{r['total_mib']:.1f}", f"{r['total_ratio']:.3f}", f"{r['step_ms']:.2f}",
            f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"]
     if peak:
-      row += [f"{r['peak_mib']:.1f}", f"{r['peak_ratio']:.3f}"]
+      row += ([f"{r['peak_mib']:.1f}", f"{r['peak_ratio']:.3f}"] if "peak_mib" in r
+              else ["-", "-"])
+    rows.append(row)
+  for r in peers:
+    row = [r["policy"], "-", "-", "-", "-"]
+    row += (["failed", "-", "-"] if "step_ms" not in r else
+            [f"{r['step_ms']:.2f}", f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"])
+    if peak:
+      row += [f"{r['peak_mib']:.1f}" if "peak_mib" in r else "-",
+              f"{r['peak_ratio']:.3f}" if "peak_ratio" in r else "-"]
     rows.append(row)
   return format_table(headers, rows)
 
@@ -315,6 +336,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                        "(default: %(default)s)")
   ap.add_argument("--peak", action="store_true",
                   help="GPU: also measure peak_bytes_in_use, each policy in a fresh subprocess")
+  ap.add_argument("--peers", action="store_true",
+                  help="also run the PyTorch peers (benchmarks/peers.py) with the same shapes, "
+                       "with and without gradient checkpointing; on a GPU implies --peak")
   ap.add_argument("--synthetic", type=int, default=0, metavar="N",
                   help="N random examples shaped for the model instead of the config's data")
   ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")
@@ -333,8 +357,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     _peak_child(cfg, specs[-1], args.warmup + args.steps, args.peak_child, args.synthetic)
     return None
 
+  # the peers and the peaks run before this process allocates on the device (XLA preallocates)
+  peers = run_peers(cfg, args.steps, args.warmup) if args.peers else None
   peaks = None
-  if args.peak:  # before this process allocates on the device (XLA preallocates)
+  if args.peak or (peers is not None and ran_on_gpu(peers)):
     base_argv = ["--config-name", args.config_name, "--warmup", str(args.warmup),
                  "--synthetic", str(args.synthetic)]
     base_argv += ["--config", args.config] if args.config else []
@@ -343,12 +369,21 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     peaks = measure_peaks(base_argv, specs, min(args.steps, 3))
 
   result = run(cfg, specs, args.steps, args.warmup, peaks, args.synthetic)
+  if peers is not None:
+    result = merge_peers(result, peers)
   model = cfg.pretrained or cfg.model
   print(f"\n{model} ({cfg.task}), batch {cfg.batch_size}, {cfg.dtype}, "
         f"overrides {cfg.model_overrides or '{}'}; {result['device_kind']} "
         f"({result['backend']}), jax {result['jax_version']}; median of {args.steps} "
         f"interleaved steps after {args.warmup} warmup")
   print(table(result))
+  for r in result.get("peers", []):
+    if "peak_minus_resident_mib" in r:
+      print(f"{r['policy']}: resident {r['resident_mib']:.1f} MiB before the step, peak - "
+            f"resident {r['peak_minus_resident_mib']:.1f} MiB ({r['peer']['device_name']}, "
+            f"torch {r['peer']['versions']['torch']})")
+  if result.get("peers_note"):
+    print(f"note: no peer rows: {result['peers_note']}")
   if result["backend"] == "cpu":
     print("note: CPU timings are only indicative, and CPU compiled memory does not show "
           "remat savings for these Python-loop models; GPU runs are the reference.")
