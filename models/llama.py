@@ -12,6 +12,11 @@ norm's scale cannot live in the shared embedding: it is kept as ``head_scale`` a
 applied to the head's weight (not to the activation), so the norm output is still the
 array the head saves.
 
+Loss: ``model.token_losses(tokens, targets, chunk=...)`` gives the per-token cross-entropy
+of the logits ``model(tokens)`` returns without making them: the head fused with its loss
+in token chunks (:mod:`lowmem_jax.lm_loss`) when it is one plain matmul, else (a
+LoRA-wrapped head) from the logits. RevLlama (:mod:`models.revllama`) shares it.
+
 HF interop (``models.hf`` dispatches here for ``model_type == "llama"``):
 ``config_from_hf``, ``config_to_hf``, ``hf_map`` (HF names of our variables),
 ``HF_IGNORED_KEYS``.
@@ -25,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowmem_jax import baseline
+from lowmem_jax.lm_loss import DEFAULT_CHUNK, chunked_cross_entropy, logits_cross_entropy
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import init_model, make_config, token_ids
@@ -188,6 +195,11 @@ class Llama(nnx.Module):
     seed_sites(self, rngs)
 
   def __call__(self, tokens, mask=None):
+    return self.head(self.hidden(tokens, mask))
+
+  def hidden(self, tokens, mask=None):
+    """The final norm's output ``[B, T, D]`` in the compute dtype (carried where the
+    policy carries it): what the head reads."""
     tokens = token_ids(tokens, "Llama", self.cfg.max_seq_len)
     b, t = tokens.shape
     attn_mask = None
@@ -200,15 +212,66 @@ class Llama(nnx.Module):
 
     x = self.embed(tokens).astype(self.dtype)
     cos, sin = rope_tables(t, self.cfg.resolved_head_dim, self.cfg.rope_theta, self.dtype)
-    h = self.norm(self.stack(x, cos, sin, attn_mask))
+    return self.norm(self.stack(x, cos, sin, attn_mask))
+
+  def head(self, h):
+    """Logits ``[B, T, V]`` (float32) of :meth:`hidden`'s output."""
     if self.lm_head is not None:
       return self.lm_head(h).astype(jnp.float32)
     h = as_array(h)  # the tied head keeps h itself
-    weight = self.embed.embedding[...]
-    if self.head_scale is not None:
-      weight = weight * self.head_scale[...][None, :]
-    return jnp.einsum("btd,vd->btv", h, weight.astype(h.dtype),
+    return jnp.einsum("btd,vd->btv", h, self._tied_weight().astype(self.dtype),
                       preferred_element_type=jnp.float32)
+
+  def _tied_weight(self):
+    """The embedding ``[V, D]`` as the tied head multiplies by it (in the compute dtype):
+    with the final norm's merged scale applied, that product in the compute dtype; else
+    the embedding as stored."""
+    if self.head_scale is None:
+      return self.embed.embedding[...]
+    return (self.embed.embedding[...] * self.head_scale[...][None, :]).astype(self.dtype)
+
+  def head_weight(self):
+    """``(w, transposed)``: the head as one matmul ``h @ w`` (``w [D, V]``, or ``[V, D]``
+    with ``transposed``; as stored or in the compute dtype, cast to it for the matmul), or
+    None when it is not a plain matmul."""
+    if self.lm_head is None:
+      return self._tied_weight(), True
+    kernel = plain_kernel(self.lm_head)
+    return None if kernel is None else (kernel, False)
+
+  def token_losses(self, tokens, targets, mask=None, *, chunk: int = DEFAULT_CHUNK):
+    """Per-token ``(cross-entropy fp32 [B, T], argmax == target [B, T])`` of the logits
+    ``self(tokens, mask)`` returns: see :func:`head_losses`."""
+    return head_losses(self.hidden(tokens, mask), self.head, self.head_weight(), targets,
+                       chunk)
+
+
+def plain_kernel(head):
+  """``head``'s kernel ``[D, V]`` as stored when ``head`` computes exactly ``h @ kernel``
+  in its declared compute dtype (that of ``h``): our Linear with no bias whose strategy is
+  the baseline's. None otherwise (LoRA-wrapped, a sampled or stateful strategy)."""
+  if (type(head) is not Linear or head.bias is not None or head.dtype is None
+      or head.saving.state_names or type(head.saving.strategy) is not baseline.Linear):
+    return None
+  return head.kernel[...]
+
+
+def head_losses(h, head, weight, targets, chunk: int):
+  """Per-token ``(losses, correct)`` of ``head(h)``'s logits: with ``chunk > 0`` and a
+  plain head (``weight``: ``(w, transposed)``, not None) the fused, chunked
+  :func:`lowmem_jax.lm_loss.chunked_cross_entropy` on ``h``'s value (no ``[B, T, V]``
+  fp32 array; it saves ``h`` itself even where ``h`` comes carried: under Mesa the
+  head's weight gradient is then exact, not from the code), else
+  :func:`lowmem_jax.lm_loss.logits_cross_entropy` of ``head(h)``."""
+  if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    raise ValueError(f"head_losses: chunk must be an int >= 0 (0: the logits path), got "
+                     f"{chunk!r}")
+  targets = jnp.asarray(targets)
+  if chunk and weight is not None:
+    w, transposed = weight
+    return chunked_cross_entropy(as_array(h), w, targets, chunk=chunk,
+                                 transposed=transposed)
+  return logits_cross_entropy(head(h), targets)
 
 
 # ----------------------------------------------------------------------------- HF interop

@@ -73,8 +73,28 @@ class RevLlama(nnx.Module):
 
   def __call__(self, tokens, mask=None):
     """``mask`` must be None or all-True on the keys: the stack has no padding mask."""
+    return self.head(self.hidden(tokens, mask))
+
+  def hidden(self, tokens, mask=None):
+    """The final norm's output ``[B, T, 2 * dim]`` (both streams): what the head reads."""
     tokens = token_ids(tokens, "RevLlama", self.cfg.max_seq_len)
     del mask  # causal attention only; padding on the right is masked in the loss
     x = self.embed(tokens).astype(self.dtype)
     y1, y2 = self.stack(x, x)
-    return self.lm_head(self.norm(jnp.concatenate([y1, y2], axis=-1))).astype(jnp.float32)
+    return self.norm(jnp.concatenate([y1, y2], axis=-1))
+
+  def head(self, h):
+    """Logits ``[B, T, V]`` (float32) of :meth:`hidden`'s output."""
+    return self.lm_head(h).astype(jnp.float32)
+
+  def head_weight(self):
+    """``(w [2 * dim, V], False)``, the kernel as stored, or None when the head is not a
+    plain matmul (:func:`models.llama.plain_kernel`)."""
+    kernel = llama.plain_kernel(self.lm_head)
+    return None if kernel is None else (kernel, False)
+
+  def token_losses(self, tokens, targets, mask=None, *, chunk: int = llama.DEFAULT_CHUNK):
+    """Per-token ``(cross-entropy fp32 [B, T], argmax == target [B, T])`` of the logits
+    ``self(tokens)`` returns: see :func:`models.llama.head_losses`."""
+    return llama.head_losses(self.hidden(tokens, mask), self.head, self.head_weight(),
+                             targets, chunk)

@@ -338,3 +338,65 @@ def test_saved_residuals_ms_norms_share_their_output():
   assert n == num_norms and all(r.dtype == "float32" for r in rstd)
   assert not {"rms_norm", "_rms_norm_stats"} & set(low.by_origin())
   assert {"rms_norm", "_rms_norm_stats"} <= set(base.by_origin())
+
+
+# ----------------------------------------------------------------------------- fused LM loss
+def _token_loss_grads(model, tokens, targets, weights, chunk):
+  """Weighted loss sum, per-token (losses, correct) and the gradients of every Param, by
+  ``model.token_losses`` with ``chunk`` (0: from the logits)."""
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def loss(p):
+    losses, correct = nnx.merge(graphdef, p, rest, copy=True).token_losses(
+        tokens, targets, chunk=chunk)
+    return jnp.sum(losses * weights), (losses, correct)
+  (total, aux), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+  return total, aux, nnx.to_pure_dict(grads)
+
+
+@pytest.mark.parametrize("name,policy,overrides", [
+    ("llama-tiny", "lowmembp", {}),                          # final norm merged into lm_head
+    ("llama-tiny", "lowmembp", {"tie_embeddings": True}),    # head_scale on the embedding
+    ("revllama-tiny", "lowmembp", {}),
+], ids=["untied-lowmembp", "tied-lowmembp", "revllama-lowmembp"])
+def test_fused_lm_loss_equals_logits_path(name, policy, overrides):
+  """token_losses with a ragged chunk (18 tokens, chunk 4): the loss, accuracy and every
+  parameter's gradient of the loss on the full logits, fp32 at highest precision."""
+  from models import revllama
+  family = revllama if name.startswith("rev") else llama
+  cls = revllama.RevLlama if name.startswith("rev") else llama.Llama
+  model = cls(family.config(name, num_layers=1, **overrides), policy, dtype=jnp.float32,
+              rngs=nnx.Rngs(1))
+  if getattr(model, "head_scale", None) is not None:  # a merged scale that is not 1
+    model.head_scale[...] = 1.0 + 0.5 * jax.random.normal(jax.random.key(5), (model.cfg.dim,))
+  assert model.head_weight() is not None
+  tokens = jnp.asarray(_tokens(2, 9, vocab=256))
+  targets = jnp.roll(tokens, -1, axis=1)
+  weights = (jnp.arange(18).reshape(2, 9) % 5 != 0).astype(jnp.float32)
+  ref_total, (ref_losses, ref_correct), ref_grads = _token_loss_grads(
+      model, tokens, targets, weights, 0)
+  total, (losses, correct), grads = _token_loss_grads(model, tokens, targets, weights, 4)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(correct, ref_correct)
+  assert abs(float(total) - float(ref_total)) < 1e-4
+  scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(ref_grads))
+  diffs = jax.tree.map(_max_abs, grads, ref_grads)
+  assert max(jax.tree.leaves(diffs)) < 1e-5 * scale, diffs
+
+
+def test_fused_lm_loss_falls_back_for_a_lora_head():
+  """A LoRA-wrapped lm_head is not one matmul: head_weight is None and token_losses takes
+  the loss on the logits (what the model returns, adapter included)."""
+  from lowmem_jax.lm_loss import logits_cross_entropy
+  from models.lora import apply_lora
+  model = apply_lora(llama.Llama(llama.config(num_layers=1), "baseline", dtype=jnp.float32),
+                     targets=("lm_head",))
+  model.lm_head.lora_b[...] = 0.1 * jnp.ones_like(model.lm_head.lora_b[...])
+  assert model.head_weight() is None
+  tokens = jnp.asarray(_tokens(2, 5, vocab=256))
+  losses, correct = model.token_losses(tokens, tokens, chunk=4)
+  ref_losses, ref_correct = logits_cross_entropy(model(tokens), tokens)
+  np.testing.assert_array_equal(losses, ref_losses)
+  np.testing.assert_array_equal(correct, ref_correct)
+  with pytest.raises(ValueError, match="chunk must be an int >= 0"):
+    model.token_losses(tokens, tokens, chunk=-1)
