@@ -177,8 +177,8 @@ def build_vit(args, device):
       mlp_ratio=s["mlp_dim"] / s["dim"])
   if args.checkpointing:
     set_reentrant = getattr(timm.layers, "set_reentrant_ckpt", None)
-    if set_reentrant is not None:  # timm >= 1.0.16; older ones default to non-reentrant
-      set_reentrant(False)
+    if set_reentrant is not None:  # newer timm (off by default); older timm uses torch's
+      set_reentrant(False)         # default, reentrant: LoRA's backward then fails loudly
     model.set_grad_checkpointing(True)
   modules = sorted({TARGET_MODULES["vit"][t] for t in args.targets})
   model = _with_lora(model, args, r"blocks\.\d+\.(" + "|".join(modules) + ")")

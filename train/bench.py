@@ -382,8 +382,6 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
       print(f"{r['policy']}: resident {r['resident_mib']:.1f} MiB before the step, peak - "
             f"resident {r['peak_minus_resident_mib']:.1f} MiB ({r['peer']['device_name']}, "
             f"torch {r['peer']['versions']['torch']})")
-  if result.get("peers_note"):
-    print(f"note: no peer rows: {result['peers_note']}")
   if result["backend"] == "cpu":
     print("note: CPU timings are only indicative, and CPU compiled memory does not show "
           "remat savings for these Python-loop models; GPU runs are the reference.")
