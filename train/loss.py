@@ -1,24 +1,36 @@
-"""The loss of each task: cross-entropy over classes (image, text) or next tokens (lm)."""
+"""The loss of each task: cross-entropy over classes (image, text) or next tokens (lm).
+
+A causal LM that has ``token_losses`` (LLaMA, RevLlama) computes its next-token loss with
+the fused, chunked head (:func:`lowmem_jax.lm_loss.chunked_cross_entropy`: no
+``[B, T, V]`` fp32 logits) when ``lm_loss_chunk > 0``; otherwise, and for the other tasks,
+the loss is taken on the model's logits.
+"""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
-import optax
+
+from lowmem_jax.lm_loss import DEFAULT_CHUNK, logits_cross_entropy
 
 
-def loss_and_metrics(model, batch: dict, task: str):
-  """Mean loss over the counted examples/tokens and (loss_sum, correct, count)."""
+def loss_and_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK):
+  """Mean loss over the counted examples/tokens and (loss_sum, correct, count).
+  ``lm_loss_chunk``: tokens per chunk of the fused LM head and loss (task "lm"), 0 for
+  the loss on the full logits."""
   if task == "image":
-    logits, labels = model(batch["image"]), batch["label"]
-    weights = jnp.ones(labels.shape, jnp.float32)
+    losses, correct = logits_cross_entropy(model(batch["image"]), batch["label"])
+    weights = jnp.ones(losses.shape, jnp.float32)
   elif task == "text":
-    logits, labels = model(batch["tokens"], batch["mask"]), batch["label"]
-    weights = jnp.ones(labels.shape, jnp.float32)
+    losses, correct = logits_cross_entropy(model(batch["tokens"], batch["mask"]),
+                                           batch["label"])
+    weights = jnp.ones(losses.shape, jnp.float32)
   else:
-    logits, labels = model(batch["tokens"]), batch["targets"]
+    tokens, targets = batch["tokens"], batch["targets"]
+    if lm_loss_chunk and hasattr(model, "token_losses"):
+      losses, correct = model.token_losses(tokens, targets, chunk=lm_loss_chunk)
+    else:
+      losses, correct = logits_cross_entropy(model(tokens), targets)
     weights = batch["loss_mask"].astype(jnp.float32)
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels)
   count = jnp.maximum(weights.sum(), 1.0)
-  correct = jnp.sum((jnp.argmax(logits, -1) == labels) * weights)
   loss_sum = jnp.sum(losses * weights)
-  return loss_sum / count, (loss_sum, correct, weights.sum())
+  return loss_sum / count, (loss_sum, jnp.sum(correct * weights), weights.sum())

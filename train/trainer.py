@@ -101,7 +101,7 @@ class Trainer:
         if use_caches:
           nnx.update(model, caches)
           sites.set_example_ids(model, ids)
-        loss, aux = loss_and_metrics(model, batch, cfg.task)
+        loss, aux = loss_and_metrics(model, batch, cfg.task, cfg.lm_loss_chunk)
         return loss, (aux, nnx.split(model, trainable, ...)[2])
 
       (loss, (aux, rest)), (grads, cache_grads) = jax.value_and_grad(
@@ -165,7 +165,8 @@ class Trainer:
 
     @matmul_precision(cfg.precision)
     def step(params, rest, batch):
-      return loss_and_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task)[1]
+      return loss_and_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task,
+                              cfg.lm_loss_chunk)[1]
 
     return jax.jit(step)
 
