@@ -4,8 +4,9 @@
 of ``V`` is ``[..., V]`` fp32: 500 MiB for LLaMA-7B's V = 32000 at 4096 tokens, and autodiff
 keeps its gradient too. :func:`chunked_cross_entropy` computes per-token cross-entropy and
 argmax accuracy ``chunk`` tokens at a time: no fp32 array of more than ``[chunk, V]`` exists
-in forward or backward. It saves its arguments ``h`` and ``w`` (no copies) and an fp32
-log-sum-exp per token; backward recomputes each chunk's logits from them.
+in forward or backward (besides ``dw``'s fp32 accumulator, the weight's size). It saves its arguments ``h`` and ``w`` as given (no copies: the
+weight as stored, cast to the compute dtype again in backward) and an fp32 log-sum-exp per
+token; backward recomputes each chunk's logits from them.
 
 :func:`cross_entropy_reference` is the same function in plain jnp (full logits, autodiff);
 :func:`logits_cross_entropy` is its loss on given logits (optax's formula), for heads that
@@ -20,7 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax.custom_derivatives import SymbolicZero
 
-DEFAULT_CHUNK = 1024  # tokens per chunk: [1024, 32000] fp32 is 125 MiB
+# Tokens per chunk: [1024, 32000] fp32 is 125 MiB (the whole [4096, 32000]: 500 MiB). A
+# trained head reads and writes its fp32 [D, V] gradient accumulator once per chunk (1 GB
+# per chunk at LLaMA-7B widths), so much smaller chunks trade time for little memory
+# (a design estimate; not measured on a GPU).
+DEFAULT_CHUNK = 1024
 
 
 def logits_cross_entropy(logits, targets):
@@ -28,15 +33,22 @@ def logits_cross_entropy(logits, targets):
   optax's ``softmax_cross_entropy_with_integer_labels``) and ``argmax(logits) == target``.
   A target outside ``[0, V)`` selects no logit (its loss is the log-sum-exp, finite)."""
   logits = logits.astype(jnp.float32)
-  hit = jnp.arange(logits.shape[-1]) == targets[..., None]
-  target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-  losses = jax.nn.logsumexp(logits, axis=-1) - target_logit
+  losses = jax.nn.logsumexp(logits, axis=-1) - _target_logit(logits, targets)
   return losses, jnp.argmax(logits, axis=-1) == targets
+
+
+def _hits(logits, targets):
+  """``[..., V]`` bool: the one-hot of ``targets`` (all False for one outside [0, V))."""
+  return jnp.arange(logits.shape[-1]) == targets[..., None]
+
+
+def _target_logit(logits, targets):
+  return jnp.sum(jnp.where(_hits(logits, targets), logits, 0.0), axis=-1)
 
 
 def _logits(h, w, transposed: bool):
   """``h [N, D] @ w`` with fp32 accumulation; ``w`` is ``[D, V]``, or ``[V, D]`` when
-  ``transposed`` (a tied embedding)."""
+  ``transposed`` (a tied embedding), in ``h``'s dtype."""
   contract = ((h.ndim - 1,), (1,) if transposed else (0,))
   return jax.lax.dot_general(h, w, (contract, ((), ())), preferred_element_type=jnp.float32)
 
@@ -44,7 +56,7 @@ def _logits(h, w, transposed: bool):
 def cross_entropy_reference(h, w, targets, *, transposed: bool = False):
   """:func:`chunked_cross_entropy` in plain jnp: the full fp32 logits, then
   :func:`logits_cross_entropy`; autodiff keeps the logits' size."""
-  return logits_cross_entropy(_logits(h, w, transposed), targets)
+  return logits_cross_entropy(_logits(h, w.astype(h.dtype), transposed), targets)
 
 
 def _chunked(x, chunk: int):
@@ -62,13 +74,13 @@ def _unchunked(x, n: int):
 
 def _forward(h, w, targets, chunk, transposed):
   """Per-token ``(losses, correct, lse)`` of flat ``h [N, D]``, one chunk at a time."""
+  w = w.astype(h.dtype)
+
   def one(xs):
     h_c, t_c = xs
     logits = _logits(h_c, w, transposed)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    hit = jnp.arange(logits.shape[-1]) == t_c[:, None]
-    target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
-    return lse - target_logit, jnp.argmax(logits, axis=-1) == t_c, lse
+    return lse - _target_logit(logits, t_c), jnp.argmax(logits, axis=-1) == t_c, lse
 
   n = h.shape[0]
   out = jax.lax.map(one, (_chunked(h, chunk), _chunked(targets, chunk)))
@@ -86,8 +98,8 @@ def _fused_fwd(h, w, targets, chunk, transposed):
   need = (h.perturbed, w.perturbed)
   h, w, targets = h.value, w.value, targets.value
   losses, correct, lse = _forward(h, w, targets, chunk, transposed)
-  # Residuals: h and w themselves (arguments: no copies), the targets and an fp32
-  # log-sum-exp per token; never a [tokens, V] array.
+  # Residuals: h and w as given (arguments: no copies; w's cast is redone in backward),
+  # the targets and an fp32 log-sum-exp per token; never a [tokens, V] array.
   return (losses, correct), (h, w, targets, lse, need)
 
 
@@ -96,15 +108,16 @@ def _fused_bwd(chunk, transposed, res, cts):
   g = cts[0]
   if isinstance(g, SymbolicZero) or not (need_dh or need_dw):
     return None, None, None
-  n = h.shape[0]
+  n, w_dtype = h.shape[0], w.dtype
+  w = w.astype(h.dtype)
 
   def step(dw, xs):
     h_c, t_c, lse_c, g_c = xs
     logits = _logits(h_c, w, transposed)
-    hit = jnp.arange(logits.shape[-1]) == t_c[:, None]
-    # softmax - onehot, scaled by the token's cotangent; matmuls in w's (compute) dtype
+    # softmax - onehot, scaled by the token's cotangent; matmuls in the compute dtype
     # with fp32 accumulation, as the attention backward does
-    dlogits = ((jnp.exp(logits - lse_c[:, None]) - hit) * g_c[:, None]).astype(w.dtype)
+    dlogits = ((jnp.exp(logits - lse_c[:, None]) - _hits(logits, t_c)) * g_c[:, None]
+               ).astype(w.dtype)
     dh_c = None
     if need_dh:
       back = ((1,), (0,)) if transposed else ((1,), (1,))
@@ -122,7 +135,7 @@ def _fused_bwd(chunk, transposed, res, cts):
         _chunked(g.astype(jnp.float32), chunk))  # padded rows: g = 0, no contribution
   dw, dh = jax.lax.scan(step, dw0, xs)
   return (_unchunked(dh, n) if need_dh else None,
-          dw.astype(w.dtype) if need_dw else None, None)
+          dw.astype(w_dtype) if need_dw else None, None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
@@ -134,21 +147,22 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
   ``logsumexp(logits) - logits[target]`` and ``argmax(logits) == target``, shaped like
   ``targets``, computed ``chunk`` tokens at a time (a ragged last chunk is padded inside).
 
-  ``h [..., D]`` and ``w [D, V]`` (``[V, D]`` when ``transposed``) in the compute dtype,
-  ``targets`` integer ``[...]``. Backward (a custom VJP) saves ``h``, ``w`` (no copies) and
-  an fp32 log-sum-exp per token, recomputes each chunk's softmax and accumulates ``dw``
-  over chunks in fp32 (cast to ``w``'s dtype at the end); gradients of ``h`` or ``w`` not
-  asked for are not computed (a frozen head: no ``dw`` pass). Weight or mask tokens by
-  multiplying ``losses``: a zero cotangent contributes nothing."""
+  ``h [..., D]`` in the compute dtype, ``w [D, V]`` (``[V, D]`` when ``transposed``) as
+  stored (any float dtype; cast to ``h``'s for the matmuls), ``targets`` integer ``[...]``.
+  Backward (a custom VJP) saves ``h``, ``w`` (no copies) and an fp32 log-sum-exp per
+  token, recomputes each chunk's softmax and accumulates ``dw`` over chunks in fp32 (cast
+  to ``w``'s dtype at the end); gradients of ``h`` or ``w`` not asked for are not computed
+  (a frozen head: no ``dw`` pass). Weight or mask tokens by multiplying ``losses``: a zero
+  cotangent contributes nothing."""
   h, w, targets = jnp.asarray(h), jnp.asarray(w), jnp.asarray(targets)
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunked_cross_entropy: chunk must be a positive int, got {chunk!r}")
-  if w.ndim != 2 or h.ndim < 1 or h.shape[-1] != w.shape[1 if transposed else 0]:
+  if h.ndim < 1 or w.ndim != 2 or h.shape[-1] != w.shape[1 if transposed else 0]:
     raise ValueError(f"chunked_cross_entropy: w must be [D, V] ([V, D] when transposed) "
-                     f"with D = h's last axis {h.shape[-1]}, got {list(w.shape)}")
-  if h.dtype != w.dtype:
-    raise ValueError(f"chunked_cross_entropy: h ({h.dtype}) and w ({w.dtype}) must have "
-                     "one (compute) dtype")
+                     f"with D = h's last axis, got h {list(h.shape)}, w {list(w.shape)}")
+  if not (jnp.issubdtype(h.dtype, jnp.floating) and jnp.issubdtype(w.dtype, jnp.floating)):
+    raise ValueError(f"chunked_cross_entropy: h and w must be floating, got {h.dtype} and "
+                     f"{w.dtype}")
   if targets.shape != h.shape[:-1] or not jnp.issubdtype(targets.dtype, jnp.integer):
     raise ValueError(f"chunked_cross_entropy: targets must be integers of shape "
                      f"{list(h.shape[:-1])}, got {targets.dtype}{list(targets.shape)}")
