@@ -4,10 +4,10 @@ GELU and SiLU become ReGELU2 and ReSiLU2 (:mod:`lowmem_jax.activations`): the ex
 forward, a backward that keeps 2 bits per element of the input (the code of a 4-level
 step derivative) instead of the input itself. Preset ``approx-bp``.
 
-A gated activation (SwiGLU's ``silu(g) * u``) stays exact under the lean baseline: the
-product's backward needs ``silu(g)`` for ``du`` whatever ``dg`` uses, and the exact rule
-keeping ``g`` and ``u`` (2 arrays) already keeps less than ReSiLU2's code beside
-``silu(g)`` and ``u``. On LLaMA, Approx-BP therefore saves nothing over the lean baseline.
+A gated activation (SwiGLU's ``silu(g) * u``) stays exact: the product's backward needs
+``silu(g)`` for ``du`` whatever ``dg`` uses, and the lean baseline's exact rule keeping
+``g`` and ``u`` (2 arrays) keeps less than ReSiLU2's code beside ``silu(g)`` and ``u``.
+On LLaMA, Approx-BP therefore saves nothing over the lean baseline.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ ACTIVATIONS = ("exact", "approx2")
 def _activation(policy, inner, *, kind: str, gated: bool = False):
   if policy.activation != "approx2":
     return inner
-  # A gated product's backward needs act(g) for du whatever dg uses: the lean exact rule
+  # A gated product's backward needs act(g) for du whatever dg uses: the exact rule
   # keeping g and u is less than a code of g beside act(g) and u, so it stays.
-  if gated and getattr(inner, "keep_gate_inputs", False):
+  if gated:
     return inner
   fn = activations.approx2_fn(kind, policy.kernel_implementation())
   return dataclasses.replace(inner, fn=fn, saved_bits=2)

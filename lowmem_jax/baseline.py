@@ -12,7 +12,9 @@ its inputs and recomputes the rest (cheap elementwise work and casts):
 * attention: q, k, v, o and the row log-sum-exp (:mod:`lowmem_jax.attention`: never an
   N x N array on any backend).
 
-Plain autodiff of the same functions, ``autodiff="plain"`` (preset ``plain``, with XLA's
+Under a block checkpoint policy (remat, offload) the policy decides what a block keeps
+and the ops run under plain autodiff. Plain autodiff of the same functions,
+``autodiff="plain"`` (preset ``plain``, with XLA's
 attention: what a Flax user writes), keeps far more: ``jax.nn.gelu``'s intermediates,
 fp32 copies of a norm's input and output, the per-step bf16 copy of every weight, and
 with ``attention=xla`` the fp32 N x N probabilities. Every other method starts from these
@@ -176,20 +178,28 @@ def _shared(policy, inner, *, groups: int = 1, axis: int = -1):
   return Shared()
 
 
+def _lean(policy) -> bool:
+  """Whether ops keep only their inputs: ``autodiff="lean"`` and no checkpoint policy on
+  the blocks. Under one (remat, offload), the policy decides what a block keeps; an op's
+  own ``jax.checkpoint`` would hide its insides from it (``dots_saveable`` could not save
+  a dot inside one) and keep a named tensor twice."""
+  return policy.autodiff == "lean" and policy.checkpoint_policy() is None
+
+
 def _linear(policy, inner, *, name=None, frozen=False):
-  return Linear(lean=policy.autodiff == "lean")
+  return Linear(lean=_lean(policy))
 
 
 def _activation(policy, inner, *, kind: str, gated: bool = False):
   check_choice("activation kind", kind, tuple(EXACT_ACTIVATIONS), who="MemoryPolicy")
-  if policy.autodiff == "plain":
+  if not _lean(policy):
     return Activation(kind, EXACT_ACTIVATIONS[kind], gated)
   return Activation(kind, lean_activation(kind), gated, keep_gate_inputs=gated)
 
 
 def _norm(policy, inner, *, kind: str):
   check_choice("norm kind", kind, tuple(STANDARD_NORMS), who="MemoryPolicy")
-  if policy.autodiff == "plain":
+  if not _lean(policy):
     return Norm(kind, STANDARD_NORMS[kind])
   return Norm(kind, LEAN_NORMS[kind])
 

@@ -53,24 +53,25 @@ def test_gradients(kind):
     for name in g:
       np.testing.assert_allclose(g[name], g_base[name], rtol=1e-4, atol=1e-5,
                                  err_msg=f"{spec} {name}")
-  # The 2-bit activation derivative is an approximation: not equal to exact backprop...
+  # The 2-bit activation derivative is an approximation: not equal to exact backprop
+  # (ViT's GELU); LLaMA's gated SiLU stays exact under approx2 (see approx_bp)...
   _, (_, (g, gx)) = _grads(cfg, "lowmembp", x)
   rel = np.linalg.norm(gx - gx_base) / np.linalg.norm(gx_base)
-  assert 1e-3 < rel < 0.5, rel
+  if kind == "vit":
+    assert 1e-3 < rel < 0.5, rel
+  else:
+    assert rel < 1e-5, rel
 
 
-@pytest.mark.parametrize("kind", ["vit", "llama"])
-def test_approx2_gradients_equal_autodiff_through_the_surrogate(kind, monkeypatch):
+def test_approx2_gradients_equal_autodiff_through_the_surrogate(monkeypatch):
   """...but exactly equal to plain autodiff of a model whose activation has the
   surrogate's derivative: f(x) = h(x) + stop_gradient(act(x) - h(x))."""
-  cfg, x = SMALL[kind], _x(SMALL[kind], 2, 11)
+  cfg, x = SMALL["vit"], _x(SMALL["vit"], 2, 11)
   _, (_, (g, gx)) = _grads(cfg, "lowmembp", x)
-  step = {"vit": activations.REGELU2, "llama": activations.RESILU2}[kind]
-  exact = {"vit": activations.gelu, "llama": activations.silu}[kind]
+  step, exact = activations.REGELU2, activations.gelu
   surrogate_grad = lambda v: step.surrogate(v) + jax.lax.stop_gradient(exact(v) - step.surrogate(v))
-  monkeypatch.setitem(baseline.EXACT_ACTIVATIONS, "gelu" if kind == "vit" else "silu",
-                      surrogate_grad)
-  _, (_, (g_ref, gx_ref)) = _grads(cfg, "ms-bp", x)
+  monkeypatch.setitem(baseline.EXACT_ACTIVATIONS, "gelu", surrogate_grad)
+  _, (_, (g_ref, gx_ref)) = _grads(cfg, "ms-bp+autodiff=plain", x)
   np.testing.assert_allclose(gx, gx_ref, rtol=1e-4, atol=1e-5)
   for name in g:
     np.testing.assert_allclose(g[name], g_ref[name], rtol=1e-4, atol=1e-5, err_msg=name)
@@ -98,12 +99,26 @@ def test_saved_bytes_per_token_meet_the_theory(cfg, dtype, spec):
   assert measured == theory
 
 
-# Compiled temp of lowmembp's train step over baseline's, per compiler: the bound each
-# backend must meet. CPU (jax 0.10.2): measured vit 12.0 -> 8.0 MiB (0.662), llama 12.1 ->
-# 8.8 MiB (0.726). GPU: not yet measured at these shapes; on an H100 a LLaMA-width LoRA
-# step had the same temp under both (XLA:GPU's fusions already avoid what lowmembp
-# avoids) and a ViT-B/16 full step peaked at 0.757x: lowmembp must never cost more.
-STEP_TEMP_RATIO = {"cpu": {"vit": 0.70, "llama": 0.76}, "gpu": {"vit": 1.0, "llama": 1.0}}
+def test_vit_b_baseline_keeps_at_most_the_theory_and_lowmembp_under_070_of_it():
+  """ViT-B/16 blocks (D 768, MLP 3072, 197 tokens), bf16: the lean baseline keeps at most
+  what an exact backward needs (24640 B/token/layer: PyTorch's accounting with flash
+  attention; plain autodiff kept 46144 before), lowmembp at most 0.70 of it."""
+  cfg = StackConfig(kind="vit", num_layers=1, dim=768, num_heads=12, mlp_dim=3072)
+  base = _bytes_per_token(cfg, "baseline+attention=flash", 197, jnp.bfloat16)
+  low = _bytes_per_token(cfg, "lowmembp+attention=flash", 197, jnp.bfloat16)
+  theory = theoretical_bytes_per_token(cfg, MemoryPolicy(), 2)
+  assert theory == 24640 and base <= theory, base
+  assert low <= 0.70 * base, (low, base)
+  assert _bytes_per_token(cfg, "autodiff=plain+attention=flash", 197, jnp.bfloat16) > 1.5 * base
+
+
+# Compiled temp of lowmembp's train step over the lean baseline's, per compiler: the
+# bound each backend must meet. CPU (jax 0.10.2): measured vit 7.70 -> 6.39 MiB (0.830),
+# llama 7.95 -> 7.45 MiB (0.937) (against plain autodiff's baseline it was 0.662 and
+# 0.726: the lean baseline already drops part of what lowmembp drops, and on LLaMA the
+# gated SiLU stays exact, so only MS-RMSNorm saves).
+# GPU: not yet measured at these shapes; lowmembp must never cost more.
+STEP_TEMP_RATIO = {"cpu": {"vit": 0.85, "llama": 0.95}, "gpu": {"vit": 1.0, "llama": 1.0}}
 
 
 @pytest.mark.slow
