@@ -146,8 +146,8 @@ def read_dump(folder: str) -> PeakBuffers:
   for name, nbytes in live:
     kind, type_text = values.get(name, ("temp", None))
     shape, dtype = _parse_type(type_text)
-    base = name.split("{")[0]
-    instr = hlo.origin(base)
+    base, _, index = name.partition("{")
+    instr = hlo.origin(base, [int(i) for i in index.rstrip("}").split(",") if i])
     buffers.append(Buffer(name=name, nbytes=nbytes, shape=shape, dtype=dtype, kind=kind,
                           instruction=instr.root_opcode if instr else "?",
                           op_name=instr.op_name if instr else "",
@@ -243,6 +243,7 @@ class _Instr:
   operands: list[str]
   calls: str | None
   body: str | None           # a while loop's body computation
+  condition: str | None      # ... and its condition
   index: int | None          # a get-tuple-element's index
   op_name: str
   frame: int | None          # stack_frame_id
@@ -337,6 +338,7 @@ class HloText:
     operands = re.findall(r"%([\w.\-]+)", args)
     calls = re.search(r"calls=%?([\w.\-]+)", rest)
     body = re.search(r"body=%?([\w.\-]+)", rest)
+    condition = re.search(r"condition=%?([\w.\-]+)", rest)
     index = re.search(r"index=(\d+)", rest)
     op_name = re.search(r'op_name="([^"]*)"', rest)
     frame = re.search(r"stack_frame_id=(\d+)", rest)
@@ -345,6 +347,7 @@ class HloText:
     return _Instr(name=name, opcode=opcode, operands=operands,
                   calls=calls.group(1) if calls else None,
                   body=body.group(1) if body else None,
+                  condition=condition.group(1) if condition else None,
                   index=int(index.group(1)) if index else None,
                   op_name=op_name.group(1) if op_name else "",
                   frame=int(frame.group(1)) if frame else None,
@@ -359,10 +362,13 @@ class HloText:
       instr, seen = self.instrs[self.roots[instr.calls]], seen + 1
     return instr
 
-  def origin(self, name: str) -> _Instr | None:
+  def origin(self, name: str, index: Sequence[int] = ()) -> _Instr | None:
     """The instruction whose value a buffer holds: through fusions, copies, bitcasts and
-    dynamic-update-slices (a scan stacking a residual) to the op that computed it."""
+    dynamic-update-slices (a scan stacking a residual) to the op that computed it.
+    ``index``: the tuple element of ``name``'s value (a loop's state)."""
     instr = self.instrs.get(name)
+    if instr is not None and len(index) == 1:
+      instr = self._tuple_element(instr, index[0]) or instr
     for _ in range(32):
       if instr is None:
         return None
@@ -380,6 +386,25 @@ class HloText:
         return instr
       instr = nxt
     return instr
+
+  def _tuple_element(self, instr: _Instr, k: int) -> _Instr | None:
+    """Element ``k`` of a loop's state: a while result, or the parameter of its body or
+    condition (which enters as the while's operand)."""
+    if instr.opcode == "parameter":
+      loops = [i for i in self.instrs.values() if i.opcode == "while"
+               and instr.computation in (i.body, i.condition)]
+      if not loops:
+        return None
+      instr = loops[0]
+    if instr.opcode != "while":
+      return self._element(instr, k)
+    # what the body writes into slot k; a slot it only passes on holds the initial value
+    written = self._element(instr, k)
+    if written is None or (written.opcode == "get-tuple-element"
+                           and self.instrs.get(written.operands[0], written).opcode
+                           == "parameter"):
+      return self._element(self.instrs.get(instr.operands[0]) if instr.operands else None, k)
+    return written
 
   def _element(self, tup: _Instr | None, k: int) -> _Instr | None:
     """Element ``k`` of a tuple or of a while loop's result (its body's root tuple)."""
