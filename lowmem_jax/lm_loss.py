@@ -59,83 +59,99 @@ def cross_entropy_reference(h, w, targets, *, transposed: bool = False):
   return logits_cross_entropy(_logits(h, w.astype(h.dtype), transposed), targets)
 
 
-def _chunked(x, chunk: int):
-  """``x [N, ...] -> [ceil(N / chunk), chunk, ...]``, zero rows appended to fill the last
-  chunk (a reshape, no copy, when ``chunk`` divides ``N``)."""
-  pad = -x.shape[0] % chunk
-  if pad:
-    x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
-  return x.reshape((-1, chunk) + x.shape[1:])
+def _padded(x, length: int):
+  """``x [R, T, ...]`` with zero positions appended along T up to ``length``."""
+  pad = length - x.shape[1]
+  return x if not pad else jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
 
 
-def _unchunked(x, n: int):
-  return x.reshape((-1,) + x.shape[2:])[:n]
+def _steps(h, targets, step: int):
+  """``(h, targets)`` padded along T to a multiple of ``step``, and the number of steps."""
+  length = -(-h.shape[1] // step) * step
+  return _padded(h, length), _padded(targets, length), length // step
 
 
-def _forward(h, w, targets, chunk, transposed):
-  """Per-token ``(losses, correct, lse)`` of flat ``h [N, D]``, one chunk at a time."""
+def _slice(x, i, step: int):
+  return jax.lax.dynamic_slice_in_dim(x, i * step, step, axis=1)
+
+
+def _put(buffer, x, i, step: int):
+  return jax.lax.dynamic_update_slice_in_dim(buffer, x.astype(buffer.dtype), i * step, axis=1)
+
+
+def _forward(h, w, targets, step, transposed):
+  """Per-token ``(losses, correct, lse)`` of ``h [R, T, D]``, ``step`` positions of every
+  row at a time (a ragged last step is padded)."""
+  r, t = targets.shape
   w = w.astype(h.dtype)
+  h, targets, num_steps = _steps(h, targets, step)
 
-  def one(xs):
-    h_c, t_c = xs
-    logits = _logits(h_c, w, transposed)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    return lse - _target_logit(logits, t_c), jnp.argmax(logits, axis=-1) == t_c, lse
+  def body(i, out):
+    losses, correct, lse = out
+    t_i = _slice(targets, i, step)
+    logits = _logits(_slice(h, i, step), w, transposed)  # [R, step, V] fp32
+    lse_i = jax.nn.logsumexp(logits, axis=-1)
+    return (_put(losses, lse_i - _target_logit(logits, t_i), i, step),
+            _put(correct, jnp.argmax(logits, axis=-1) == t_i, i, step),
+            _put(lse, lse_i, i, step))
 
-  n = h.shape[0]
-  out = jax.lax.map(one, (_chunked(h, chunk), _chunked(targets, chunk)))
-  return tuple(_unchunked(x, n) for x in out)
+  shape = targets.shape
+  out = (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.bool_),
+         jnp.zeros(shape, jnp.float32))
+  out = jax.lax.fori_loop(0, num_steps, body, out)
+  return tuple(x[:, :t] for x in out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(h, w, targets, chunk, transposed):
-  losses, correct, _ = _forward(h, w, targets, chunk, transposed)
+def _fused(h, w, targets, step, transposed):
+  losses, correct, _ = _forward(h, w, targets, step, transposed)
   return losses, correct
 
 
-def _fused_fwd(h, w, targets, chunk, transposed):
+def _fused_fwd(h, w, targets, step, transposed):
   # symbolic_zeros: each argument comes with whether it is differentiated (perturbed)
   need = (h.perturbed, w.perturbed)
   h, w, targets = h.value, w.value, targets.value
-  losses, correct, lse = _forward(h, w, targets, chunk, transposed)
+  losses, correct, lse = _forward(h, w, targets, step, transposed)
   # Residuals: h and w as given (arguments: no copies; w's cast is redone in backward),
   # the targets and an fp32 log-sum-exp per token; never a [tokens, V] array.
   return (losses, correct), (h, w, targets, lse, need)
 
 
-def _fused_bwd(chunk, transposed, res, cts):
+def _fused_bwd(step, transposed, res, cts):
   h, w, targets, lse, (need_dh, need_dw) = res
   g = cts[0]
   if isinstance(g, SymbolicZero) or not (need_dh or need_dw):
     return None, None, None
-  n, w_dtype = h.shape[0], w.dtype
+  t, w_dtype = h.shape[1], w.dtype
   w = w.astype(h.dtype)
+  h, targets, num_steps = _steps(h, targets, step)
+  lse = _padded(lse, h.shape[1])
+  g = _padded(g.astype(jnp.float32), h.shape[1])  # padded positions: g = 0, no contribution
+  # dlogits @ w.T (contract V) and the chunk's tokens (rows and positions) for dw
+  back = (((2,), (0,)) if transposed else ((2,), (1,)), ((), ()))
+  tokens = (((0, 1), (0, 1)), ((), ()))
 
-  def step(dw, xs):
-    h_c, t_c, lse_c, g_c = xs
-    logits = _logits(h_c, w, transposed)
+  def body(i, grads):
+    dh, dw = grads
+    h_i, t_i = _slice(h, i, step), _slice(targets, i, step)
+    logits = _logits(h_i, w, transposed)
     # softmax - onehot, scaled by the token's cotangent; matmuls in the compute dtype
     # with fp32 accumulation, as the attention backward does
-    dlogits = ((jnp.exp(logits - lse_c[:, None]) - _hits(logits, t_c)) * g_c[:, None]
-               ).astype(w.dtype)
-    dh_c = None
+    p = jnp.exp(logits - _slice(lse, i, step)[..., None])
+    dlogits = ((p - _hits(logits, t_i)) * _slice(g, i, step)[..., None]).astype(w.dtype)
     if need_dh:
-      back = ((1,), (0,)) if transposed else ((1,), (1,))
-      dh_c = jax.lax.dot_general(dlogits, w, (back, ((), ())),
-                                 preferred_element_type=jnp.float32).astype(h.dtype)
-    if need_dw:
-      # [V, D] (tied) or [D, V]: contract the chunk's tokens
-      pair = (dlogits, h_c) if transposed else (h_c, dlogits)
-      dw = dw + jax.lax.dot_general(*pair, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
-    return dw, dh_c
+      dh = _put(dh, jax.lax.dot_general(dlogits, w, back, preferred_element_type=jnp.float32),
+                i, step)
+    if need_dw:  # [V, D] (tied) or [D, V]
+      pair = (dlogits, h_i) if transposed else (h_i, dlogits)
+      dw = dw + jax.lax.dot_general(*pair, tokens, preferred_element_type=jnp.float32)
+    return dh, dw
 
-  dw0 = jnp.zeros(w.shape, jnp.float32) if need_dw else None
-  xs = (_chunked(h, chunk), _chunked(targets, chunk), _chunked(lse, chunk),
-        _chunked(g.astype(jnp.float32), chunk))  # padded rows: g = 0, no contribution
-  dw, dh = jax.lax.scan(step, dw0, xs)
-  return (_unchunked(dh, n) if need_dh else None,
-          dw.astype(w_dtype) if need_dw else None, None)
+  grads = (jnp.zeros(h.shape, h.dtype) if need_dh else None,
+           jnp.zeros(w.shape, jnp.float32) if need_dw else None)
+  dh, dw = jax.lax.fori_loop(0, num_steps, body, grads)
+  return (dh[:, :t] if need_dh else None, dw.astype(w_dtype) if need_dw else None, None)
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
@@ -145,7 +161,9 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
                           transposed: bool = False):
   """``(losses, correct)`` of ``logits = h @ w``: per-token fp32 cross-entropy
   ``logsumexp(logits) - logits[target]`` and ``argmax(logits) == target``, shaped like
-  ``targets``, computed ``chunk`` tokens at a time (a ragged last chunk is padded inside).
+  ``targets``, computed ``chunk`` tokens at a time: ``chunk // rows`` positions (at least
+  one) of the last axis of every row of the leading axes per step, a ragged last step
+  padded inside.
 
   ``h [..., D]`` in the compute dtype, ``w [D, V]`` (``[V, D]`` when ``transposed``) as
   stored (any float dtype; cast to ``h``'s for the matmuls), ``targets`` integer ``[...]``.
@@ -167,7 +185,11 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
     raise ValueError(f"chunked_cross_entropy: targets must be integers of shape "
                      f"{list(h.shape[:-1])}, got {targets.dtype}{list(targets.shape)}")
   lead = targets.shape
-  n = targets.size
-  losses, correct = _fused(h.reshape(n, h.shape[-1]), w, targets.reshape(n),
-                           min(chunk, max(n, 1)), bool(transposed))
+  t = lead[-1] if lead else 1
+  rows = targets.size // t if t else 0
+  # Steps slice the last (sequence) axis, every row at once: leading (batch) axes stay
+  # whole in each step, so a batch-sharded h is computed where it lives.
+  step = max(1, min(t, chunk // max(rows, 1)))
+  losses, correct = _fused(h.reshape(rows, t, h.shape[-1]), w, targets.reshape(rows, t),
+                           step, bool(transposed))
   return losses.reshape(lead), correct.reshape(lead)
