@@ -64,6 +64,11 @@ class Stage:
 
 
 # ----------------------------------------------------------------------------- stages
+# the lean exact baseline, plain Flax autodiff (what a user would write), LowMemoryBP, and
+# full remat: issue 13's GPU table, beside the peers
+BENCH_POLICIES = ("baseline", "plain", "lowmembp", "remat")
+
+
 def _py(*args: str) -> list[str]:
   return [sys.executable, *args]
 
@@ -71,7 +76,7 @@ def _py(*args: str) -> list[str]:
 def _bench_cmd(out: Path, name: str, sets: Sequence[str], synthetic: int, steps: int,
                warmup: int, peak: bool) -> list[str]:
   cmd = _py("-m", "train.bench", "--synthetic", str(synthetic), "--policies",
-            "baseline,lowmembp", "--steps", str(steps), "--warmup", str(warmup),
+            ",".join(BENCH_POLICIES), "--steps", str(steps), "--warmup", str(warmup),
             "--json", str(out / f"{name}.json"), "--peers")
   for item in sets:
     cmd += ["--set", item]

@@ -61,7 +61,7 @@ from train.batches import batch_items
 from train.bench_peers import merge_peers, ran_on_gpu, run_peers
 from train.config import TrainConfig, add_config_arguments, load_config
 
-DEFAULT_POLICIES = ("baseline", "approx-bp", "ms-bp", "lowmembp", "remat",
+DEFAULT_POLICIES = ("baseline", "plain", "approx-bp", "ms-bp", "lowmembp", "remat",
                     "remat:dots_saveable", "remat:save=qkv_proj,attn_out", "lowmembp+remat",
                     "mesa8", "lowmembp+mesa8", "wta-crs")
 
