@@ -74,9 +74,9 @@ def _py(*args: str) -> list[str]:
 
 
 def _bench_cmd(out: Path, name: str, sets: Sequence[str], synthetic: int, steps: int,
-               warmup: int, peak: bool) -> list[str]:
+               warmup: int, peak: bool, policies: Sequence[str] = BENCH_POLICIES) -> list[str]:
   cmd = _py("-m", "train.bench", "--synthetic", str(synthetic), "--policies",
-            ",".join(BENCH_POLICIES), "--steps", str(steps), "--warmup", str(warmup),
+            ",".join(policies), "--steps", str(steps), "--warmup", str(warmup),
             "--json", str(out / f"{name}.json"), "--peers")
   for item in sets:
     cmd += ["--set", item]
@@ -122,10 +122,12 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
     vit[:2] = ["model=vit-tiny", "batch_size=4"]
     llama[1:5] = ["model=llama-tiny", "model.num_layers=1", "max_len=32", "batch_size=2"]
   steps, warmup, n = (1, 1, 8) if smoke else (10, 2, 128)
-  stages.append(Stage("bench-vit", _bench_cmd(out, "bench-vit", vit, n, steps, warmup, peak),
+  policies = ("baseline", "lowmembp") if smoke else BENCH_POLICIES
+  stages.append(Stage("bench-vit", _bench_cmd(out, "bench-vit", vit, n, steps, warmup, peak,
+                                              policies),
                       120 + extra_timeout, 60 + extra_reserve, json_file="bench-vit.json"))
   stages.append(Stage("bench-llama", _bench_cmd(out, "bench-llama", llama, min(n, 32), steps,
-                                                warmup, peak),
+                                                warmup, peak, policies),
                       150 + extra_timeout, 70 + extra_reserve, json_file="bench-llama.json"))
 
   kernel = _py("-m", "lowmem_jax.kernel_bench", "--json", str(out / "kernel-bench.json"))
