@@ -50,8 +50,13 @@ def example_batch(model, batch: int, seq: int):
 
 
 def loss_fn(model, inputs, targets):
-  logits = model(inputs)
-  return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets))
+  """Mean cross-entropy; a language model's through its fused chunked head and loss
+  (``token_losses``: no [B, T, V] fp32 logits), as the trainer computes it."""
+  if hasattr(model, "token_losses"):
+    losses, _ = model.token_losses(inputs, targets)
+  else:
+    losses = optax.softmax_cross_entropy_with_integer_labels(model(inputs), targets)
+  return jnp.mean(losses)
 
 
 def sgd_step(graphdef, params, rest, inputs, targets, lr=1e-3):
