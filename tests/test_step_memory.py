@@ -47,3 +47,31 @@ def test_unknown_model_and_bad_override():
     step_memory.build("gpt-2", "baseline", None, {})
   with pytest.raises(ValueError, match="key=value"):
     step_memory._overrides(["num_layers"])
+
+
+@pytest.mark.precision("default")
+def test_the_vit_step_keeps_no_n_by_n_buffer():
+  """The whole ViT train step, read off the compiled executable (peak_buffers): plain
+  autodiff with XLA's attention keeps every layer's fp32 N x N probabilities at the peak;
+  the lean baseline (flash attention) at most the scores of the one block being worked on
+  (N = 17 is below its 512-key block), never a layer-stacked one."""
+  import jax.numpy as jnp
+  batch, n, layers, heads = 4, 17, 2, 4  # vit-tiny: 32 px, patch 8 -> 16 patches + CLS
+  one_layer = batch * heads * n * n * 4
+  square = {}
+  for spec in ("baseline", "plain"):
+    peak = step_memory.explain("vit-tiny", spec, batch, 0, jnp.bfloat16, {})
+    square[spec] = sum(b.nbytes for b in peak.find(dtype="float32") if b.shape[-2:] == (n, n))
+  assert square["plain"] >= layers * one_layer, square
+  assert square["baseline"] <= one_layer, square
+
+
+@pytest.mark.precision("default")
+def test_explain_prints_the_peak_buffers_by_source_line(capsys, tmp_path):
+  result = step_memory.main(["--model", "vit-tiny", "--batch", "2", "--policies", "baseline",
+                             "--explain", "--top", "5", "--json", str(tmp_path / "m.json")])
+  out = capsys.readouterr().out
+  assert "[baseline] live at the peak of" in out and "by source line:" in out
+  row = result["rows"][0]["peak_buffers"]
+  assert row["peak_bytes"] > 0 and len(row["by_source"]) == 5
+  assert (tmp_path / "m.json").exists()
