@@ -19,6 +19,7 @@ the compiler keeps, after fusion and rematerialisation: use this to decide memor
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import glob
 import math
@@ -118,14 +119,26 @@ def peak_buffers(fn: Callable, *args, top: int = 20, keep_dump: str | None = Non
   lowered = jitted.lower(*args, **kwargs)
   with tempfile.TemporaryDirectory(prefix="lowmem-xla-dump-") as tmp:
     where = keep_dump or tmp
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
+    with _no_persistent_cache():
       lowered.compile(compiler_options={"xla_dump_to": where})
-    finally:
-      jax.config.update("jax_enable_compilation_cache", cache)
     result = read_dump(where)
   return dataclasses.replace(result, dump_dir=keep_dump, top=top)
+
+
+@contextlib.contextmanager
+def _no_persistent_cache():
+  """Compiles inside skip the persistent compilation cache (the dump key ignores
+  ``xla_dump_to``: a cache hit would write nothing). JAX decides once per process whether
+  the cache is used; ``reset_cache`` makes it decide again, before and after."""
+  from jax.experimental.compilation_cache import compilation_cache
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
 
 
 # ----------------------------------------------------------------------------- the dump
