@@ -119,14 +119,14 @@ def peak_buffers(fn: Callable, *args, top: int = 20, keep_dump: str | None = Non
   lowered = jitted.lower(*args, **kwargs)
   with tempfile.TemporaryDirectory(prefix="lowmem-xla-dump-") as tmp:
     where = keep_dump or tmp
-    with _no_persistent_cache():
+    with no_persistent_cache():
       lowered.compile(compiler_options={"xla_dump_to": where})
     result = read_dump(where)
   return dataclasses.replace(result, dump_dir=keep_dump, top=top)
 
 
 @contextlib.contextmanager
-def _no_persistent_cache():
+def no_persistent_cache():
   """Compiles inside skip the persistent compilation cache (the dump key ignores
   ``xla_dump_to``: a cache hit would write nothing). JAX decides once per process whether
   the cache is used; ``reset_cache`` makes it decide again, before and after."""

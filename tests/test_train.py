@@ -647,12 +647,9 @@ def _lm_step(tmp_path, chunk):
                        "targets": rng.integers(0, v, (b, t), dtype=np.int32),
                        "loss_mask": (rng.random((b, t)) < 0.8).astype(np.int32)})
   dump = tmp_path / f"xla-{chunk}"
-  cache = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  try:
+  from lowmem_jax.buffer_assignment import no_persistent_cache
+  with no_persistent_cache():
     compiled = trainer.lower(batch).compile(compiler_options={"xla_dump_to": str(dump)})
-  finally:
-    jax.config.update("jax_enable_compilation_cache", cache)
   text = "".join(p.read_text() for p in dump.glob("*after_optimizations-buffer-assignment.txt"))
   assert text
   return trainer, compiled, batch, text
