@@ -5,15 +5,20 @@ each of our linears (:mod:`models.linear`) whose attribute name is in ``targets`
 :class:`LoRALinear`: ``y = base(x) + (alpha / rank) * (x @ A) @ B`` with ``B = 0`` at
 start, so the function is unchanged. Adapter weights are :class:`LoRAParam`, the only
 trainable set (``nnx.Optimizer(model, tx, wrt=LoRAParam)``, ``trainable_filter()``).
-The adapter reads the very ``x`` the base matmul saves (under MS norms, the shared norm
-output), so it adds only the rank-sized ``x @ A`` to what backward keeps. The base kernel
-is frozen (``freeze_kernel``): its strategy is the policy's for a frozen linear.
+The adapter's ``x @ A`` is the trained linear now: it takes over the base's linear site
+(the policy's strategy for a trained linear of that name, and its state), and the base is
+frozen (``freeze_kernel``: the policy's strategy for a frozen linear, whose backward needs
+no ``x``: ``dx = g W^T``). So what backward keeps of ``x`` is what the policy keeps for a
+trained linear: ``x`` itself (under MS norms, the shared norm output) under the baseline;
+under WTA-CRS (``sample_targets`` naming the linear) only ``k`` sampled rows of ``x``,
+their indices and scales, from which ``dA`` is estimated with ``A``'s output cotangent
+``scale * g B^T`` (:mod:`lowmem_jax.sampling`). ``dx`` and ``dB`` are exact (``dB``
+from the rank-sized ``x @ A``, kept).
 ``merge_lora`` folds adapters into the base kernels (for export), ``unmerge_lora`` undoes it.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax.methods import read
+from lowmem_jax.dense import Dense
 from models.linear import Linear, LinearGeneral
 from models.sites import as_array
 
@@ -47,6 +52,9 @@ class LoRALinear(nnx.Module):
     # Leading axes of a stacked base (the layer axis of models.stack): A and B get them too.
     out = base.out_features
     self.lead = len(kernel_shape) - self.n_in - (len(out) if isinstance(out, tuple) else 1)
+    # A reads x as the trained linear: the base's site (strategy, sampler state) serves it
+    self.read_x = base.saving
+    base.freeze_kernel()
     self.base = base
     self.scale = float(alpha) / rank
     self.merged = False
@@ -68,16 +76,12 @@ class LoRALinear(nnx.Module):
     y = self.base(x)
     if self.merged:
       return y
-    lora_a = self.lora_a[...].astype(as_array(x).dtype)
-    # x @ A keeps what the base keeps of x: the array itself, or what a carried x carries
-    a = checkpoint_name(read(functools.partial(_contract, self.n_in), [x], (lora_a,)), "lora_a")
+    # x @ A keeps what the policy keeps for a trained linear (of the base's name) reading x
+    dense = Dense(self.n_in, as_array(x).dtype)
+    a = checkpoint_name(self.read_x(dense, x, self.lora_a[...], None, contract=self.n_in),
+                        "lora_a")
     return y + (self.scale * jnp.tensordot(a, self.lora_b[...].astype(a.dtype), axes=1)
                 ).astype(y.dtype)
-
-
-def _contract(n_in, x, lora_a):
-  axes = tuple(range(x.ndim - n_in, x.ndim))
-  return jnp.tensordot(x, lora_a, axes=(axes, tuple(range(n_in))))
 
 
 def _targets(model, targets: Sequence[str]):
@@ -108,7 +112,6 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
                      "blocks' weights stacked on a layer axis; LoRA is not supported there")
   rngs = nnx.Rngs(seed)
   for path, node in found:
-    node.freeze_kernel()
     setattr(_parent(model, path), path[-1], LoRALinear(node, rank=rank, alpha=alpha, rngs=rngs))
   return model
 
