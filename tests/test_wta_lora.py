@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from lowmem_jax.memory import saved_residuals, step_memory
+from lowmem_jax.memory import peak_buffers, saved_residuals
 from lowmem_jax.sampling import (DEFAULT_RATIO, budget, sampled_weight_grad,
                                  sampling_probabilities, wta_crs_select)
 from models import lora, registry
@@ -151,8 +151,9 @@ def test_frozen_base_alone_keeps_no_input():
     assert not res.items, (policy, res.table())
 
 
-def _lora_step_temp(policy):
-  """Compiled temp of a LoRA step (every linear adapted) of a small BERT."""
+def _lora_step_peak(policy):
+  """Compiled peak (live buffers, CPU) of a LoRA step (every linear adapted) of a small
+  BERT: gradients of the adapters."""
   model = registry.build("bert-tiny", policy, dtype=jnp.float32, max_positions=256)
   lora.apply_lora(model, rank=8, targets=("query", "key", "value", "out", "fc1", "fc2"))
   graphdef, params, rest = nnx.split(model, lora.LoRAParam, ...)
@@ -165,10 +166,11 @@ def _lora_step_temp(policy):
       return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
     return jax.grad(loss)(params)
 
-  return step_memory(step, params, rest, tokens, labels).temp
+  return peak_buffers(step, params, rest, tokens, labels).peak_bytes
 
 
-def test_lora_step_under_wta_crs_keeps_less_than_plain_lora():
-  base, wta = _lora_step_temp("baseline"), _lora_step_temp("wta-crs")
-  # measured (CPU, jax 0.10.2): see the ratio in the report of this change
-  assert wta < 0.8 * base, (wta, base, wta / base)
+def test_lora_step_under_wta_crs_peaks_below_plain_lora():
+  base, wta = _lora_step_peak("baseline"), _lora_step_peak("wta-crs")
+  # measured (CPU, jax 0.10.2): 30.8 / 40.2 MiB = 0.77 (the fp32 attention scores of
+  # CPU's backward, 16 MiB in both, dominate; a CPU proxy of the GPU figure)
+  assert wta < 0.85 * base, (wta, base, wta / base)
