@@ -5,7 +5,10 @@ The linears named in ``sample_targets`` (attribute names in our blocks, see
 and save only those rows (:func:`lowmem_jax.sampling.wta_crs_linear`). Each such linear
 has state, a :class:`~lowmem_jax.sampling.KeyState` (its key and call count: a fresh key
 per call). A frozen kernel (LoRA's base) has no weight gradient to estimate, so it is
-never sampled. Heads and embeddings are never sampled. Preset ``wta-crs``.
+never sampled; under LoRA the trained linear reading the layer input is the adapter's
+``A`` (:mod:`models.lora` gives it the base's site), so ``dA`` is the one sampled, with
+``A``'s output cotangent ``scale * g B^T`` in place of ``g``. Heads and embeddings are
+never sampled. Preset ``wta-crs``.
 """
 
 from __future__ import annotations

@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from flax import nnx
 
 from lowmem_jax.memory import peak_buffers, saved_residuals
 from lowmem_jax.sampling import (DEFAULT_RATIO, budget, sampled_weight_grad,
                                  sampling_probabilities, wta_crs_select)
+from lowmem_jax.wta_crs import SampledLinear
 from models import lora, registry
 from models.linear import Linear
 from models.sites import SiteState
@@ -149,6 +149,17 @@ def test_frozen_base_alone_keeps_no_input():
     base.freeze_kernel()
     res = saved_residuals(lambda x: jnp.sum(base(2.0 * x)), _inputs()[0])
     assert not res.items, (policy, res.table())
+
+
+def test_in_a_model_the_adapters_of_the_targets_are_sampled():
+  model = lora.apply_lora(registry.build("bert-tiny", "wta-crs+sample_targets=query,fc2",
+                                         dtype=jnp.float32), targets=("query", "value", "fc2"))
+  block = model.stack.layer(0)
+  sampled = {name: isinstance(lin.read_x.strategy, SampledLinear)
+             for name, lin in (("query", block.attention.query), ("value", block.attention.value),
+                               ("fc2", block.mlp.fc2))}
+  assert sampled == {"query": True, "value": False, "fc2": True}
+  assert not isinstance(block.attention.query.base.saving.strategy, SampledLinear)
 
 
 def _lora_step_peak(policy):
