@@ -33,7 +33,7 @@ def _activation(policy, inner, *, kind: str, gated: bool = False):
 
 METHOD = Method(
     name="approx-bp",
-    fields=(Field("activation", "exact", "exact (plain autodiff) | approx2 (ReGELU2/"
+    fields=(Field("activation", "exact", "exact (the baseline's exact rule) | approx2 (ReGELU2/"
                   "ReSiLU2: the backward keeps a 2-bit code per element)",
                   choices=ACTIVATIONS),),
     presets={"approx-bp": {"activation": "approx2"}},

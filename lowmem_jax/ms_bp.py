@@ -25,7 +25,7 @@ def _norm(policy, inner, *, kind: str):
 
 METHOD = Method(
     name="ms-bp",
-    fields=(Field("norm", "standard", "standard (affine norms, plain autodiff) | ms "
+    fields=(Field("norm", "standard", "standard (affine norms, the baseline's rule) | ms "
                   "(MS-LayerNorm/MS-RMSNorm, affine merged into the next linear)",
                   choices=NORMS),),
     presets={"ms-bp": {"norm": "ms"}, "lowmembp": {"activation": "approx2", "norm": "ms"}},

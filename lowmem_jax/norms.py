@@ -56,7 +56,8 @@ def _affine(y, scale, bias, dtype, name):
 
 
 def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, name: str | None = None):
-  """Standard LayerNorm over the last axis, fp32 statistics, plain autodiff (the baseline).
+  """Standard LayerNorm over the last axis, fp32 statistics, plain autodiff (the
+  reference; the baseline runs it keeping only its input, :mod:`lowmem_jax.baseline`).
 
   ``name`` tags the output with ``checkpoint_name`` (for ``remat:save=...``).
   """
@@ -66,7 +67,8 @@ def layer_norm(x, scale=None, bias=None, eps: float = 1e-6, *, name: str | None 
 
 
 def rms_norm(x, scale=None, eps: float = 1e-6, *, name: str | None = None):
-  """Standard RMSNorm over the last axis, fp32 statistics, plain autodiff (the baseline).
+  """Standard RMSNorm over the last axis, fp32 statistics, plain autodiff (the
+  reference; the baseline runs it keeping only its input, :mod:`lowmem_jax.baseline`).
 
   ``name`` tags the output with ``checkpoint_name`` (for ``remat:save=...``).
   """

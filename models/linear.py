@@ -3,7 +3,7 @@ say in what their backward keeps.
 
 Same parameters (``kernel``, ``bias``) and function as the Flax layers, so checkpoints,
 LoRA and sharding see no difference. The layer computes its dense function through its
-strategy (``policy.linear_strategy(name)``, held in ``self.saving``): plain autodiff
+strategy (``policy.linear_strategy(name)``, held in ``self.saving``): the baseline
 keeps the input, or what a carried input carries (Mesa: its code); WTA-CRS keeps a
 sample of the token rows for the weight gradient.
 """
