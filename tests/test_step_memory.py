@@ -59,11 +59,14 @@ def test_the_vit_step_keeps_no_n_by_n_buffer():
   batch, n, layers, heads = 4, 17, 2, 4  # vit-tiny: 32 px, patch 8 -> 16 patches + CLS
   one_layer = batch * heads * n * n * 4
   square = {}
-  for spec in ("baseline", "plain"):
+  for spec in ("plain", "baseline"):
     peak = step_memory.explain("vit-tiny", spec, batch, 0, jnp.bfloat16, {})
     square[spec] = sum(b.nbytes for b in peak.find(dtype="float32") if b.shape[-2:] == (n, n))
   assert square["plain"] >= layers * one_layer, square
   assert square["baseline"] <= one_layer, square
+  # nearly all of the peak's temporaries are traced to a Python source line
+  located = sum(b.nbytes for b in peak.find(kind="temp") if ".py:" in b.source)
+  assert located >= 0.9 * peak.bytes_of("temp")
 
 
 @pytest.mark.precision("default")
@@ -78,11 +81,12 @@ def test_explain_prints_the_peak_buffers_by_source_line(capsys, tmp_path):
 
 
 @pytest.mark.precision("default")
-@pytest.mark.parametrize("model,batch,seq", [("vit-tiny", 8, 0), ("llama-tiny", 4, 64)])
-def test_lowmembp_with_mesa8_keeps_no_more_than_either(model, batch, seq):
+def test_lowmembp_with_mesa8_keeps_no_more_than_either():
   """Issue 14's CPU check: a combination never costs more than either part (compiled temp
   of the whole step and jaxpr residuals). CPU (jax 0.10.2): vit-tiny temp 1.5 baseline,
-  1.2 lowmembp, 0.9 mesa8, 0.8 both (MiB); llama-tiny 3.9, 3.6, 2.5, 2.4."""
+  1.2 lowmembp, 0.9 mesa8, 0.8 both (MiB); llama-tiny (batch 4 x 64, measured, not run
+  here for the suite's time) 3.9, 3.6, 2.5, 2.4."""
+  model, batch, seq = "vit-tiny", 8, 0
   import jax.numpy as jnp
   rows = {r["policy"]: r for r in step_memory.measure(
       model, ["lowmembp", "mesa8", "lowmembp+mesa8"], batch, seq, jnp.bfloat16, {})}
