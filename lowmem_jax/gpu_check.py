@@ -167,6 +167,10 @@ def _tail(path: Path, lines: int) -> str:
   return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
+def _default_sigint() -> None:
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _stop(proc: subprocess.Popen) -> None:
   """SIGINT to the stage's process group (pytest writes its report), then SIGKILL."""
   for sig, wait in ((signal.SIGINT, KILL_GRACE_S), (signal.SIGKILL, 10)):
@@ -199,8 +203,12 @@ def run_stage(stage: Stage, out: Path, timeout_s: float) -> dict:
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   start = time.perf_counter()
   with open(out / rec["stdout"], "w") as so, open(out / rec["stderr"], "w") as se:
+    # SIGINT back to its default in the stage: a check started in the background (`&` in
+    # a script, a pytest-xdist worker) runs with SIGINT ignored, which the stage would
+    # inherit, and a timed-out pytest would then be killed without writing its report
     proc = subprocess.Popen(stage.cmd, cwd=ROOT, env=env, stdout=so, stderr=se,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+                            stdin=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=_default_sigint)
     try:
       proc.wait(timeout_s)
       rec["status"] = "passed" if proc.returncode == 0 else "failed"
