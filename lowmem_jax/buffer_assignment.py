@@ -29,6 +29,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
 
 # HLO element types -> numpy dtype names
 _DTYPES = {"f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float16",
@@ -242,10 +243,7 @@ def _type_bytes(text: str) -> int:
   if shape is None:
     return 0
   itemsize = {"bool": 1, "bfloat16": 2, "int4": 1, "uint4": 1}.get(dtype)
-  if itemsize is None:
-    import numpy as np
-    itemsize = np.dtype(dtype).itemsize
-  return math.prod(shape) * itemsize
+  return math.prod(shape) * (itemsize or np.dtype(dtype).itemsize)
 
 
 # ----------------------------------------------------------------------------- HLO text
