@@ -70,11 +70,41 @@ def _hash32(x):
   return x ^ (x >> 16)
 
 
-def uniform_noise(index, seed):
-  """``[0, 1)`` fp32 noise (24 bits) of uint32 element indices and a seed: the
-  stochastic-rounding noise of this reference and of the kernels."""
-  bits = _hash32(index.astype(jnp.uint32) * jnp.uint32(0x9E3779B9) + seed.astype(jnp.uint32))
+GOLDEN = 0x9E3779B9  # the index multiplier of the hash's input (2**32 / golden ratio)
+
+
+def _unit(bits):
+  """The top 24 bits of uint32 ``bits`` as ``[0, 1)`` fp32."""
   return (bits >> 8).astype(jnp.float32) * jnp.float32(2.0 ** -24)
+
+
+def uniform_noise(index, seed):
+  """``[0, 1)`` fp32 noise (24 bits) of uint32 element indices and a seed,
+  ``hash(index * GOLDEN + seed)``: the stochastic-rounding noise of this reference and of
+  the kernels."""
+  return _unit(_hash32(index.astype(jnp.uint32) * jnp.uint32(GOLDEN) + seed.astype(jnp.uint32)))
+
+
+def view_noise(shape: Sequence[int], seed):
+  """:func:`uniform_noise` of every element of an ``[O, G, I]`` view (flat index
+  ``(o * G + g) * I + i``), the same bits, formed so that no array of the view's size
+  is independent of ``seed``: ``index * GOLDEN`` is split (mod 2**32) into three per-axis
+  vectors joined to the seed first. An array that depends on nothing in a scanned layer
+  would be hoisted out of the scan by JAX and live through the whole loop as a uint32
+  array per coded activation; this way the whole hash fuses into the quantize fusion."""
+  o, g, i = (int(d) for d in shape)
+  u32 = jnp.uint32
+
+  def axis_term(size, axis, stride):
+    dims = [1, 1, 1]
+    dims[axis] = size
+    coeff = u32(stride * GOLDEN % 2 ** 32)
+    return jax.lax.broadcasted_iota(u32, tuple(dims), axis) * coeff
+
+  key = jnp.asarray(seed, u32) + axis_term(o, 0, g * i)   # [O, 1, 1]
+  key = key + axis_term(g, 1, i)                     # [O, G, 1]
+  key = key + axis_term(i, 2, 1)                     # [O, G, I]
+  return _unit(_hash32(key))
 
 
 def group_step(lo, hi):
@@ -90,14 +120,10 @@ def group_step(lo, hi):
 # ----------------------------------------------------------------------------- reference
 def quantize_reference(x3, lo, hi, seed):
   """``x3: [O, G, I]`` -> uint8 codes (plain jnp; the kernels' reference)."""
-  o, g, i = x3.shape
-  index = jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 0) * jnp.uint32(g * i)
-  index = index + jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 1) * jnp.uint32(i)
-  index = index + jax.lax.broadcasted_iota(jnp.uint32, (o, g, i), 2)
   # group_step keeps 16 significant bits: code * step is exact in fp32, so dequantized
   # values are the same bits whether or not XLA fuses ``code * step + lo`` into an FMA
   lo3, step = lo[None, :, None], group_step(lo, hi)[None, :, None]
-  t = (x3.astype(jnp.float32) - lo3) / step + uniform_noise(index, seed)
+  t = (x3.astype(jnp.float32) - lo3) / step + view_noise(x3.shape, seed)
   return jnp.clip(jnp.floor(t), 0, LEVELS).astype(jnp.uint8)
 
 
@@ -132,10 +158,14 @@ def dequantize(codes, lo, hi, dtype, *, axis: int = -1, groups: int = 1,
 
 # ----------------------------------------------------------------------------- EMA range
 def batch_range(x, *, axis: int = -1, groups: int = 1):
-  """Per-group (min, max) of ``x`` in fp32, gradient-free."""
-  x3 = jax.lax.stop_gradient(x).reshape(group_view(x.shape, axis, groups))
-  x3 = x3.astype(jnp.float32)
-  return x3.min(axis=(0, 2)), x3.max(axis=(0, 2))
+  """Per-group (min, max) of ``x`` in fp32, gradient-free. Reduced in ``x``'s dtype
+  (exact: min and max only pick), only the ``[G]`` results cast: no fp32 copy of ``x``."""
+  view = group_view(x.shape, axis, groups)
+  x = jax.lax.stop_gradient(x)
+  # one group: reduce x flat (a [O, 1, I] view gets a layout copy on XLA:CPU)
+  x3, reduced = (x.reshape(-1), 0) if groups == 1 else (x.reshape(view), (0, 2))
+  lo, hi = x3.min(axis=reduced), x3.max(axis=reduced)
+  return lo.astype(jnp.float32).reshape(groups), hi.astype(jnp.float32).reshape(groups)
 
 
 def ema_range(lo, hi, count, batch_lo, batch_hi, decay: float = DECAY):
