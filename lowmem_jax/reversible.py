@@ -18,6 +18,10 @@ Schedules of the backward scan (same gradients):
   forward of ``f`` and ``g`` per block, as the rebuild no longer shares the VJP's forward
   (and one discarded rebuild in the last iteration). A prologue rebuilds block ``L-1``'s
   inputs before the loop.
+* ``"pareprop-stream"``: PaReprop with the rebuild put on a second GPU stream by JAX's
+  stream annotation (``compute_on("gpu_stream:1")`` around a jitted call: XLA runs it
+  asynchronously beside the gradient work). Other backends ignore the annotation; the
+  arithmetic is PaReprop's. Unmeasured on a GPU so far (``benchmarks/reversible_depth``).
 
 Numerics: ``x = y - f(...)`` is exact in exact arithmetic; in floating point the rebuilt
 inputs differ from the true ones by rounding, so gradients match standard backprop to
@@ -33,8 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental.compute_on import compute_on
 
-SCHEDULES = ("vanilla", "pareprop")
+SCHEDULES = ("vanilla", "pareprop", "pareprop-stream")
+REBUILD_STREAM = 1  # the GPU stream of "pareprop-stream"'s rebuild (0 is the compute stream)
 
 
 # ----------------------------------------------------------------------------- keys, checks
@@ -186,7 +192,8 @@ def _backward_vanilla(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy2
   return dpf, dpg, dx1, dx2
 
 
-def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy2, depth):
+def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy2, depth,
+                       stream=None):
   """PaReprop: iteration i = gradient of block i || rebuild of block i-1's inputs.
 
   The carry holds block i's output ``y1`` and rebuilt inputs ``(x1, x2)``; it leaves
@@ -194,8 +201,12 @@ def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy
   The scan runs all ``L`` iterations so its gradient outputs come out stacked in layer
   order (no params-sized concatenate: measured, that copy grows the compiled temp with
   depth). Iteration 0 has no block -1 to rebuild: its rebuild reuses block 0's index and
-  is discarded, one wasted forward of ``f`` and ``g`` per backward pass.
+  is discarded, one wasted forward of ``f`` and ``g`` per backward pass. ``stream``:
+  the GPU stream the in-loop rebuild is annotated to run on (None: no annotation).
   """
+  inverse = functools.partial(_block_inverse, f, g)
+  if stream is not None:
+    inverse = _on_stream(jax.jit(inverse), stream)
   last = depth - 1
   x1, x2 = _block_inverse(f, g, _at(params_f, last), _at(params_g, last),
                           _at(keys_f, last), _at(keys_g, last), y1, y2)  # prologue
@@ -207,8 +218,8 @@ def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy
                                      _at(keys_f, i), _at(keys_g, i), y1, x2, dy1, dy2)
     # (b) independent of (a): block i-1's inputs from block i's inputs.
     j = jnp.maximum(i - 1, 0)  # i == 0: rebuilds block 0 again, result unused
-    px1, px2 = _block_inverse(f, g, _at(params_f, j), _at(params_g, j),
-                              _at(keys_f, j), _at(keys_g, j), x1, x2)
+    px1, px2 = inverse(_at(params_f, j), _at(params_g, j), _at(keys_f, j), _at(keys_g, j),
+                       x1, x2)
     return (x1, px1, px2, dx1, dx2), (dpf, dpg)
 
   (_, _, _, dx1, dx2), (dpf, dpg) = lax.scan(body, (y1, x1, x2, dy1, dy2),
@@ -216,7 +227,16 @@ def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy
   return dpf, dpg, dx1, dx2
 
 
-_BACKWARD = {"vanilla": _backward_vanilla, "pareprop": _backward_pareprop}
+def _on_stream(fn, stream: int):
+  """``fn`` called under JAX's GPU stream annotation (ignored off the GPU)."""
+  def call(*args):
+    with compute_on(f"gpu_stream:{stream}"):
+      return fn(*args)
+  return call
+
+
+_BACKWARD = {"vanilla": _backward_vanilla, "pareprop": _backward_pareprop,
+             "pareprop-stream": functools.partial(_backward_pareprop, stream=REBUILD_STREAM)}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -250,7 +270,8 @@ def reversible_stack(f, g, params_f, params_g, x1, x2, key=None, *, schedule: st
   leading layer axis of size ``L``; non-float leaves (counters) get float0 cotangents.
   ``key`` (typed or raw) gives block ``i`` the keys of :func:`layer_keys`, replayed in
   backward. Saves for backward only ``(y1, y2)``, the parameters and the key.
-  ``schedule``: "vanilla" or "pareprop" (see the module docstring). Returns ``(y1, y2)``.
+  ``schedule``: "vanilla", "pareprop" or "pareprop-stream" (see the module docstring).
+  Returns ``(y1, y2)``.
   """
   if schedule not in SCHEDULES:
     raise ValueError(f"reversible_stack: unknown schedule {schedule!r}; valid: "

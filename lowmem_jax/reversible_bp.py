@@ -1,7 +1,8 @@
 """Reversible backprop (RevViT, PaReprop) as a policy method: the ``reversible`` field.
 
 A reversible model's stack keeps only its outputs and rebuilds block inputs in backward
-(:mod:`lowmem_jax.reversible`; "pareprop" overlaps the rebuild with the gradient work).
+(:mod:`lowmem_jax.reversible`; "pareprop" overlaps the rebuild with the gradient work,
+"pareprop-stream" also annotates the rebuild to run on a second GPU stream).
 It needs a reversible architecture (``revvit-*``, ``revllama-*``); blocks keep nothing,
 so quantizing, sampling or rematting their activations would change nothing. Presets
 ``reversible`` and ``pareprop``.
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from lowmem_jax.methods import Field, Method
 
-REVERSIBLES = ("none", "vanilla", "pareprop")
+REVERSIBLES = ("none", "vanilla", "pareprop", "pareprop-stream")
 
 
 # Fields that act on what blocks keep: a reversible stack's blocks keep nothing.
@@ -41,8 +42,9 @@ def _check_model(policy, model: str, reversible: bool):
 
 METHOD = Method(
     name="reversible",
-    fields=(Field("reversible", "none", "none | vanilla | pareprop (reversible models "
-                  "rebuild block inputs in backward)", choices=REVERSIBLES),),
+    fields=(Field("reversible", "none", "none | vanilla | pareprop | pareprop-stream "
+                  "(reversible models rebuild block inputs in backward)",
+                  choices=REVERSIBLES),),
     presets={"reversible": {"reversible": "vanilla"}, "pareprop": {"reversible": "pareprop"}},
     check=_check,
     check_model=_check_model,

@@ -8,7 +8,7 @@ are kept in fp32 whatever the compute dtype (F and G compute in it): rebuilding
 ``x2 = y2 - G(y1)`` in bf16 cancels catastrophically when ``|G(y1)| >> |x2|`` (measured:
 50% gradient error at depth 12 with bf16 streams, the error of plain autodiff with fp32
 streams). Under
-``policy.reversible`` ("vanilla" | "pareprop") it runs
+``policy.reversible`` ("vanilla" | "pareprop" | "pareprop-stream") it runs
 :func:`lowmem_jax.reversible.reversible_stack` (saves only the outputs, rebuilds block
 inputs in backward); otherwise :func:`lowmem_jax.reversible.reference_stack` (plain
 autodiff of the same blocks: the baseline). Mesa, WTA-CRS and remat do not apply to its

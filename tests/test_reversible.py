@@ -77,6 +77,9 @@ def loss(stack, params_f, params_g, x1, x2, key):
   return jnp.sum(jnp.tanh(y1) * y2) + 0.5 * jnp.sum(y1 * y1) - jnp.sum(y2)
 
 
+# "pareprop-stream" is PaReprop's arithmetic with a stream annotation: it has its own test
+# below, not a second run of every case (suite time).
+SCHEDULES = tuple(s for s in SCHEDULES if s != "pareprop-stream")
 STACKS = {
     "reference": reference_stack,
     **{s: functools.partial(reversible_stack, schedule=s) for s in SCHEDULES},
@@ -290,3 +293,18 @@ def test_under_jit_and_nested_in_grad(schedule):
   (first, second), (ref_first, ref_second) = res[schedule], res["reference"]
   assert_trees_close(first, ref_first, **TOL)
   np.testing.assert_allclose(second, ref_second, **TOL)
+
+
+def test_pareprop_stream_annotates_the_rebuild_and_equals_pareprop():
+  """The rebuild goes out under JAX's GPU stream annotation (CPU ignores it and runs the
+  same arithmetic: equal to pareprop's gradients to rounding)."""
+  args = (*init_params(3), *inputs(), jax.random.key(2))
+  out, texts = {}, {}
+  for s in ("pareprop", "pareprop-stream"):
+    grad = jax.grad(functools.partial(loss, functools.partial(reversible_stack, schedule=s)),
+                    argnums=(0, 1, 2, 3), allow_int=True)
+    lowered = jax.jit(grad, compiler_options=FAST_COMPILE).lower(*args)
+    texts[s], out[s] = lowered.as_text(), lowered.compile()(*args)
+  assert '_xla_stream_annotation = "1"' in texts["pareprop-stream"]
+  assert "_xla_stream_annotation" not in texts["pareprop"]
+  assert_trees_close(out["pareprop-stream"], out["pareprop"], rtol=1e-6, atol=1e-6)
