@@ -38,6 +38,7 @@ METHOD_MODULES = (
     "lowmem_jax.mesa",
     "lowmem_jax.wta_crs",
     "lowmem_jax.reversible_bp",
+    "lowmem_jax.lowmem",
 )
 METHODS = methods.load(*METHOD_MODULES)
 

@@ -54,6 +54,27 @@ def test_bench_end_to_end(tmp_path, capsys):
   assert trainer.compiled_memory(batch).as_dict() == base["compiled"]
 
 
+def test_compile_only_runs_nothing(tmp_path, capsys, monkeypatch):
+  monkeypatch.setattr(bench, "_Runner", _NoSteps)
+  out = tmp_path / "compiled.json"
+  result = bench.main([*TINY, "--policies", "lowmem", "--compile-only", "--json", str(out)])
+  data = json.loads(out.read_text())
+  assert data == json.loads(json.dumps(result)) and data["timed_steps"] == 0
+  rows = {r["policy"]: r for r in data["rows"]}
+  assert list(rows) == ["baseline", "lowmem"] and rows["baseline"]["temp_ratio"] == 1.0
+  assert rows["lowmem"]["canonical_policy"] == "lowmem"
+  for r in rows.values():
+    assert r["compiled"]["temp"] > 0 and r["step_ms"] is None and r["throughput"] is None
+  assert "compiled only" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    bench.main([*TINY, "--compile-only", "--peak"])
+
+
+class _NoSteps(bench._Runner):
+  def __call__(self):
+    raise AssertionError("--compile-only ran a step")
+
+
 @pytest.mark.precision("default")
 def test_synthetic_llama_lm_with_lora_and_peers(tmp_path, monkeypatch, capsys):
   """--synthetic N: random tokens shaped for a preset (no data files), LoRA on all seven

@@ -4,6 +4,7 @@
     python -m train.bench --policies baseline,lowmembp --steps 50 --json bench.json
     python -m train.bench --config-name minilm-text --set batch_size=32 --png bench.png
     python -m train.bench --peak                            # GPU: allocator peak per policy
+    python -m train.bench --compile-only --policies baseline,lowmem,remat   # nothing runs
     python -m train.bench --synthetic 64 --set model=llama-7b --set task=lm \
         --set model.num_layers=4 --set max_len=1024 --set batch_size=4   # no data files
 
@@ -250,6 +251,35 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
           "rows": rows}
 
 
+def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0) -> dict:
+  """Compiled memory of each policy's train step, nothing run (``--compile-only``): the
+  JSON result, rows without step times. One trainer at a time, so host memory holds one
+  model."""
+  train_set = train_dataset(cfg, synthetic)
+  memory = {}
+  for spec in specs:
+    runner = _make_runner(cfg, spec, train_set)
+    memory[spec] = runner.trainer.compiled_memory(runner.batch)
+    del runner
+    print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
+          f"{memory[spec].total / MiB:.1f} MiB", flush=True)
+  base = memory[next(s for s in specs if _is_baseline(s))]
+  rows = [{"policy": spec, "canonical_policy": MemoryPolicy.parse(spec).spec,
+           "compiled": mem.as_dict(), "temp_mib": mem.temp / MiB,
+           "temp_ratio": mem.temp / max(base.temp, 1), "argument_mib": mem.argument / MiB,
+           "total_mib": mem.total / MiB, "total_ratio": mem.total / max(base.total, 1),
+           "step_ms": None, "speed_ratio": None, "throughput": None}
+          for spec, mem in memory.items()]
+  unit = "tokens/s" if cfg.task == "lm" else "examples/s"
+  return {**_device_info(), "config": cfg.to_json(), "policies": list(specs),
+          "baseline": specs[0], "timed_steps": 0, "warmup_steps": 0, "synthetic": synthetic,
+          "throughput_unit": unit, "rows": rows}
+
+
+def _fmt(value, spec: str) -> str:
+  return "-" if value is None else format(value, spec)
+
+
 def table(result: dict) -> str:
   """Our policies' rows, then the peers' (``--peers``; no compiled memory: ``-``)."""
   peers = result.get("peers", [])
@@ -261,8 +291,8 @@ def table(result: dict) -> str:
   rows = []
   for r in result["rows"]:
     row = [r["policy"], f"{r['temp_mib']:.1f}", f"{r['temp_ratio']:.3f}",
-           f"{r['total_mib']:.1f}", f"{r['total_ratio']:.3f}", f"{r['step_ms']:.2f}",
-           f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"]
+           f"{r['total_mib']:.1f}", f"{r['total_ratio']:.3f}", _fmt(r["step_ms"], ".2f"),
+           _fmt(r["speed_ratio"], ".3f"), _fmt(r["throughput"], ".0f")]
     if peak:
       row += ([f"{r['peak_mib']:.1f}", f"{r['peak_ratio']:.3f}"] if "peak_mib" in r
               else ["-", "-"])
@@ -343,6 +373,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                   help="N random examples shaped for the model instead of the config's data")
   ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")
   ap.add_argument("--png", metavar="FILE", help="draw memory and throughput bars (matplotlib)")
+  ap.add_argument("--compile-only", action="store_true",
+                  help="compiled memory of each policy's step only: nothing runs (no "
+                       "timing, peak or peers)")
   ap.add_argument("--peak-child", metavar="FILE", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
@@ -356,6 +389,17 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     # parse_policies puts baseline first when missing: the policy asked for is the last
     _peak_child(cfg, specs[-1], args.warmup + args.steps, args.peak_child, args.synthetic)
     return None
+
+  if args.compile_only:
+    if args.peak or args.peers or args.png:
+      ap.error("--compile-only runs nothing: it takes no --peak, --peers or --png")
+    result = compile_only(cfg, specs, args.synthetic)
+    print(f"\n{cfg.pretrained or cfg.model} ({cfg.task}), batch {cfg.batch_size}, "
+          f"{cfg.dtype}; {result['device_kind']} ({result['backend']}), jax "
+          f"{result['jax_version']}; compiled only")
+    print(table(result))
+    write_json(args.json, result)
+    return result
 
   # the peers and the peaks run before this process allocates on the device (XLA preallocates)
   peers = run_peers(cfg, args.steps, args.warmup) if args.peers else None

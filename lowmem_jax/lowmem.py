@@ -1,0 +1,40 @@
+"""The combined preset ``lowmem``: LowMemoryBP with Mesa 8-bit codes (``lowmembp+mesa8``).
+
+Chosen by measurement among the combinations that recompute no matmul (remat does, and
+pays for it in speed): what each keeps of ViT-B/16 LoRA (query, value; rank 8), batch 64,
+bf16, compiled train-step temp on CPU (a proxy: XLA:CPU stacks bf16 residuals as fp32)::
+
+    python -m train.bench --compile-only --synthetic 64 --set model=vit-b16 \
+      --set batch_size=64 --set trainable=lora --set lora_targets=query,value \
+      --policies baseline,lowmembp,mesa8,lowmem,remat,remat:dots_saveable
+
+
+=========================  ============  ===========
+policy                     temp MiB      / baseline
+=========================  ============  ===========
+baseline (lean exact)      6101          1.000
+lowmembp                   3269          0.536
+mesa8                      2696          0.442
+**lowmem**                 **1382**      **0.227**
+remat (full)               1678          0.275
+remat:dots_saveable        8070          1.323
+=========================  ============  ===========
+
+What a block keeps under it: the 2-bit ReGELU2/ReSiLU2 codes of its activations, the MS
+norms' outputs as 8-bit codes shared with the linears that read them, head-wise 8-bit
+codes of q, k and v for attention (the probabilities are recomputed from them), and the
+linears' inputs as 8-bit codes; frozen linears keep nothing. Gated activations stay
+exact on their (coded) inputs. The GPU choice (peak at or below timm+peft with gradient
+checkpointing at >= 0.9x its speed without) is made by ``python -m lowmem_jax.gpu_check``,
+which benches this preset beside remat and the peers.
+"""
+
+from __future__ import annotations
+
+from lowmem_jax.methods import Method
+
+METHOD = Method(
+    name="lowmem",
+    presets={"lowmem": {"activation": "approx2", "norm": "ms", "quant": "mesa",
+                        "quant_bits": 8}},
+)
