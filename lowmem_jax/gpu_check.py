@@ -12,7 +12,10 @@ GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
 1024, LoRA r=8 on all 7 linears; random data; with ``--peers``: timm / HF Llama + peft on
 the same shapes, with and without checkpointing, which on a GPU implies ``--peak``),
 ``kernel-bench``, ``attention-bench``
-(recorded as missing until that module exists) and ``tests`` (the suite in pytest-xdist
+(recorded as missing until that module exists), ``reversible-depth``
+(``benchmarks.reversible_depth``: RevViT-B peak at 12 and 24 layers under baseline,
+reversible and pareprop, a fresh process each, and PaReprop's speed with XLA's latency
+hiding scheduler and on a second stream) and ``tests`` (the suite in pytest-xdist
 workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its JUnit XML). A stage
 that fails or times out is recorded and the next one runs. All stages share a budget
 (``--budget``, default 510 s on a GPU): a stage's timeout is its own, cut so the stages
@@ -40,7 +43,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "train", "bench-vit", "bench-llama", "kernel-bench", "attention-bench",
-          "tests")
+          "reversible-depth", "tests")
 LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
 PEERS_S = (120, 55)  # --peers (+ the --peak it implies on a GPU): (timeout, reserve) per bench
 KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
@@ -141,6 +144,15 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
                     str(out / "attention-bench.json"))
     attention += _smoke_flag(attention_file) if smoke else []
   stages.append(Stage("attention-bench", attention, 120, 45, json_file="attention-bench.json"))
+
+  # eight fresh processes on an H100 (estimate, unmeasured: ~15-25 s each, compile-bound);
+  # rows are written as they finish, so a cut stage keeps the reversible ones (run first)
+  reversible = _py("-m", "benchmarks.reversible_depth", "--json",
+                   str(out / "reversible-depth.json"), "--no-compile-rows")
+  reversible += (["--smoke", "--variants", "lhs"] if smoke else
+                 ["--variants", "lhs,stream", "--steps", "5", "--rounds", "3", "--warmup", "1"])
+  stages.append(Stage("reversible-depth", reversible, 200, 60,
+                      json_file="reversible-depth.json"))
 
   junit = out / "tests-junit.xml"
   cmd = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--junitxml", str(junit),
@@ -433,8 +445,16 @@ def _kernel_figure(rec: dict) -> str | None:
                       f"({r['speedup_vs_xla']:.2f}x XLA)" for r in kernels["rows"]))
 
 
+def _reversible_figure(rec: dict) -> str | None:
+  """Each real-step row's peak and its speed against vanilla reversible."""
+  cells = [f"{r['case']} x{r['layers']} peak {r['peak_bytes_in_use'] / 2**20:.0f} MiB, "
+           f"{r['step_ms']:.1f} ms ({r.get('speed_vs_reversible', float('nan')):.2f}x rev)"
+           for r in (rec.get("json") or {}).get("run_rows") or [] if "error" not in r]
+  return "reversible-depth: " + "; ".join(cells) if cells else None
+
+
 FIGURES = {"train": _train_figure, "bench-vit": _bench_figure, "bench-llama": _bench_figure,
-           "kernel-bench": _kernel_figure}
+           "kernel-bench": _kernel_figure, "reversible-depth": _reversible_figure}
 
 
 def key_figures(report: dict) -> list[str]:

@@ -108,8 +108,13 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   assert f"out_dir={tmp_path / 'train-run'}" in " ".join(stages["train"].cmd)
   assert "-n 12" in " ".join(stages["tests"].cmd)
   assert stages["tests"].env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  rev = stages["reversible-depth"].cmd
+  assert rev[1:3] == ["-m", "benchmarks.reversible_depth"] and "--smoke" not in rev
+  assert rev[rev.index("--json") + 1] == str(tmp_path / "reversible-depth.json")
+  smoke = {s.name: s for s in gpu_check.build_stages(tmp_path, smoke=True)}
+  assert "--smoke" in smoke["reversible-depth"].cmd
   reserve = sum(s.reserve_s for s in stages.values())
-  assert reserve < 510 - 120  # the tests keep at least two minutes of the default budget
+  assert reserve < 510 - 60  # the tests keep at least a minute of the default budget
 
 
 def _assert_report_structure(report, names):
@@ -216,12 +221,17 @@ def test_markdown_shows_key_figures_and_a_low_copy():
        "json": {"kernels": {"copy": copy, "rows": rows}}},
       {"name": "attention-bench", "status": "timeout", "exit_code": -9, "wall_s": 120.0,
        "timeout_s": 120, "json": {"unexpected": "shape"}},
+      {"name": "reversible-depth", "status": "timeout", "exit_code": -9, "wall_s": 200.0,
+       "timeout_s": 200, "stdout_tail": "", "json": {"run_rows": [
+           {"case": "reversible", "layers": 12, "peak_bytes_in_use": 3 * 2**30,
+            "step_ms": 40.0, "speed_vs_reversible": 1.0},
+           {"case": "pareprop", "layers": 12, "error": "exit 1: boom"}]}},
   ]
   report = gpu_check.build_report(stages, args={"argv": []}, git={"commit": None},
                                   started="2026-11-23T10:00:00", wall_s=213.0)
   assert report["stage_status"] == {"passed": ["env", "bench-vit", "bench-llama"],
                                     "failed": ["kernel-bench"],
-                                    "timeout": ["attention-bench"]}
+                                    "timeout": ["attention-bench", "reversible-depth"]}
   md = gpu_check.markdown(report)
   assert md.startswith("# lowmem-jax GPU check: NVIDIA H100 80GB HBM3, jax 0.11.2 "
                        "(CUDA 12.8, cuDNN 9.8.0)")
@@ -230,3 +240,4 @@ def test_markdown_shows_key_figures_and_a_low_copy():
   assert "- bench-llama: baseline 36.0 ms, temp 5000 MiB; no peers: peft is not importable" in md
   assert "measured copy 1076 GB/s (32% of peak) **LOW" in md
   assert "| attention-bench | timeout | -9 |" in md and "Traceback: boom" in md
+  assert "- reversible-depth: reversible x12 peak 3072 MiB, 40.0 ms (1.00x rev)\n" in md
