@@ -226,13 +226,15 @@ def _compiled_temp(stack, depth):
 
 def test_compiled_temp_memory_flat_in_depth():
   # Measured on CPU (D=16), bytes: reference 87,536 -> 281,072 from 2 to 8 layers;
-  # vanilla 23,352 and pareprop 37,504 at both depths.
+  # vanilla 23,352 and pareprop 37,504 at both depths. Tolerance: 1% of the reference's
+  # growth (1.9 kB), below what keeping one [B, S, D] fp32 array per added layer would
+  # add (6 x 512 B) and above the layer-sized index/key vectors a scan may hold (bytes).
   ref2, ref8 = (_compiled_temp(reference_stack, d) for d in (2, 8))
   assert ref8 > 2 * ref2
   for schedule in SCHEDULES:
     rev2, rev8 = (_compiled_temp(STACKS[schedule], d) for d in (2, 8))
     assert rev8 < ref8 / 3, schedule
-    assert rev8 - rev2 < 0.1 * (ref8 - ref2), schedule
+    assert abs(rev8 - rev2) < 0.01 * (ref8 - ref2), schedule
 
 
 # ----------------------------------------------------------------------------- errors
