@@ -162,25 +162,23 @@ def linear_reference(x, kernel, bias=None, contract_ndim: int = 1):
   return y if bias is None else y + bias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _wta_crs_linear(x, kernel, bias, key, row_weights, k, contract_ndim):
-  del key, row_weights, k
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _sampled_linear(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim):
+  """The exact linear whose ``dkernel`` is the estimator on the given sample."""
+  del rows, idx, scale, row_weights
   return linear_reference(x, kernel, bias, contract_ndim)
 
 
-def _wta_crs_linear_fwd(x, kernel, bias, key, row_weights, k, contract_ndim):
+def _sampled_linear_fwd(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim):
   y = linear_reference(x, kernel, bias, contract_ndim)
-  lead = x.shape[:x.ndim - contract_ndim]
-  x2d = x.reshape(math.prod(lead), -1)
-  rw = None if row_weights is None else row_weights.reshape(-1)
-  idx, scale = wta_crs_select(sampling_probabilities(x2d, rw), k, key)
-  # Residuals: k rows of x (never rows x in), where they came from, and their weights.
-  return y, (x2d[idx], idx, scale, kernel, row_weights)
+  # Residuals: the k sampled rows (never rows x in; the same buffer for every reader of
+  # one SampledTensor), where they came from, their weights, and the kernel; of the
+  # bias only whether there is one (the pytree structure of () or None).
+  return y, (rows, idx, scale, kernel, None if bias is None else (), row_weights)
 
 
-def _wta_crs_linear_bwd(k, contract_ndim, res, g):
-  del k
-  x_sel, idx, scale, kernel, row_weights = res
+def _sampled_linear_bwd(contract_ndim, res, g):
+  rows, idx, scale, kernel, has_bias, row_weights = res
   out_ndim = kernel.ndim - contract_ndim
   lead_ndim = g.ndim - out_ndim
   out_axes = tuple(range(lead_ndim, g.ndim))
@@ -188,19 +186,36 @@ def _wta_crs_linear_bwd(k, contract_ndim, res, g):
   dx = jax.lax.dot_general(g, kernel, ((out_axes, tuple(range(contract_ndim, kernel.ndim))),
                                        ((), ())), preferred_element_type=jnp.float32)
   dx = dx.astype(g.dtype)
-  dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead_ndim))).astype(g.dtype)
+  dbias = None
+  if has_bias is not None:
+    dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead_ndim))).astype(g.dtype)
   g2d = g.reshape(-1, math.prod(g.shape[lead_ndim:]))
-  dkernel = _scaled_row_outer_sum(x_sel, g2d[idx], scale)
+  dkernel = _scaled_row_outer_sum(rows, g2d[idx], scale)
   dkernel = dkernel.reshape(kernel.shape).astype(kernel.dtype)
   d_row_weights = None
   if row_weights is not None:
     gf = g2d.astype(jnp.float32)
     d_row_weights = jnp.sum(gf * gf, axis=-1).reshape(row_weights.shape)
     d_row_weights = d_row_weights.astype(row_weights.dtype)
-  return dx, dkernel, dbias, None, d_row_weights
+  return dx, dkernel, dbias, None, None, None, d_row_weights
 
 
-_wta_crs_linear.defvjp(_wta_crs_linear_fwd, _wta_crs_linear_bwd)
+_sampled_linear.defvjp(_sampled_linear_fwd, _sampled_linear_bwd)
+
+
+def select_rows(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
+                contract_ndim: int = 1):
+  """``(rows [k, in], idx int32[k], scale f32[k])``: the WTA-CRS sample of ``x``'s rows
+  (its leading positions; the trailing ``contract_ndim`` axes flattened to ``in``),
+  ``k = budget(rows, ratio)``, drawn with ``key`` from :func:`sampling_probabilities`
+  (times ``row_weights``). No gradient flows through the choice (stop_gradient)."""
+  x = jax.lax.stop_gradient(x)
+  lead = x.shape[:x.ndim - contract_ndim]
+  x2d = x.reshape(math.prod(lead), -1)
+  rw = None if row_weights is None else jax.lax.stop_gradient(row_weights).reshape(-1)
+  idx, scale = wta_crs_select(sampling_probabilities(x2d, rw), budget(x2d.shape[0], ratio),
+                              key)
+  return x2d[idx], idx, scale
 
 
 def _check_key(key):
@@ -243,40 +258,103 @@ def wta_crs_linear(x, kernel, bias, key, *, ratio: float = DEFAULT_RATIO, row_we
   example the sum over its rows of ``||g_i||^2``: the squared gradient norms to store
   for the next epoch. Do not feed ``row_weights`` from parameters you train.
   """
+  _check_linear(x, kernel, bias, contract_ndim, "wta_crs_linear")
+  lead = x.shape[:x.ndim - contract_ndim]
+  _check_row_weights(row_weights, lead, "wta_crs_linear")
+  _check_key(key)
+  rows, idx, scale = select_rows(x, key, ratio=ratio, row_weights=row_weights,
+                                 contract_ndim=contract_ndim)
+  return _sampled_linear(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim)
+
+
+def _check_linear(x, kernel, bias, contract_ndim, who):
   if not jnp.issubdtype(jnp.result_type(x), jnp.floating):
-    raise ValueError(f"wta_crs_linear: x must be floating point, got {jnp.result_type(x)}")
+    raise ValueError(f"{who}: x must be floating point, got {jnp.result_type(x)}")
   if not isinstance(contract_ndim, int) or isinstance(contract_ndim, bool) or not (
       1 <= contract_ndim <= min(x.ndim, kernel.ndim)):
-    raise ValueError(f"wta_crs_linear: contract_ndim must be an int in [1, "
+    raise ValueError(f"{who}: contract_ndim must be an int in [1, "
                      f"{min(x.ndim, kernel.ndim)}] (x has {x.ndim} axes, kernel "
                      f"{kernel.ndim}), got {contract_ndim!r}")
   in_dims = x.shape[x.ndim - contract_ndim:]
   if kernel.shape[:contract_ndim] != in_dims:
-    raise ValueError(f"wta_crs_linear: x{list(x.shape)} and kernel{list(kernel.shape)} "
+    raise ValueError(f"{who}: x{list(x.shape)} and kernel{list(kernel.shape)} "
                      f"do not match: kernel's leading {contract_ndim} axes must be "
                      f"{list(in_dims)}")
   if kernel.dtype != x.dtype:
-    raise ValueError(f"wta_crs_linear: kernel dtype {kernel.dtype} differs from x dtype "
+    raise ValueError(f"{who}: kernel dtype {kernel.dtype} differs from x dtype "
                      f"{x.dtype}; cast the kernel to the compute dtype")
   if bias is not None:
     out_dims = kernel.shape[contract_ndim:]
     if bias.shape != out_dims:
-      raise ValueError(f"wta_crs_linear: bias has shape {list(bias.shape)}, expected the "
+      raise ValueError(f"{who}: bias has shape {list(bias.shape)}, expected the "
                        f"kernel's output axes {list(out_dims)}")
     if bias.dtype != x.dtype:
-      raise ValueError(f"wta_crs_linear: bias dtype {bias.dtype} differs from x dtype "
+      raise ValueError(f"{who}: bias dtype {bias.dtype} differs from x dtype "
                        f"{x.dtype}; cast the bias to the compute dtype")
-  lead = x.shape[:x.ndim - contract_ndim]
-  if row_weights is not None:
-    if jnp.shape(row_weights) != lead:
-      raise ValueError(f"wta_crs_linear: row_weights has shape {list(jnp.shape(row_weights))}, "
-                       f"expected x's leading axes {list(lead)}")
-    if not jnp.issubdtype(jnp.result_type(row_weights), jnp.floating):
-      raise ValueError("wta_crs_linear: row_weights must be floating point, got "
-                       f"{jnp.result_type(row_weights)}")
+
+
+def _check_row_weights(row_weights, lead, who):
+  if row_weights is None:
+    return
+  if jnp.shape(row_weights) != lead:
+    raise ValueError(f"{who}: row_weights has shape {list(jnp.shape(row_weights))}, "
+                     f"expected x's leading axes {list(lead)}")
+  if not jnp.issubdtype(jnp.result_type(row_weights), jnp.floating):
+    raise ValueError(f"{who}: row_weights must be floating point, got "
+                     f"{jnp.result_type(row_weights)}")
+
+
+# ----------------------------------------------------------------------------- shared sample
+@dataclasses.dataclass(frozen=True)
+class SampledTensor:
+  """An activation ``[..., in]`` with one WTA-CRS sample of its rows, made once for all
+  the linears that read it (q, k and v read one block input): each keeps these ``rows``
+  (``[k, in]``, one buffer for all), ``idx`` and ``scale``, not a sample of its own.
+
+  ``weights``: the row weights the sample was drawn with (None: ``||x_i||`` alone); each
+  reader returns its ``||g_i||^2`` as their cotangent (:func:`wta_crs_linear`), so a
+  per-example cache behind them receives the sum over the readers. ``lean`` (static):
+  how ops that read it without sampling keep it (``lowmem_jax.wta_crs``): the value
+  under ``keep_inputs`` (True) or plain autodiff (False), as they would keep a plain one.
+  A pytree (arrays as leaves), so it may be a scan carry (a block stack's).
+  """
+  value: jax.Array
+  rows: jax.Array
+  idx: jax.Array
+  scale: jax.Array
+  weights: jax.Array | None = None
+  lean: bool = True
+
+
+jax.tree_util.register_dataclass(SampledTensor,
+                                 data_fields=["value", "rows", "idx", "scale", "weights"],
+                                 meta_fields=["lean"])
+
+
+def sample_tensor(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
+                  lean: bool = True) -> SampledTensor:
+  """``x`` (``[..., in]``, floating) carried with its WTA-CRS sample (:func:`select_rows`
+  over its leading positions) for the linears that will read it."""
+  if not jnp.issubdtype(jnp.result_type(x), jnp.floating) or jnp.ndim(x) < 2:
+    raise ValueError(f"sample_tensor: x must be floating point with >= 2 axes, got "
+                     f"{jnp.result_type(x)}{list(jnp.shape(x))}")
+  _check_row_weights(row_weights, x.shape[:-1], "sample_tensor")
   _check_key(key)
-  k = budget(math.prod(lead), ratio)
-  return _wta_crs_linear(x, kernel, bias, key, row_weights, k, contract_ndim)
+  rows, idx, scale = select_rows(x, key, ratio=ratio, row_weights=row_weights)
+  return SampledTensor(x, rows, idx, scale, row_weights, lean)
+
+
+def sampled_linear(x, kernel, bias, sample: SampledTensor):
+  """:func:`wta_crs_linear` of ``x`` (``sample``'s value, cast to the compute dtype by
+  the caller) on the rows ``sample`` carries: the same rows, indices and scales for
+  every linear reading it, and ``rows`` saved as the one buffer they share (its own
+  dtype; cast in backward). ``contract_ndim`` is 1."""
+  _check_linear(x, kernel, bias, 1, "sampled_linear")
+  if x.shape != sample.value.shape:
+    raise ValueError(f"sampled_linear: x{list(x.shape)} is not the sampled value "
+                     f"{list(sample.value.shape)}")
+  return _sampled_linear(x, kernel, bias, sample.rows, sample.idx, sample.scale,
+                         sample.weights, 1)
 
 
 # ----------------------------------------------------------------------------- state

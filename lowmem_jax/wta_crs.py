@@ -16,31 +16,131 @@ from __future__ import annotations
 import dataclasses
 
 from lowmem_jax import sampling
+from lowmem_jax.baseline import Norm, Shared, keep_inputs
 from lowmem_jax.methods import Field, Method, Strategy, check_choice, value_of
+from lowmem_jax.sampling import SampledTensor
 
 SAMPLED_LINEARS = ("none", "wta-crs")
 LINEAR_NAMES = ("query", "key", "value", "out", "fc1", "fc2", "gate", "up", "down")
 
 
 @dataclasses.dataclass(frozen=True)
+class Sampler:
+  """Draws the rows of an activation that its readers keep: ``ratio`` of them, with the
+  row weights of the site's gradient-norm cache when the trainer attached one. ``lean``:
+  how readers that do not sample keep the value (:class:`~lowmem_jax.sampling.SampledTensor`)."""
+  ratio: float
+  lean: bool
+
+  def sample(self, state: sampling.KeyState, x):
+    """``(x carried with its sample, updated state)``."""
+    weights = sampling.row_weights(state, x.shape[:-1])
+    sample = sampling.sample_tensor(x, state.step_key(), ratio=self.ratio,
+                                    row_weights=weights, lean=self.lean)
+    return sample, state.advanced()
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledShared(Strategy):
+  """An activation read by linears, carried with one sample of its rows, which each
+  sampled reader keeps (one ``[k, in]`` buffer for all). One that arrives carried
+  (sampled by its producer, a norm) passes."""
+  sampler: Sampler
+
+  def init_state(self):
+    return {"sampler": sampling.KeyState.create()}
+
+  def apply(self, states, x):
+    if value_of(x) is not x:
+      return x, {}
+    sample, state = self.sampler.sample(states["sampler"], x)
+    return sample, {"sampler": state}
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledNorm(Strategy):
+  """``inner``'s norm returning its output carried with one sample of its rows (what
+  the sampled linears reading it keep), so that every block input, a norm's output or
+  the embeddings', arrives in one form (a block stack's scan carry)."""
+  inner: Norm
+  sampler: Sampler
+
+  @property
+  def fn(self):
+    return self.inner.fn
+
+  @property
+  def kind(self) -> str:
+    return self.inner.kind
+
+  @property
+  def has_affine(self) -> bool:
+    return self.inner.has_affine
+
+  def init_state(self):
+    return {"sampler": sampling.KeyState.create()}
+
+  def apply(self, states, x, affine=(), *, eps: float, name=None):
+    y = self.inner(x, affine, eps=eps, name=name)
+    sample, state = self.sampler.sample(states["sampler"], y)
+    return sample, {"sampler": state}
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledLinear(Strategy):
-  """``dense``'s function with a WTA-CRS weight gradient: saves ``k`` rows of the input
-  (a carried input: its value's rows), their indices and scales, and the kernel."""
+  """``dense``'s function with a WTA-CRS weight gradient. Reading a
+  :class:`~lowmem_jax.sampling.SampledTensor`, it keeps the rows carried (shared with
+  the other readers), their indices and scales, and the kernel; reading a plain (or
+  otherwise carried) input it samples ``k`` rows of the value itself, with its own key."""
   ratio: float
 
   def init_state(self):
     return {"sampler": sampling.KeyState.create()}
 
   def apply(self, states, dense, x, kernel, bias, *, contract: int):
-    state = states["sampler"]
     # dense casts to its compute dtype; the sampled rule takes everything cast already
     kernel = kernel.astype(dense.dtype)
     bias = None if bias is None else bias.astype(dense.dtype)
     value = value_of(x).astype(dense.dtype)
+    if isinstance(x, SampledTensor):
+      if contract != 1:
+        raise ValueError(f"SampledLinear: a shared sample is of rows of [..., in]; this "
+                         f"linear contracts {contract} axes")
+      return sampling.sampled_linear(value, kernel, bias, x), {}
+    state = states["sampler"]
     weights = sampling.row_weights(state, value.shape[:value.ndim - contract])
     y = sampling.wta_crs_linear(value, kernel, bias, state.step_key(), ratio=self.ratio,
                                 contract_ndim=contract, row_weights=weights)
     return y, {"sampler": state.advanced()}
+
+
+def read_sampled(fn, inputs, diff_args=(), const_args=()):
+  """The carrier rule of :class:`~lowmem_jax.sampling.SampledTensor` for ops that do not
+  sample (a frozen LoRA base, a head, a residual affine): ``fn`` of the values, keeping
+  what it keeps of a plain input (lean: under ``keep_inputs``, casts redone in backward)."""
+  lean = all(x.lean for x in inputs)
+  values = [x.value for x in inputs]
+  return (keep_inputs(fn) if lean else fn)(*values, *diff_args, *const_args)
+
+
+# ----------------------------------------------------------------------------- hooks
+def _sampler(policy) -> Sampler:
+  # readers that do not sample keep the value as the policy's plain linear keeps its input
+  return Sampler(policy.sample_ratio, policy.linear_strategy().lean)
+
+
+def _shared(policy, inner, *, groups: int = 1, axis: int = -1):
+  # Only where the activation is kept as it is: another method's carrier (Mesa's code)
+  # stays, and its sampled readers each sample the value themselves.
+  if policy.sampled_linear == "none" or not isinstance(inner, Shared):
+    return inner
+  return SampledShared(_sampler(policy))
+
+
+def _norm(policy, inner, *, kind: str):
+  if policy.sampled_linear == "none" or not isinstance(inner, Norm):
+    return inner
+  return SampledNorm(inner, _sampler(policy))
 
 
 def _linear(policy, inner, *, name=None, frozen=False):
@@ -92,6 +192,7 @@ METHOD = Method(
               "name", check=_check_targets),
     ),
     presets={"wta-crs": {"sampled_linear": "wta-crs"}},
-    strategies={"linear": _linear},
+    strategies={"shared": _shared, "norm": _norm, "linear": _linear},
     check=_check,
+    carriers={SampledTensor: read_sampled},
 )

@@ -10,8 +10,8 @@ import pytest
 
 from lowmem_jax.memory import saved_residuals
 from lowmem_jax.sampling import (DEFAULT_RATIO, budget, crs_select, linear_reference,
-                                 sampled_weight_grad, sampling_probabilities, wta_crs_linear,
-                                 wta_crs_select)
+                                 sample_tensor, sampled_linear, sampled_weight_grad,
+                                 sampling_probabilities, wta_crs_linear, wta_crs_select)
 
 NUM_DRAWS = 4000  # Monte Carlo estimates per statistical test (vmapped, one compile)
 
@@ -394,3 +394,21 @@ def test_vmap_over_keys_of_the_layer():
   for i in range(3):
     np.testing.assert_allclose(batched[i], layer_vjp(x, kernel, bias, keys[i], g)[1][1],
                                rtol=1e-6, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- shared sample
+def test_a_linear_on_a_shared_sample_is_the_sampled_linear_on_its_rows():
+  """Reading a SampledTensor made with a key gives what wta_crs_linear gives with that
+  key: values and every cotangent, row weights' included."""
+  x, kernel, bias = layer_args((2, 6, 8), 1, (5,), jnp.float32)
+  key, rw, g = jax.random.key(3), jnp.abs(rand((2, 6), 4)) + 0.1, rand((2, 6, 5), 5)
+  shared = lambda x, w, b, r: sampled_linear(x, w, b, sample_tensor(x, key, row_weights=r))
+  y, pullback = jax.vjp(shared, x, kernel, bias, rw)
+  y0, grads0 = layer_vjp(x, kernel, bias, key, g, rw)
+  np.testing.assert_array_equal(y, y0)
+  for got, want in zip(pullback(g), grads0):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  with pytest.raises(ValueError, match="is not the sampled value"):
+    sampled_linear(x[:, :3], kernel, bias, sample_tensor(x, key))
+  with pytest.raises(ValueError, match=">= 2 axes"):
+    sample_tensor(x[0, 0], key)

@@ -14,12 +14,14 @@ import optax
 from flax import nnx
 
 from lowmem_jax.memory import peak_buffers, saved_residuals
+from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.sampling import (DEFAULT_RATIO, budget, sampled_weight_grad,
                                  sampling_probabilities, wta_crs_select)
 from lowmem_jax.wta_crs import SampledLinear
 from models import lora, registry
 from models.linear import Linear
-from models.sites import SiteState
+from models.sites import (GradNormCache, Site, SiteState, attach_grad_norm_caches,
+                          set_example_ids)
 from test_sampling import max_z, rand, skewed_rows
 
 WTA = "wta-crs+sample_targets=fc1"
@@ -149,6 +151,57 @@ def test_frozen_base_alone_keeps_no_input():
     base.freeze_kernel()
     res = saved_residuals(lambda x: jnp.sum(base(2.0 * x)), _inputs()[0])
     assert not res.items, (policy, res.table())
+
+
+class _Three(nnx.Module):
+  """Three linears reading one shared input, as q, k and v do; their outputs weighted
+  1, 2, 3 so that each gets its own cotangent (g, 2g, 3g)."""
+
+  def __init__(self, policy):
+    self.shared_input = Site(MemoryPolicy.parse(policy).shared_strategy())
+    for i, name in enumerate(("query", "key", "value")):
+      setattr(self, name, Linear(D_IN, D_OUT, policy=policy, name=name, rngs=nnx.Rngs(i)))
+
+  def __call__(self, x):
+    x = self.shared_input(x)
+    return self.query(x) + 2.0 * self.key(x) + 3.0 * self.value(x)
+
+
+def test_readers_of_one_shared_input_keep_one_sample():
+  """q, k and v keep one [k, D] buffer of rows, one idx, one scale: not three. Each dW is
+  the estimator on those rows (so each is unbiased, as a lone sampled linear's), and the
+  shared site's gradient-norm cache receives the readers' squared norms summed."""
+  model = _Three("wta-crs")
+  attach_grad_norm_caches(model, num_examples=3, batch_size=LEAD[0])
+  set_example_ids(model, jnp.array([2, 0]))
+  graphdef, params, caches, rest = nnx.split(model, nnx.Param, GradNormCache, ...)
+  x, g = _inputs()
+
+  def loss(params, caches, x):
+    return jnp.sum(nnx.merge(graphdef, params, caches, rest, copy=True)(2.0 * x) * g)
+
+  res = saved_residuals(loss, params, caches, x)
+  counts = {}
+  for r in res.items:
+    counts[(r.shape, r.dtype)] = counts.get((r.shape, r.dtype), 0) + 1
+  assert counts[((K, D_IN), "float32")] == 1 and counts[((K,), "int32")] == 1, res.table()
+  assert all(r.shape[-1] != D_IN or r.shape == (K, D_IN) for r in res.items), res.table()
+
+  grads, cache_grads = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, caches, x)
+  site = model.shared_input.sampler
+  key = jax.random.fold_in(jax.random.wrap_key_data(site.key[...]), 0)
+  x2d, g2d = (2.0 * x).reshape(ROWS, D_IN), g.reshape(ROWS, D_OUT)
+  weights = jnp.repeat(jnp.ones(LEAD[0]), LEAD[1])  # no example seen yet: all 1
+  idx, scale = wta_crs_select(sampling_probabilities(x2d, weights), K, key)
+  for c, name in enumerate(("query", "key", "value"), start=1):
+    want = sampled_weight_grad(x2d, c * g2d, idx, scale)
+    np.testing.assert_allclose(grads[name]["kernel"][...], want, rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(want).max()))
+  # the cotangent reaching cache[ids] is, per example, sum over rows and readers of
+  # ||g_i||^2: (1 + 4 + 9) ||g||^2 over the example's rows; example 1 is not in the batch
+  per_example = 14.0 * jnp.sum(g2d.reshape(LEAD + (D_OUT,)) ** 2, axis=(1, 2))
+  got = cache_grads["shared_input"]["sampler"]["grad_norms"][...]
+  np.testing.assert_allclose(got, [per_example[1], 0.0, per_example[0]], rtol=1e-5)
 
 
 def test_in_a_model_the_adapters_of_the_targets_are_sampled():
