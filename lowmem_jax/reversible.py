@@ -37,7 +37,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental.compute_on import compute_on
 
 SCHEDULES = ("vanilla", "pareprop", "pareprop-stream")
 REBUILD_STREAM = 1  # the GPU stream of "pareprop-stream"'s rebuild (0 is the compute stream)
@@ -229,6 +228,8 @@ def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy
 
 def _on_stream(fn, stream: int):
   """``fn`` called under JAX's GPU stream annotation (ignored off the GPU)."""
+  from jax.experimental.compute_on import compute_on  # experimental: imported on use
+
   def call(*args):
     with compute_on(f"gpu_stream:{stream}"):
       return fn(*args)
