@@ -25,6 +25,7 @@ from lowmem_jax.policy import CHECKPOINT_NAMES, PRESETS, REMAT_POLICY_NAMES, Mem
     ("kernels=xla", MemoryPolicy(kernels="xla")),
     ("mesa8", MemoryPolicy(quant="mesa")),
     ("lowmembp+mesa8", MemoryPolicy(activation="approx2", norm="ms", quant="mesa")),
+    ("lowmem", MemoryPolicy(activation="approx2", norm="ms", quant="mesa")),
     ("wta-crs", MemoryPolicy(sampled_linear="wta-crs")),
     ("wta-crs+sample_ratio=0.5+sample_targets=fc1,fc2",
      MemoryPolicy(sampled_linear="wta-crs", sample_ratio=0.5, sample_targets=("fc1", "fc2"))),
@@ -48,6 +49,7 @@ def test_spec_round_trips(spec):
 def test_spec_prefers_preset_names():
   assert MemoryPolicy(activation="approx2", norm="ms", remat="full").spec == "lowmembp+remat"
   assert MemoryPolicy().spec == "baseline"
+  assert MemoryPolicy.parse("lowmembp+mesa8+remat").spec == "lowmem+remat"
 
 
 def test_add_combines_and_parse_passes_policies_through():
@@ -64,7 +66,7 @@ def test_every_remat_policy_name_maps_to_jax():
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("lowmem", "unknown preset 'lowmem'.*baseline, plain, approx-bp, ms-bp, lowmembp, remat"),
+    ("lowmemory", "unknown preset 'lowmemory'.*baseline, plain, approx-bp, ms-bp, lowmembp, remat"),
     ("remat:dots", "unknown remat 'dots'.*dots_saveable"),
     ("remat:save=qkv", "unknown checkpoint name in remat 'qkv'.*qkv_proj"),
     ("remat:save=", "saves nothing"),
