@@ -4,6 +4,7 @@
     python -m lowmem_jax.gpu_check --out DIR --docs        # also docs/gpu/<device>-<date>.*
     python -m lowmem_jax.gpu_check --smoke --out DIR       # tiny shapes, one test: any backend
     python -m lowmem_jax.gpu_check --stages env,kernel-bench --out DIR
+    python -m lowmem_jax.gpu_check --stages env,bench-remat,reversible-depth --out DIR2 --docs
 
 Each stage is a subprocess with its own timeout, run one after another (they share the
 GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
@@ -12,14 +13,18 @@ GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
 1024, LoRA r=8 on all 7 linears; random data; with ``--peers``: timm / HF Llama + peft on
 the same shapes, with and without checkpointing, which on a GPU implies ``--peak``),
 ``kernel-bench``, ``attention-bench``
-(recorded as missing until that module exists), ``reversible-depth``
+(recorded as missing until that module exists), ``bench-remat`` (ViT-B LoRA as in
+``bench-vit``: ``lowmem`` against JAX's remat policies and offload, ``--peak``),
+``reversible-depth``
 (``benchmarks.reversible_depth``: RevViT-B peak at 12 and 24 layers under baseline,
 reversible and pareprop, a fresh process each, and PaReprop's speed with XLA's latency
 hiding scheduler and on a second stream) and ``tests`` (the suite in pytest-xdist
 workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its JUnit XML). A stage
 that fails or times out is recorded and the next one runs. All stages share a budget
 (``--budget``, default 510 s on a GPU): a stage's timeout is its own, cut so the stages
-after it keep their expected times; ``tests`` runs last and gets what is left. On the
+after it keep their expected times; ``tests`` runs last and gets what is left. One call
+runs :data:`DEFAULT_STAGES`; ``bench-remat`` and ``reversible-depth`` make the second call
+(:data:`SECOND_CALL`, the second command above): together they would not fit in one. On the
 GPU machines, which hold no ``.git``, pass ``--commit <hash>`` to record the commit.
 """
 
@@ -42,8 +47,11 @@ from importlib.util import find_spec
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("env", "train", "bench-vit", "bench-llama", "kernel-bench", "attention-bench",
-          "reversible-depth", "tests")
+STAGES = ("env", "train", "bench-vit", "bench-llama", "bench-remat", "kernel-bench",
+          "attention-bench", "reversible-depth", "tests")
+# what one call runs (under 9 minutes); the rest is a second call: SECOND_CALL
+SECOND_CALL = ("env", "bench-remat", "reversible-depth")
+DEFAULT_STAGES = tuple(s for s in STAGES if s not in SECOND_CALL[1:])
 LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
 PEERS_S = (120, 55)  # --peers (+ the --peak it implies on a GPU): (timeout, reserve) per bench
 KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
@@ -67,9 +75,12 @@ class Stage:
 
 
 # ----------------------------------------------------------------------------- stages
-# the lean exact baseline, plain Flax autodiff (what a user would write), LowMemoryBP, and
-# full remat: issue 13's GPU table, beside the peers
-BENCH_POLICIES = ("baseline", "plain", "lowmembp", "remat")
+# the lean exact baseline, plain Flax autodiff (what a user would write), LowMemoryBP, the
+# combined preset and full remat, beside the peers
+BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "remat")
+# the combined preset against JAX's own remat and offload policies (ViT-B LoRA, --peak)
+REMAT_POLICIES = ("baseline", "lowmem", "remat", "remat:dots_saveable",
+                  "remat:save=qkv_proj,attn_out", "offload")
 
 
 def _py(*args: str) -> list[str]:
@@ -77,10 +88,12 @@ def _py(*args: str) -> list[str]:
 
 
 def _bench_cmd(out: Path, name: str, sets: Sequence[str], synthetic: int, steps: int,
-               warmup: int, peak: bool, policies: Sequence[str] = BENCH_POLICIES) -> list[str]:
+               warmup: int, peak: bool, policies: Sequence[str] = BENCH_POLICIES,
+               peers: bool = True) -> list[str]:
   cmd = _py("-m", "train.bench", "--synthetic", str(synthetic), "--policies",
             ",".join(policies), "--steps", str(steps), "--warmup", str(warmup),
-            "--json", str(out / f"{name}.json"), "--peers")
+            "--json", str(out / f"{name}.json"))
+  cmd += ["--peers"] if peers else []
   for item in sets:
     cmd += ["--set", item]
   return cmd + (["--peak"] if peak else [])
@@ -132,6 +145,10 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
   stages.append(Stage("bench-llama", _bench_cmd(out, "bench-llama", llama, min(n, 32), steps,
                                                 warmup, peak, policies),
                       150 + extra_timeout, 70 + extra_reserve, json_file="bench-llama.json"))
+  remat = ("baseline", "remat") if smoke else REMAT_POLICIES
+  stages.append(Stage("bench-remat", _bench_cmd(out, "bench-remat", vit, n, steps, warmup,
+                                                not smoke, remat, peers=False),
+                      240, 120, json_file="bench-remat.json"))
 
   kernel = _py("-m", "lowmem_jax.kernel_bench", "--json", str(out / "kernel-bench.json"))
   kernel += ["--interpret"] if smoke else ["--layers", "4"]
@@ -454,6 +471,7 @@ def _reversible_figure(rec: dict) -> str | None:
 
 
 FIGURES = {"train": _train_figure, "bench-vit": _bench_figure, "bench-llama": _bench_figure,
+           "bench-remat": _bench_figure,
            "kernel-bench": _kernel_figure, "reversible-depth": _reversible_figure}
 
 
@@ -565,12 +583,13 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   out.mkdir(parents=True, exist_ok=True)
   stages = build_stages(out, smoke=args.smoke, peak=args.peak, workers=args.workers,
                         tests=shlex.split(args.tests) if args.tests else None)
+  chosen = DEFAULT_STAGES
   if args.stages:
     chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(STAGES))
     if unknown:
       ap.error(f"unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}")
-    stages = [s for s in stages if s.name in chosen]
+  stages = [s for s in stages if s.name in chosen]
   git = git_info(args.commit)
   budget = args.budget or (SMOKE_BUDGET_S if args.smoke else GPU_BUDGET_S)
   meta = {"argv": argv, "smoke": args.smoke, "budget_s": budget, "peak": args.peak,

@@ -113,8 +113,13 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   assert rev[rev.index("--json") + 1] == str(tmp_path / "reversible-depth.json")
   smoke = {s.name: s for s in gpu_check.build_stages(tmp_path, smoke=True)}
   assert "--smoke" in smoke["reversible-depth"].cmd
-  reserve = sum(s.reserve_s for s in stages.values())
-  assert reserve < 510 - 60  # the tests keep at least a minute of the default budget
+  remat = stages["bench-remat"].cmd
+  assert "--peak" in remat and "--peers" not in remat
+  from train.bench import parse_policies
+  assert parse_policies(remat[remat.index("--policies") + 1]) == list(gpu_check.REMAT_POLICIES)
+  for calls in (gpu_check.DEFAULT_STAGES, gpu_check.SECOND_CALL):
+    reserve = sum(s.reserve_s for s in stages.values() if s.name in calls)
+    assert reserve < 510 - 120  # each call's stages leave the tests two minutes
 
 
 def _assert_report_structure(report, names):
