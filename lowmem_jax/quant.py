@@ -91,7 +91,8 @@ def view_noise(shape: Sequence[int], seed):
   is independent of ``seed``: ``index * GOLDEN`` is split (mod 2**32) into three per-axis
   vectors joined to the seed first. An array that depends on nothing in a scanned layer
   would be hoisted out of the scan by JAX and live through the whole loop as a uint32
-  array per coded activation; this way the whole hash fuses into the quantize fusion."""
+  array per coded activation; this way the whole hash fuses into the quantize fusion.
+  (A view with all its elements on one axis, ``[1, 1, N]``, still has one such vector.)"""
   o, g, i = (int(d) for d in shape)
   u32 = jnp.uint32
 
