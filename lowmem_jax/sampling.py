@@ -13,6 +13,10 @@ cached from the last epoch, since ``g`` is unknown in forward; the paper's optim
 deterministically with scale 1, the other slots are sampled with replacement from the
 remaining rows and reweighted. Its variance is at most that of plain column-row
 sampling (CRS) with the same k. Shapes are static, so all of it jits.
+
+Several linears reading one activation (q, k and v) share one sample: :func:`sample_tensor`
+carries the activation with its rows, indices and scales (:class:`SampledTensor`), and
+:func:`sampled_linear` reads it, saving those rows (one buffer for all the readers).
 """
 
 from __future__ import annotations

@@ -2,13 +2,58 @@
 
 The linears named in ``sample_targets`` (attribute names in our blocks, see
 :data:`LINEAR_NAMES`) take their weight gradient from ``sample_ratio`` of the token rows
-and save only those rows (:func:`lowmem_jax.sampling.wta_crs_linear`). Each such linear
-has state, a :class:`~lowmem_jax.sampling.KeyState` (its key and call count: a fresh key
-per call). A frozen kernel (LoRA's base) has no weight gradient to estimate, so it is
-never sampled; under LoRA the trained linear reading the layer input is the adapter's
-``A`` (:mod:`models.lora` gives it the base's site), so ``dA`` is the one sampled, with
-``A``'s output cotangent ``scale * g B^T`` in place of ``g``. Heads and embeddings are
-never sampled. Preset ``wta-crs``.
+and save only those rows (:mod:`lowmem_jax.sampling`). One sample per activation, shared
+by all its readers, as Mesa codes an activation once: a norm returns its output carried
+as a :class:`~lowmem_jax.sampling.SampledTensor` (:class:`SampledNorm`), an activation
+read through a shared site (the MLP's hidden state) is carried there
+(:class:`SampledShared`), so q, k and v (fc1; gate and up) keep ONE ``[k, D]`` buffer of
+rows, one ``idx`` and one ``scale``, not three. Each reader's ``dW`` is the estimator on
+those rows: unbiased, as a lone sampled linear's. A sampled linear reading a plain input
+(``out`` reads the attention's ``o``, when named) samples it itself. Every sampler has state,
+a :class:`~lowmem_jax.sampling.KeyState` (its key and call count, and the gradient-norm
+cache when the trainer attaches one: the readers' squared output-gradient norms summed,
+the optimal ``p_i ~ ||x_i|| sqrt(sum_r ||g_ri||^2)`` for one shared sample).
+
+A frozen kernel (LoRA's base) has no weight gradient to estimate, so it is never sampled;
+it reads the carried value keeping nothing of it (:func:`read_sampled`). Under LoRA the
+trained linear reading the layer input is the adapter's ``A`` (:mod:`models.lora` gives
+it the base's site), so ``dA`` is the one sampled, with ``A``'s output cotangent
+``scale * g B^T`` in place of ``g``. Heads and embeddings are never sampled.
+
+With Mesa (``mesa8+wta-crs``) both would carry the same activation: Mesa's code stays the
+carrier (what unsampled readers keep) and each sampled linear samples its value itself.
+Preset ``wta-crs``.
+
+Measured (CPU, ``peak_buffers``, jax 0.10.2, fp32): MiniLM (6 layers, D 384, F 1536)
+minilm-text, batch 16 x 64, LoRA r8 on query, key, value, out, fc1, fc2; peak / temp MiB
+(temp: all but the ~90 MiB of arguments, 44.7 of them the word embeddings):
+
+=====================================  ======  ======  ============
+policy                                  peak    temp    peak vs LoRA
+=====================================  ======  ======  ============
+baseline                                277.1   186.9   1
+wta-crs, a sample per linear (before)   246.6   156.2   0.89
+wta-crs, shared, ``out`` sampled too    240.3   149.8   0.87
+wta-crs                                 237.8   147.4   0.86
+lowmembp                                234.4   144.2   0.85
+lowmembp+wta-crs                        204.1   113.7   0.74
+mesa8                                   136.0    46.4   0.49
+mesa8+wta-crs                           177.1    86.8   0.64
+=====================================  ======  ======  ============
+
+Per token per layer, what is kept (D = 384, F = 1536; post-LN BERT): attention q, k, v,
+o (4D, whatever the policy); the two LayerNorms' inputs (2D; MS norms: their outputs);
+the GELU input (F; approx2: F/16 in fp32 terms); for the adapters' ``dA``: the layer
+input (D, shared by q/k/v) + the attention norm's output (D, fc1) + the GELU output (F,
+fc2) = 8D + 2F without sampling, 6D + F + 0.3 (2D + F) = 6.6D + 1.3F with (``out``'s
+rows of ``o`` would add 0.3D to what attention keeps: ``out`` is not sampled by
+default). So WTA-CRS alone removes at most the readers' 2D + F of 8D + 2F (37% of the
+activation memory; 26% at k = 0.3 rows), and less of the peak, which also holds the
+parameters and backward's transients: 30% below LoRA's peak is out of its reach on
+post-LN BERT. With lowmembp the GELU keeps a 2-bit code (F/16): 6.6D + 0.36F.
+``mesa8+wta-crs`` keeps more than ``mesa8``: each sampled reader's fp32 rows (1.2 bytes
+per element each) replace a shared uint8 code (1 byte); sampling the code's rows once
+per activation would fix it (not done: Mesa's carrier is another module's).
 """
 
 from __future__ import annotations
@@ -22,6 +67,10 @@ from lowmem_jax.sampling import SampledTensor
 
 SAMPLED_LINEARS = ("none", "wta-crs")
 LINEAR_NAMES = ("query", "key", "value", "out", "fc1", "fc2", "gate", "up", "down")
+# Sampled by default: all but ``out``, whose input ``o`` the attention keeps anyway (flash:
+# q, k, v, o, lse), so its rows would add memory (0.3D per token) for a noisier dW:
+# measured 240.3 -> 237.8 MiB on the MiniLM LoRA step below.
+DEFAULT_TARGETS = tuple(name for name in LINEAR_NAMES if name != "out")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +237,7 @@ METHOD = Method(
               choices=SAMPLED_LINEARS),
         Field("sample_ratio", sampling.DEFAULT_RATIO, "the fraction of rows WTA-CRS keeps",
               check=_check_ratio),
-        Field("sample_targets", LINEAR_NAMES, "the linears WTA-CRS samples, by attribute "
+        Field("sample_targets", DEFAULT_TARGETS, "the linears WTA-CRS samples, by attribute "
               "name", check=_check_targets),
     ),
     presets={"wta-crs": {"sampled_linear": "wta-crs"}},
