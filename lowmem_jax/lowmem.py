@@ -6,27 +6,32 @@ bf16, compiled train-step temp on CPU (a proxy: XLA:CPU stacks bf16 residuals as
 
     python -m train.bench --compile-only --synthetic 64 --set model=vit-b16 \
       --set batch_size=64 --set trainable=lora --set lora_targets=query,value \
-      --policies baseline,lowmembp,mesa8,lowmem,remat,remat:dots_saveable
+      --policies baseline,lowmembp,mesa8,lowmem,remat,remat:dots_saveable,\
+      remat:save=qkv_proj,attn_out,offload
 
+=================================  ========  ==========
+policy                             temp MiB  / baseline
+=================================  ========  ==========
+baseline (lean exact)              6100.9    1.000
+lowmembp                           3268.7    0.536
+mesa8                              2695.8    0.442
+lowmem                             1300.4    0.213
+remat (full)                       1678.3    0.275
+remat:dots_saveable                8070.3    1.323
+remat:save=qkv_proj,attn_out       3451.3    0.566
+offload (CPU: host is the device)  6285.5    1.030
+=================================  ========  ==========
 
-=========================  ============  ===========
-policy                     temp MiB      / baseline
-=========================  ============  ===========
-baseline (lean exact)      6101          1.000
-lowmembp                   3269          0.536
-mesa8                      2696          0.442
-**lowmem**                 **1382**      **0.227**
-remat (full)               1678          0.275
-remat:dots_saveable        8070          1.323
-=========================  ============  ===========
+JSON: ``docs/lowmem_candidates_vitb_lora_cpu.json``.
 
 What a block keeps under it: the 2-bit ReGELU2/ReSiLU2 codes of its activations, the MS
 norms' outputs as 8-bit codes shared with the linears that read them, head-wise 8-bit
 codes of q, k and v for attention (the probabilities are recomputed from them), and the
 linears' inputs as 8-bit codes; frozen linears keep nothing. Gated activations stay
-exact on their (coded) inputs. The GPU choice (peak at or below timm+peft with gradient
-checkpointing at >= 0.9x its speed without) is made by ``python -m lowmem_jax.gpu_check``,
-which benches this preset beside remat and the peers.
+exact on their (coded) inputs. Whether it meets its GPU target (peak at or below timm+peft
+with gradient checkpointing, at >= 0.9x the speed of timm+peft without) is for the GPU
+check to say: its ``bench-vit`` stage runs it beside the peers, ``bench-remat`` beside
+JAX's remat and offload policies (``python -m lowmem_jax.gpu_check``).
 """
 
 from __future__ import annotations
