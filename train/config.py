@@ -59,6 +59,8 @@ class TrainConfig:
   lora_rank: int = 8
   lora_alpha: float = 16.0
   lora_targets: str = "query,value"
+  base_dtype: str = "float32"         # frozen linear kernels (LoRA bases, frozen:<regex>):
+                                      # "float32" | "bfloat16" | "int8" | "nf4"
   seed: int = 0
   # bookkeeping
   eval_every: int = 100
@@ -101,6 +103,10 @@ class TrainConfig:
     if not (self.trainable in ("full", "lora") or self.trainable.startswith("frozen:")):
       raise ValueError(f"TrainConfig: trainable={self.trainable!r}; use 'full', 'lora' or "
                        "'frozen:<regex>'")
+    choice("base_dtype", ("float32", "bfloat16", "int8", "nf4"))
+    if self.base_dtype != "float32" and self.trainable == "full":
+      raise ValueError(f"TrainConfig: base_dtype={self.base_dtype!r} needs frozen weights "
+                       "(trainable=lora or frozen:<regex>); trainable=full trains them all")
     if self.resume and self.overwrite:
       raise ValueError("TrainConfig: resume=true and overwrite=true exclude each other")
     if not self.name or "/" in self.name or self.name.startswith("."):
