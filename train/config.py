@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -52,6 +53,8 @@ class TrainConfig:
   warmup_steps: int = 20
   grad_clip: float = 1.0              # global-norm clip; 0 disables
   grad_accum: int = 1                 # micro-batches per update
+  memory_budget: str | int | None = None  # None | "20GiB" | "512MiB" | bytes | "auto": the
+                                      # planner (train.planner) picks policy and grad_accum
   grad_norm_cache: bool = False       # WTA-CRS: p also from last epoch's per-example grad norms
   lm_loss_chunk: int = DEFAULT_CHUNK  # lm: tokens per chunk of the fused LM head + loss (no
                                       # [B, T, V] fp32 logits); 0: the loss on full logits
@@ -112,6 +115,11 @@ class TrainConfig:
     if not self.name or "/" in self.name or self.name.startswith("."):
       raise ValueError(f"TrainConfig: name={self.name!r} must be a plain folder name")
     MemoryPolicy.parse(self.policy)  # raises on an unknown policy
+    if self.memory_budget is not None:
+      parse_budget(self.memory_budget)  # raises on a bad size
+      if self.mesh:
+        raise ValueError(f"TrainConfig: memory_budget plans for one device; it does not "
+                         f"work with mesh={self.mesh!r} yet")
 
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)
@@ -119,6 +127,33 @@ class TrainConfig:
   def to_json(self) -> dict:
     """The fields as JSON values (what checkpoints and config.json record)."""
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+
+# memory_budget units: decimal (kB, MB, GB, TB) and binary (KiB, MiB, GiB, TiB), exact case.
+BYTE_UNITS = {"B": 1, "kB": 10**3, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+              "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_budget(value) -> int | str:
+  """``memory_budget`` as bytes (an int > 0, or ``"<number><unit>"`` such as ``"20GiB"``,
+  ``"1.5 GB"``), or ``"auto"`` (resolved on the device by :mod:`train.planner`)."""
+  bad = (f"TrainConfig: memory_budget={value!r}; expected bytes (an int > 0), a size such "
+         f"as '20GiB' or '512MiB' (units: {', '.join(BYTE_UNITS)}), or 'auto'")
+  if isinstance(value, int) and not isinstance(value, bool):
+    if value < 1:
+      raise ValueError(bad)
+    return value
+  if not isinstance(value, str):
+    raise ValueError(bad)
+  if value == "auto":
+    return value
+  match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", value)
+  if not match or match.group(2) not in BYTE_UNITS:
+    raise ValueError(bad)
+  size = int(float(match.group(1)) * BYTE_UNITS[match.group(2)])
+  if size < 1:
+    raise ValueError(bad)
+  return size
 
 
 # Named configs: the embedded default and documented examples.
