@@ -15,9 +15,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lowmem_jax import quantized_weight
 from lowmem_jax.dense import Dense
 from lowmem_jax.policy import MemoryPolicy
 from models.sites import Site, as_array
+
+
+class FrozenKernel(nnx.Variable):
+  """A frozen kernel stored as a :class:`~lowmem_jax.quantized_weight.QuantizedKernel`
+  (bf16 / int8 / nf4): not a parameter (no gradient, no optimizer state), never written
+  by a forward pass."""
 
 
 class _PolicyDense:
@@ -33,8 +40,26 @@ class _PolicyDense:
     linear (no WTA-CRS sample: there is no weight gradient to estimate)."""
     self.saving = Site(self.policy.linear_strategy(self.role, frozen=True))
 
+  def store_kernel(self, format: str, *, double_quant: bool = False) -> None:
+    """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``),
+    once, as a :class:`FrozenKernel`; the layer then uses the frozen strategy
+    (:meth:`freeze_kernel`). ``float32`` leaves it as it is."""
+    if format == "float32":
+      return
+    kernel = self.kernel[...]
+    if isinstance(kernel, quantized_weight.QuantizedKernel):
+      raise ValueError(f"store_kernel: {self.role or 'this linear'}'s kernel is stored as "
+                       f"{kernel.format} already")
+    out = self.out_features
+    n_out = len(out) if isinstance(out, tuple) else 1
+    axis = getattr(self, "axis", (-1,))
+    n_in = len(axis) if isinstance(axis, tuple) else 1
+    self.kernel = FrozenKernel(quantized_weight.quantize(
+        kernel, format, n_in=n_in, n_out=n_out, double_quant=double_quant))
+    self.freeze_kernel()
+
   def _policy_call(self, x, contract: int):
-    dtype = self.dtype or jnp.result_type(as_array(x), self.kernel[...])
+    dtype = self.dtype or jnp.result_type(as_array(x), self.kernel[...].dtype)
     bias = None if self.bias is None else self.bias[...]
     dense = Dense(contract, jnp.dtype(dtype), self.preferred_element_type)
     y = self.saving(dense, x, self.kernel[...], bias, contract=contract)

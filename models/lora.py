@@ -120,10 +120,18 @@ def _adapters(model):
   return [n for _, n in nnx.iter_graph(model) if isinstance(n, LoRALinear)]
 
 
+def _check_mergeable(lora):
+  if not isinstance(lora.base.kernel[...], jax.Array):
+    raise ValueError(f"merge_lora: the base kernel of {lora.base.role or 'a linear'} is "
+                     f"stored as {lora.base.kernel[...].format} (base_dtype); merging needs "
+                     "an fp32 base: load the model with base_dtype=float32 to merge or export")
+
+
 def merge_lora(model):
   """Folds every adapter into its base kernel (``W += scale * A @ B``), in place."""
   for lora in _adapters(model):
     if not lora.merged:
+      _check_mergeable(lora)
       lora.base.kernel[...] = lora.base.kernel[...] + lora.delta()
       lora.merged = True
   return model

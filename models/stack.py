@@ -23,6 +23,11 @@ import jax
 from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
+from models.linear import FrozenKernel
+
+# Variables a forward pass never writes: scanned as inputs, not carried out of the scan
+# (a stored frozen kernel carried out would be a fresh copy of it per step).
+READ_ONLY = nnx.Any(nnx.Param, FrozenKernel)
 
 
 def stacked(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int,
@@ -54,14 +59,15 @@ class BlockStack(nnx.Module):
 
     Functional inside (``lax.scan`` over the stacked state, each layer merged afresh), so
     the stack also runs in a model that was merged inside a jax transform; state the
-    blocks update (anything but ``nnx.Param``) is written back once, after the scan.
+    blocks update (anything but ``nnx.Param`` and stored frozen kernels) is written back
+    once, after the scan.
     """
-    graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(self.blocks, READ_ONLY, ...)
 
     def layer(carry, layer_state):
       block = nnx.merge(graphdef, *layer_state)
       carry = block(carry, *shared)
-      return carry, nnx.state(block, nnx.Not(nnx.Param))
+      return carry, nnx.state(block, nnx.Not(READ_ONLY))
 
     carry, new_rest = jax.lax.scan(self.policy.remat_block(layer), carry, (params, rest))
     if jax.tree.leaves(rest):

@@ -10,6 +10,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, registry
+from models.linear import Linear, LinearGeneral
 from train.config import TrainConfig
 
 
@@ -49,7 +50,29 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     targets = tuple(t.strip() for t in cfg.lora_targets.split(",") if t.strip())
     lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,
                     seed=cfg.seed)
+  store_frozen_kernels(model, cfg)
   return model
+
+
+def frozen_linears(model, cfg: TrainConfig):
+  """The linears whose kernel does not train under ``cfg.trainable`` (under LoRA: every
+  base, wrapped or not). Not the LM head that the fused loss reads as a plain array
+  (``models.llama.plain_kernel``): it stays as stored."""
+  if cfg.trainable == "full":
+    return []
+  trains = nnx.filterlib.to_predicate(trainable_filter(cfg))
+  head = getattr(model, "lm_head", None)
+  return [node for path, node in nnx.iter_graph(model)
+          if isinstance(node, (Linear, LinearGeneral)) and node is not head
+          and not trains(tuple(path) + ("kernel",), node.kernel)]
+
+
+def store_frozen_kernels(model, cfg: TrainConfig) -> None:
+  """Stores every frozen linear kernel in ``cfg.base_dtype``, once, in place."""
+  if cfg.base_dtype == "float32":
+    return
+  for linear in frozen_linears(model, cfg):
+    linear.store_kernel(cfg.base_dtype)
 
 
 def trainable_filter(cfg: TrainConfig):
