@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -23,25 +24,54 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
-from models.hf_state import CheckpointError, StateReader, read_state, write_state
+from models.hf_state import (CheckpointError, StateReader, init_unread, read_state,
+                             write_state)
+from models.hf_state import Linear as MapLinear
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
-  """All tensors of a model directory (single file or shards) as numpy arrays."""
-  from safetensors.numpy import load_file
+class SafetensorsFiles(Mapping):
+  """The tensors of a model directory (single file or shards), read one at a time on
+  access (``safetensors.safe_open``): nothing is held but the tensor asked for. bf16
+  tensors (which numpy lacks) come as float32."""
 
-  path = Path(path)
-  index = path / "model.safetensors.index.json"
-  if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-  elif (path / "model.safetensors").exists():
-    files = ["model.safetensors"]
-  else:
-    raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
-  state: dict[str, np.ndarray] = {}
-  for name in files:
-    state.update(load_file(str(path / name)))
-  return state
+  def __init__(self, path: str | os.PathLike):
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+      weight_map = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").exists():
+      from safetensors import safe_open
+      with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
+        weight_map = {key: "model.safetensors" for key in f.keys()}
+    else:
+      raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    self.path, self.weight_map = path, dict(weight_map)
+
+  def __getitem__(self, key: str) -> np.ndarray:
+    from safetensors import safe_open
+    file = str(self.path / self.weight_map[key])
+    with safe_open(file, framework="numpy") as f:
+      try:
+        return f.get_tensor(key)
+      except TypeError:  # a dtype numpy lacks (bfloat16): through JAX, one tensor
+        pass
+    with safe_open(file, framework="flax") as f:
+      return np.asarray(f.get_tensor(key), np.float32)
+
+  def __iter__(self):
+    return iter(self.weight_map)
+
+  def __len__(self) -> int:
+    return len(self.weight_map)
+
+  def __contains__(self, key) -> bool:
+    return key in self.weight_map
+
+
+def read_safetensors(path: str | os.PathLike) -> SafetensorsFiles:
+  """All tensors of a model directory (single file or shards): a mapping HF name ->
+  numpy array that reads each tensor when asked (``dict(...)`` reads them all)."""
+  return SafetensorsFiles(path)
 
 
 def _read_config(path: Path):
@@ -62,24 +92,48 @@ def init_from_config(path: str | os.PathLike, *, policy: MemoryPolicy | str = "b
 
 
 def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "baseline",
-                    dtype=jnp.float32, seed: int = 0, **overrides):
+                    dtype=jnp.float32, seed: int = 0, store: Callable | None = None,
+                    **overrides):
   """Builds our model from a HF model directory. ``overrides`` change config fields
   (e.g. ``num_labels``); parameters the checkpoint lacks (a new head) are initialised
-  from ``seed`` only where the architecture module allows it, otherwise it is an error."""
+  from ``seed`` only where the architecture module allows it, otherwise it is an error.
+
+  Streamed: the model is built abstractly, each tensor is read when its variable is
+  filled and put in its final form at once: ``store(path, linear)`` names the
+  ``base_dtype`` of a linear's kernel (``lowmem_jax.quantized_weight.FORMATS``; None:
+  all float32). Variables the checkpoint does not fill (policy state, a fresh head) are
+  initialised by one jitted build that returns only them. Host memory peaks near the
+  final model plus one stacked variable."""
   path = Path(path)
   hf_config, family = _read_config(path)
   cfg = family.module.config_from_hf(hf_config, **overrides)
-  model = family.build(cfg, MemoryPolicy.parse(policy), dtype=dtype, rngs=nnx.Rngs(seed))
-  load_state(model, read_safetensors(path))
+  policy = MemoryPolicy.parse(policy)
+
+  def build():
+    return family.build(cfg, policy, dtype=dtype, rngs=nnx.Rngs(seed))
+
+  state = read_safetensors(path)
+  entries = family.module.hf_map(cfg, frozenset(state))
+  # a map entry that reads the model's own initial weights needs them built for real
+  fresh = any(isinstance(e, MapLinear) and e.keep_weights for e in entries)
+  model = build() if fresh else nnx.eval_shape(build)
+  _read(model, state, entries, store)
+  init_unread(model, build)
   return model
 
 
-def load_state(model, state: dict[str, np.ndarray]) -> None:
+def load_state(model, state: Mapping[str, np.ndarray], *, store: Callable | None = None) -> None:
   """Loads HF tensors ``state`` into ``model`` (in place) by its family's map; every
-  missing, unexpected or mis-shaped key is named in one CheckpointError."""
+  missing, unexpected or mis-shaped key is named in one CheckpointError. ``store``: as
+  :func:`load_pretrained`'s."""
+  module = registry.hf_family(model.cfg.model_type).module
+  _read(model, state, module.hf_map(model.cfg, frozenset(state)), store)
+
+
+def _read(model, state, entries, store) -> None:
   module = registry.hf_family(model.cfg.model_type).module
   reader = StateReader(state, ignore=module.HF_IGNORED_KEYS)
-  read_state(model, module.hf_map(model.cfg, frozenset(state)), reader)
+  read_state(model, entries, reader, store=store)
   reader.finish()
 
 

@@ -22,9 +22,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from lowmem_jax import quantized_weight
+from models.linear import FrozenKernel
 
 
 class CheckpointError(ValueError):
@@ -125,38 +129,123 @@ def _row(value, layer):
   return value if layer is None else value[layer]
 
 
+def _value(var: nnx.Variable):
+  return var.get_value()
+
+
+def _abstract(value) -> bool:
+  return isinstance(value, jax.ShapeDtypeStruct)
+
+
+def _host(value) -> np.ndarray:
+  """A variable's value as numpy (fp32); a stored frozen kernel dequantized."""
+  if isinstance(value, quantized_weight.QuantizedKernel):
+    value = quantized_weight.dequantize(value)
+  return np.asarray(value, np.float32)
+
+
+_quantize = jax.jit(quantized_weight.quantize, static_argnames=("format", "n_in", "n_out",
+                                                             "double_quant"))
+
+
 class _Rows:
-  """Numpy copies of the variables being written (float32), assigned once at the end."""
+  """Numpy copies of the variables being written, each assigned as soon as all its rows
+  are (so host memory holds about one stacked variable beyond the model). A kernel
+  stored in a base dtype is kept in that form, one row quantized as it is read."""
 
   def __init__(self):
-    self.arrays: dict[int, tuple[nnx.Variable, np.ndarray]] = {}
+    self.arrays: dict[int, tuple[nnx.Variable, object, set]] = {}
+
+  def _buffer(self, var, make):
+    if id(var) not in self.arrays:
+      self.arrays[id(var)] = (var, make(), set())
+    return self.arrays[id(var)][1]
 
   def set(self, var: nnx.Variable, layer: int | None, value) -> None:
-    if id(var) not in self.arrays:
-      self.arrays[id(var)] = (var, np.array(var[...], np.float32))
-    array = self.arrays[id(var)][1]
+    def make():
+      current = _value(var)
+      if _abstract(current):
+        return np.zeros(current.shape, np.float32)
+      return np.array(current, np.float32)
+    array = self._buffer(var, make)
     target = array if layer is None else array[layer]
     target[...] = np.asarray(value, np.float32).reshape(target.shape)
+    self._done(var, layer, lambda a: jnp.asarray(a, _value(var).dtype))
+
+  def set_stored(self, module, layer: int | None, kernel, format: str, n_in: int) -> None:
+    """Row ``layer`` of ``module``'s kernel (``[in..., out...]``) stored in ``format``."""
+    var = module.kernel
+    shape = tuple(_value(var).shape)
+    row_shape = shape if layer is None else shape[1:]
+    row = _quantize(np.asarray(kernel, np.float32).reshape(row_shape), format, n_in=n_in,
+                    n_out=len(row_shape) - n_in)
+    leaves, treedef = jax.tree.flatten(row)
+    stack = () if layer is None else (shape[0],)
+    buffers = self._buffer(var, lambda: (treedef, [np.zeros(stack + x.shape, x.dtype)
+                                                   for x in leaves]))[1]
+    for buffer, leaf in zip(buffers, leaves):
+      (buffer if layer is None else buffer[layer])[...] = np.asarray(leaf)
+
+    def assign(_):
+      module.kernel = FrozenKernel(jax.tree.unflatten(treedef,
+                                                      [jnp.asarray(b) for b in buffers]))
+    self._done(var, layer, assign, value=False)
+
+  def _done(self, var, layer, assign, value=True) -> None:
+    _, array, layers = self.arrays[id(var)]
+    layers.add(layer)
+    rows = 1 if layer is None else _value(var).shape[0]
+    if len(layers) == rows:
+      if value:
+        var.set_value(assign(array))
+      else:
+        assign(array)
+      self.arrays[id(var)] = (var, None, layers)  # written: read back from the variable
 
   def get(self, var: nnx.Variable, layer: int | None) -> np.ndarray:
-    array = self.arrays[id(var)][1] if id(var) in self.arrays else np.asarray(var[...])
+    entry = self.arrays.get(id(var))
+    array = entry[1] if entry is not None and entry[1] is not None else _host(_value(var))
     return np.asarray(_row(array, layer), np.float64)
 
   def assign(self) -> None:
-    for var, array in self.arrays.values():
-      var[...] = jnp.asarray(array, var[...].dtype)
+    """Writes the variables with rows still missing (the reader has reported them)."""
+    for var, array, _ in self.arrays.values():
+      if array is not None and not isinstance(array, tuple):
+        var.set_value(jnp.asarray(array, _value(var).dtype))
+
+
+def init_unread(model, build) -> None:
+  """Gives the variables of an abstract ``model`` (``nnx.eval_shape``) that nothing
+  filled their initial values: ``build()`` jitted, returning only those (XLA drops the
+  initialisation of the rest, so no full-size model is made)."""
+  unread = {path: var for path, var in nnx.iter_graph(model)
+            if isinstance(var, nnx.Variable) and _abstract(_value(var))}
+  if not unread:
+    return
+  paths = tuple(unread)
+
+  def values():
+    built = {p: v for p, v in nnx.iter_graph(build()) if isinstance(v, nnx.Variable)}
+    return [_value(built[p]) for p in paths]
+
+  for path, value in zip(paths, jax.jit(values)()):
+    unread[path].set_value(value)
 
 
 def _kernel_dims(module, layer) -> tuple[tuple[int, ...], int]:
   """(kernel shape of one layer, number of input axes)."""
-  shape = tuple(module.kernel[...].shape)[0 if layer is None else 1:]
+  shape = tuple(_value(module.kernel).shape)[0 if layer is None else 1:]
   axis = getattr(module, "axis", (-1,))
   return shape, len(axis) if isinstance(axis, tuple) else 1
 
 
-def read_state(model, entries: Sequence[Entry], reader: StateReader) -> None:
-  """Loads every entry of the map from ``reader`` into ``model`` (in place). Norms come
-  first, so the linears reading a merged norm find its affine."""
+def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
+               store: Callable | None = None) -> None:
+  """Loads every entry of the map from ``reader`` into ``model`` (in place; ``model`` may
+  be abstract, from ``nnx.eval_shape``). Norms come first, so the linears reading a
+  merged norm find its affine. ``store(path, linear)``: the format of that linear's
+  kernel (``lowmem_jax.quantized_weight.FORMATS``; None or "float32": as it is), each
+  row quantized as it is read."""
   from lowmem_jax.norms import merge_norm_affine
 
   rows, affines = _Rows(), {}
@@ -181,7 +270,7 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader) -> None:
         raise CheckpointError(f"{e.hf} differs from {e.copy_of} but the config ties them")
     elif isinstance(e, Tensor):
       var = _resolve(model, e.path)
-      ours = tuple(var[...].shape)[0 if e.layer is None else 1:]
+      ours = tuple(_value(var).shape)[0 if e.layer is None else 1:]
       hf_shape = ours if e.to_hf is None else e.to_hf(np.zeros(ours)).shape
       value = reader.take(e.hf, hf_shape)
       rows.set(var, e.layer, value if e.to_ours is None else e.to_ours(value))
@@ -200,7 +289,12 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader) -> None:
         kernel, bias = merge_norm_affine(*affines[e.norm], kernel.astype(np.float32), bias)
         if bias is not None and not has_bias:
           raise CheckpointError(f"{e.hf}: merging the norm bias needs a bias on this linear")
-      rows.set(module.kernel, e.layer, kernel)
+      format = "float32" if store is None else (store(tuple(e.path.split(".")), module)
+                                                  or "float32")
+      if format == "float32":
+        rows.set(module.kernel, e.layer, kernel)
+      else:
+        rows.set_stored(module, e.layer, kernel, format, n_in)
       if has_bias:
         rows.set(module.bias, e.layer, bias)
   rows.assign()
@@ -229,12 +323,12 @@ def write_state(model, entries: Sequence[Entry]) -> dict[str, np.ndarray]:
       state[f"{e.hf}.bias"] = np.asarray(bias, np.float32)
   for e in entries:
     if isinstance(e, Tensor) and e.copy_of is None:
-      value = _row(np.asarray(_resolve(model, e.path)[...], np.float32), e.layer)
+      value = _row(_host(_value(_resolve(model, e.path))), e.layer)
       state[e.hf] = value if e.to_hf is None else e.to_hf(value)
     elif isinstance(e, Linear):
       module = _resolve(model, e.path)
       shape, n_in = _kernel_dims(module, e.layer)
-      kernel = _row(np.asarray(module.kernel[...], np.float32), e.layer)
+      kernel = _row(_host(_value(module.kernel)), e.layer)
       state[f"{e.hf}.weight"] = kernel.reshape(int(np.prod(shape[:n_in])), -1).T
       if getattr(module, "bias", None) is not None:
         state[f"{e.hf}.bias"] = _row(np.asarray(module.bias[...], np.float32),

@@ -43,13 +43,17 @@ class _PolicyDense:
   def store_kernel(self, format: str, *, double_quant: bool = False) -> None:
     """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``),
     once, as a :class:`FrozenKernel`; the layer then uses the frozen strategy
-    (:meth:`freeze_kernel`). ``float32`` leaves it as it is."""
+    (:meth:`freeze_kernel`). ``float32`` leaves it as it is; a kernel stored in
+    ``format`` already (a streamed load) is only frozen."""
     if format == "float32":
       return
     kernel = self.kernel[...]
     if isinstance(kernel, quantized_weight.QuantizedKernel):
-      raise ValueError(f"store_kernel: {self.role or 'this linear'}'s kernel is stored as "
-                       f"{kernel.format} already")
+      if kernel.format != format:
+        raise ValueError(f"store_kernel: {self.role or 'this linear'}'s kernel is stored as "
+                         f"{kernel.format} already, not {format}")
+      self.freeze_kernel()
+      return
     out = self.out_features
     n_out = len(out) if isinstance(out, tuple) else 1
     axis = getattr(self, "axis", (-1,))

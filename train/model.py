@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import re
 
@@ -42,8 +43,9 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
   if cfg.pretrained:
     from models import hf
     load = hf.load_pretrained if load_weights else hf.init_from_config
+    store = {"store": functools.partial(base_format, cfg)} if load_weights else {}
     model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
-                 **cfg.model_overrides)
+                 **store, **cfg.model_overrides)
   else:
     model = registry.build(cfg.model, policy, dtype=dtype, rngs=rngs, **cfg.model_overrides)
   if cfg.trainable == "lora":
@@ -54,25 +56,25 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
   return model
 
 
-def frozen_linears(model, cfg: TrainConfig):
-  """The linears whose kernel does not train under ``cfg.trainable`` (under LoRA: every
-  base, wrapped or not). Not the LM head that the fused loss reads as a plain array
-  (``models.llama.plain_kernel``): it stays as stored."""
-  if cfg.trainable == "full":
-    return []
+def base_format(cfg: TrainConfig, path: tuple, linear) -> str:
+  """How the linear at ``path`` stores its kernel: ``cfg.base_dtype`` when the kernel
+  does not train under ``cfg.trainable`` (under LoRA: every base, wrapped or not), else
+  "float32". Not the LM head, which the fused loss reads as a plain array
+  (``models.llama.plain_kernel``): it stays as it is."""
+  if cfg.base_dtype == "float32" or cfg.trainable == "full" or path[-1:] == ("lm_head",):
+    return "float32"
   trains = nnx.filterlib.to_predicate(trainable_filter(cfg))
-  head = getattr(model, "lm_head", None)
-  return [node for path, node in nnx.iter_graph(model)
-          if isinstance(node, (Linear, LinearGeneral)) and node is not head
-          and not trains(tuple(path) + ("kernel",), node.kernel)]
+  return "float32" if trains(tuple(path) + ("kernel",), linear.kernel) else cfg.base_dtype
 
 
 def store_frozen_kernels(model, cfg: TrainConfig) -> None:
-  """Stores every frozen linear kernel in ``cfg.base_dtype``, once, in place."""
-  if cfg.base_dtype == "float32":
-    return
-  for linear in frozen_linears(model, cfg):
-    linear.store_kernel(cfg.base_dtype)
+  """Stores every frozen linear kernel in ``cfg.base_dtype``, once, in place (one a
+  streamed load stored already is only marked frozen)."""
+  for path, node in list(nnx.iter_graph(model)):
+    if isinstance(node, (Linear, LinearGeneral)):
+      format = base_format(cfg, tuple(path), node)
+      if format != "float32":
+        node.store_kernel(format)
 
 
 def trainable_filter(cfg: TrainConfig):
