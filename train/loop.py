@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from models import lora, sites
-from train import runs
+from train import planner, runs
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import TrainConfig, config_diff
@@ -37,11 +37,20 @@ def train(cfg: TrainConfig) -> dict:
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
+  # the planner's budget ("auto": the device's memory) checked before any work
+  budget = None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
   # the run folder; refuses to write over a run before any work
   cfg = runs.prepare(cfg, primary=jax.process_index() == 0)
   out = Path(cfg.out_dir)
-  model = build_model(cfg)
-  train_set, eval_set = make_datasets(cfg, model)
+  plan = None
+  if cfg.memory_budget is None:
+    model = build_model(cfg)
+    train_set, eval_set = make_datasets(cfg, model)
+  else:  # the data first (checked against the model's shapes), then the plan, then the model
+    train_set, eval_set = make_datasets(
+        cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
+    cfg, plan = _plan(cfg, train_set, budget)
+    model = build_model(cfg)
   batches = Batches(train_set, cfg.batch_size, seed=cfg.seed, example_ids=cfg.grad_norm_cache)
   if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
       model, len(train_set), cfg.batch_size // cfg.grad_accum):
@@ -65,6 +74,10 @@ def train(cfg: TrainConfig) -> dict:
             start)
   memory = print_memory(trainer, trainer.put(batches.peek()), cfg)
   log.write({"event": "memory", "step": start, **memory})
+  if plan is not None:
+    log.write({"event": "plan", "step": start, "memory_budget": plan.budget,
+               "policy": plan.chosen.policy, "grad_accum": plan.chosen.grad_accum,
+               "predicted_peak": plan.chosen.peak, "planning_s": plan.seconds})
   metrics, final, schedule = {}, {}, make_schedule(cfg)
   # the data position after each step since the last boundary: a save of that step's state
   # resumes there
@@ -79,6 +92,11 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.profile_dir and step == cfg.profile_stop:
       jax.block_until_ready(trainer.state)
       jax.profiler.stop_trace()
+    if step == start + 1 and plan is not None:  # the prediction against the real peak
+      jax.block_until_ready(trainer.state)
+      report = planner.real_peak_report(plan)
+      print(report.pop("line"), flush=True)
+      log.write({"event": "plan_check", "step": step, **report})
     if step == start + 1 and cfg.memory_profile:
       jax.block_until_ready(trainer.state)
       jax.profiler.save_device_memory_profile(cfg.memory_profile)
@@ -123,6 +141,21 @@ def train(cfg: TrainConfig) -> dict:
   result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
             **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
   return result
+
+
+def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "planner.Plan"]:
+  """Runs the planner for ``budget`` bytes on the first batch's shapes, prints its table;
+  ``cfg`` with the chosen policy and grad_accum, and the plan."""
+  def model_fn(c: TrainConfig):
+    model = build_model(c, load_weights=False)
+    if c.grad_norm_cache:  # as train() attaches them, for this plan's micro-batch
+      sites.attach_grad_norm_caches(model, len(train_set), c.batch_size // c.grad_accum)
+    return model
+  example = Batches(train_set, cfg.batch_size, seed=cfg.seed,
+                    example_ids=cfg.grad_norm_cache).peek()
+  result = planner.plan(cfg, example, budget, model_fn=model_fn)
+  print(result.table(), result.summary(), sep="\n", flush=True)
+  return result.apply(cfg), result
 
 
 def _stop_if_non_finite(trainer: Trainer, ckpt: Checkpoints, log: Log,

@@ -1,0 +1,308 @@
+"""The memory-budget planner: the fastest training plan whose compiled peak fits a budget.
+
+A plan is a memory policy and a micro-batch size that divides the configured batch
+(``grad_accum = batch_size / micro``: the global batch, hence the training, stays the one
+configured). Each candidate's train step is compiled ahead of time: the model and optimizer
+state are abstract (``jax.eval_shape``), so nothing is materialized or run. Its peak is
+predicted from the executable's ``memory_analysis()``::
+
+    predicted peak = argument + output + temp - alias      (StepMemory.total)
+
+The arguments (train state, batch) are live for the whole step; ``temp`` is the one scratch
+allocation XLA gives the step, sized to the peak of its own liveness schedule; outputs that
+alias a donated argument (the new state) take no memory of their own, the rest (metrics) do.
+Outside the step, and so outside the prediction: the next batch put on the device while the
+step runs, the eval step, the allocator's fragmentation (``auto``'s 10% margin is for them).
+On CPU the figure is the CPU compiler's (a proxy: XLA:GPU fuses and schedules differently).
+
+Expected speed: the step time relative to ``baseline`` at the full batch, from
+``train/speed_table.json`` (measured per device family: policy step times, and the cost of
+each extra micro-batch); a policy or penalty the device's family lacks, or an unknown
+device, uses the cost model of :func:`modelled_step_time` (and the table says so).
+
+Search (compiles bounded, fastest first): policies in order of their fastest candidate (the
+full batch). A policy is skipped once its full batch is no faster than the best fitting plan
+found; within a policy the full batch is compiled first, then the largest fitting
+micro-batch among those still faster than the best is found by bisection. The bisection
+assumes the peak does not grow as the micro-batch shrinks (activations scale with it; the
+gradient accumulator is the same for every ``grad_accum >= 2``). At most
+``1 + ceil(log2(#micro-batches))`` compiles per policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from lowmem_jax.memory import MiB, compiled_memory, format_table
+from lowmem_jax.policy import MemoryPolicy
+from train.config import TrainConfig, parse_budget
+from train.model import build_model
+from train.trainer import Trainer, no_bad_step
+
+# The policies the planner chooses from, in expected speed order (the speed table decides
+# the final order): baseline (exact, fastest); lowmembp (same speed on an H100, less memory
+# where XLA does not already fuse it away); lowmem (= lowmembp+mesa8: int8 activations, a
+# quantize/dequantize pass, ~1.2x); lowmembp+remat (recomputes each block's forward, ~1.33x,
+# the least memory). All four train the model the configured batch would.
+DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmem", "lowmembp+remat")
+# "auto": the device's allocator limit less this fraction, for what the prediction leaves
+# out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
+AUTO_MARGIN = 0.10
+SPEED_TABLE = Path(__file__).with_name("speed_table.json")
+
+# The cost model (unknown devices; policies or penalties a family's table lacks), as step
+# time relative to baseline: a train step is ~1 forward + ~2 forwards' work of backward, so
+# recomputing the forward adds ~1/3; recomputing part of it (a remat policy that saves some
+# tensors, or offload's transfers) ~1/6; Mesa's quantize (forward) and dequantize (backward)
+# of every saved activation ~0.2 (H100, 7d7f55d: lowmembp+mesa8 1.14-1.26x); WTA-CRS's
+# sampling and gathers ~0.1. Each extra micro-batch: +5% (weights read again, smaller matmuls).
+RECOMPUTE_FORWARD = 1 / 3
+RECOMPUTE_PART = 1 / 6
+QUANT_COST = 0.2
+SAMPLING_COST = 0.1
+MICRO_BATCH_PENALTY = 0.05
+
+
+def modelled_step_time(policy: MemoryPolicy) -> float:
+  """Step time relative to baseline by the recompute cost model (constants above)."""
+  t = 1.0
+  if policy.remat == "full" or policy.reversible != "none":
+    t += RECOMPUTE_FORWARD  # block inputs or whole blocks recomputed in backward
+  elif policy.remat is not None:
+    t += RECOMPUTE_PART
+  if policy.quant != "none":
+    t += QUANT_COST
+  if policy.sampled_linear != "none":
+    t += SAMPLING_COST
+  return t
+
+
+def load_speed_table(path: Path = SPEED_TABLE) -> dict:
+  """``{family: {"step_time": {policy: t}, "micro_batch_penalty": p, ...}}``; ``_`` keys
+  (comments) left out."""
+  table = json.loads(path.read_text())
+  return {k: v for k, v in table.items() if not k.startswith("_")}
+
+
+def device_family(table: dict, device=None) -> str | None:
+  """The speed table's family of ``device`` (default: the first): ``cpu`` for the CPU, else
+  the family whose name is in the device kind (``h100`` in "NVIDIA H100 80GB HBM3"); None
+  when none is."""
+  device = jax.devices()[0] if device is None else device
+  if device.platform == "cpu":
+    return "cpu" if "cpu" in table else None
+  kind = device.device_kind.lower()
+  return next((f for f in table if f != "cpu" and f in kind), None)
+
+
+def resolve_budget(value) -> int:
+  """``memory_budget`` in bytes; ``"auto"``: the device's ``bytes_limit`` less
+  :data:`AUTO_MARGIN`. ValueError where the device reports no limit (the CPU: host memory
+  is shared with everything else on the machine, so give an explicit size there)."""
+  size = parse_budget(value)
+  if size != "auto":
+    return size
+  device = jax.devices()[0]
+  stats = device.memory_stats() or {}
+  if "bytes_limit" not in stats:
+    raise ValueError(f"memory_budget='auto' needs a device that reports its memory limit "
+                     f"(memory_stats()['bytes_limit']); {device.platform} does not: give a "
+                     f"size, e.g. memory_budget=8GiB")
+  return int(stats["bytes_limit"] * (1 - AUTO_MARGIN))
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  """One plan: a policy and micro-batch, its expected step time and predicted peak."""
+  policy: str
+  micro_batch: int
+  grad_accum: int
+  step_time: float            # relative to baseline at the full batch
+  speed_from: str             # "table" | "model" (the cost model)
+  peak: int | None = None     # predicted peak bytes; None: not compiled
+  note: str = ""              # why it was not compiled
+
+  @property
+  def speed(self) -> float:
+    """Expected speed relative to baseline at the full batch."""
+    return 1.0 / self.step_time
+
+
+def fmt_bytes(n: int) -> str:
+  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MiB:.1f} MiB"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The candidates (fastest first), the chosen one, and how planning went."""
+  budget: int
+  family: str | None
+  candidates: tuple[Candidate, ...]
+  chosen: Candidate
+  seconds: float
+
+  @property
+  def compiled(self) -> int:
+    return sum(c.peak is not None for c in self.candidates)
+
+  def apply(self, cfg: TrainConfig) -> TrainConfig:
+    """``cfg`` with the chosen policy and grad_accum (the batch size unchanged)."""
+    return cfg.replace(policy=self.chosen.policy, grad_accum=self.chosen.grad_accum)
+
+  def table(self) -> str:
+    rows = [(c.policy, c.micro_batch, c.grad_accum,
+             "-" if c.peak is None else fmt_bytes(c.peak),
+             f"{c.speed:.3f} ({c.speed_from})", "<- chosen" if c is self.chosen else c.note)
+            for c in self.candidates]
+    return format_table(("policy", "micro-batch", "grad_accum", "predicted peak",
+                         "expected speed", "chosen"), rows)
+
+  def summary(self) -> str:
+    speeds = (f"speed table '{self.family}'" if self.family else
+              "no speed table for this device: the cost model")
+    return (f"planner: memory_budget {fmt_bytes(self.budget)}; {self.compiled} of "
+            f"{len(self.candidates)} candidates compiled in {self.seconds:.1f} s; {speeds}; "
+            f"chosen {self.chosen.policy}, micro-batch {self.chosen.micro_batch} x "
+            f"grad_accum {self.chosen.grad_accum}, predicted peak "
+            f"{fmt_bytes(self.chosen.peak)}")
+
+
+def candidates(cfg: TrainConfig, policies: Sequence[str], table: dict,
+               family: str | None) -> list[Candidate]:
+  """Every policy x micro-batch dividing ``cfg.batch_size``, fastest first (ties: the order
+  of ``policies``, then the larger micro-batch)."""
+  entry = table.get(family, {}) if family else {}
+  measured = {MemoryPolicy.parse(k): v for k, v in entry.get("step_time", {}).items()}
+  penalty = entry.get("micro_batch_penalty")
+  out = []
+  for spec in policies:
+    policy = MemoryPolicy.parse(spec)
+    t = measured.get(policy)
+    t_source = "model" if t is None else "table"
+    t = modelled_step_time(policy) if t is None else t
+    p = MICRO_BATCH_PENALTY if penalty is None else penalty
+    for micro in sorted((m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0),
+                        reverse=True):
+      accum = cfg.batch_size // micro
+      source = t_source if accum == 1 or penalty is not None else "model"
+      out.append(Candidate(spec, micro, accum, t * (1 + p * (accum - 1)), source))
+  return sorted(out, key=lambda c: c.step_time)  # stable: the ties keep their order
+
+
+def search(cands: Sequence[Candidate], peak_of: Callable[[Candidate], int],
+           budget: int) -> tuple[list[Candidate], Candidate | None]:
+  """The fastest candidate whose peak (``peak_of(c)``: predicted bytes) is <= ``budget``,
+  with as few ``peak_of`` calls as the module docstring says; the candidates with their peaks (or
+  why they were not compiled), and the chosen one or None."""
+  peaks: dict[int, int] = {}
+  by_policy: dict[str, list[int]] = {}
+  for i, c in enumerate(cands):
+    by_policy.setdefault(c.policy, []).append(i)
+  best = None  # index into cands
+
+  def peak(i):
+    if i not in peaks:
+      peaks[i] = peak_of(cands[i])
+    return peaks[i]
+
+  for policy, idx in by_policy.items():  # in order of each policy's fastest candidate
+    idx = sorted(idx, key=lambda i: -cands[i].micro_batch)
+    if best is not None:
+      idx = [i for i in idx if cands[i].step_time < cands[best].step_time]
+    if not idx:
+      continue
+    if peak(idx[0]) <= budget:  # the full batch (or the largest still faster)
+      best = idx[0]
+      continue
+    lo, hi = 1, len(idx)  # bisection: the first of idx[1:] that fits (hi: none does)
+    while lo < hi:
+      mid = (lo + hi) // 2
+      if peak(idx[mid]) <= budget:
+        hi = mid
+      else:
+        lo = mid + 1
+    if hi < len(idx):
+      best = idx[hi]
+
+  def note(i, c):
+    if best is not None and c.step_time >= cands[best].step_time:
+      return "not compiled: no faster than the chosen"
+    return "not compiled: a smaller micro-batch of this policy does not fit"
+  out = [dataclasses.replace(c, peak=peaks[i]) if i in peaks else
+         dataclasses.replace(c, note=note(i, c)) for i, c in enumerate(cands)]
+  return out, None if best is None else out[best]
+
+
+def abstract_trainer(cfg: TrainConfig, model_fn: Callable[[TrainConfig], object]) -> Trainer:
+  """A :class:`Trainer` of ``cfg`` whose state is ShapeDtypeStructs: model and optimizer
+  state are built inside ``jax.eval_shape``, so no parameter is materialized."""
+  made = {}
+
+  def state():
+    made["trainer"] = Trainer.create(cfg, model_fn(cfg))
+    return made["trainer"].state
+  shapes = jax.eval_shape(state)
+  return dataclasses.replace(made["trainer"], state=shapes, first_bad=no_bad_step())
+
+
+def predict_peak(cfg: TrainConfig, batch_shapes: dict,
+                 model_fn: Callable[[TrainConfig], object] | None = None) -> int:
+  """Predicted peak bytes of ``cfg``'s train step on ``batch_shapes`` (module docstring):
+  compiled ahead of time, nothing run."""
+  model_fn = model_fn or (lambda c: build_model(c, load_weights=False))
+  return compiled_memory(abstract_trainer(cfg, model_fn).lower(batch_shapes).compile()).total
+
+
+def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
+         policies: Sequence[str] = DEFAULT_POLICIES,
+         model_fn: Callable[[TrainConfig], object] | None = None,
+         table: dict | None = None, predict: Callable = predict_peak) -> Plan:
+  """The fastest plan (policy, micro-batch) for ``cfg`` whose predicted peak fits
+  ``budget_bytes``. ``batch_example``: one global batch (arrays or ShapeDtypeStructs);
+  ``model_fn(cfg)``: the model to plan for (default: ``build_model`` without weights);
+  ``table``: the speed table (default: train/speed_table.json); ``predict(cfg, shapes,
+  model_fn)``: a plan's peak bytes (default: :func:`predict_peak`).
+  ValueError naming the budget and the smallest predicted peak when nothing fits."""
+  start = time.perf_counter()
+  table = load_speed_table() if table is None else table
+  family = device_family(table)
+  shapes = {k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(v.dtype))
+            for k, v in batch_example.items()}
+  if any(s.shape[:1] != (cfg.batch_size,) for s in shapes.values()):
+    raise ValueError(f"planner: the batch example's leading sizes "
+                     f"{sorted({s.shape[0] for s in shapes.values()})} are not "
+                     f"batch_size={cfg.batch_size}")
+
+  def peak_of(c: Candidate) -> int:
+    return predict(cfg.replace(policy=c.policy, grad_accum=c.grad_accum), shapes, model_fn)
+  rows, chosen = search(candidates(cfg, policies, table, family), peak_of, budget_bytes)
+  if chosen is None:
+    least = min((c for c in rows if c.peak is not None), key=lambda c: c.peak)
+    raise ValueError(f"memory_budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes): no "
+                     f"plan fits; the smallest predicted peak is {fmt_bytes(least.peak)} "
+                     f"({least.peak} bytes: {least.policy}, micro-batch {least.micro_batch} "
+                     f"x grad_accum {least.grad_accum})")
+  return Plan(budget_bytes, family, tuple(rows), chosen, time.perf_counter() - start)
+
+
+def real_peak_report(plan_: Plan) -> dict:
+  """After a step: the device's ``peak_bytes_in_use`` against the prediction (error in %
+  of the real peak), or a note where the device reports none (the CPU)."""
+  stats = jax.devices()[0].memory_stats() or {}
+  predicted = plan_.chosen.peak
+  if "peak_bytes_in_use" not in stats:
+    return {"predicted_peak": predicted, "real_peak": None,
+            "line": f"planner: the real peak is not available on {jax.default_backend()} "
+                    f"(no memory_stats()); predicted {fmt_bytes(predicted)} stands unchecked"}
+  real = int(stats["peak_bytes_in_use"])
+  error = 100.0 * (predicted - real) / real
+  return {"predicted_peak": predicted, "real_peak": real, "error_pct": error,
+          "line": f"planner: step 1 peak_bytes_in_use {fmt_bytes(real)}, predicted "
+                  f"{fmt_bytes(predicted)} (error {error:+.1f}% of the real peak)"}
