@@ -14,7 +14,7 @@ from lowmem_jax import quantized_weight as qw
 from models import hf
 from models.linear import FrozenKernel
 from train.config import TrainConfig
-from train.model import build_model
+from train.model import build_model, store_frozen_kernels
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +48,26 @@ def _config(path, base_dtype):
                      base_dtype=base_dtype)
 
 
-# Logit error vs the fp32 model, bounds from the weights' relative error (tests/
-# test_quantized_weight.py derives the per-linear ones): measured max |d logits| on this
-# model is ~1e-4 (bf16), ~4e-4 (int8), ~6e-3 (nf4); logits are ~0.1 in size.
-STREAM_TOL = {"bfloat16": 2e-3, "int8": 4e-3, "nf4": 4e-2}
+# Logit error vs the fp32 model: a sanity ceiling only (logits here reach 0.37; measured
+# 5.5e-4 bf16, 1.5e-3 int8, 3.3e-2 nf4). The derived bounds are checked in
+# tests/test_quantized_weight.py; here the streamed model must equal the fp32 one whose
+# kernels are stored afterwards, exactly.
+STREAM_TOL = {"bfloat16": 3e-3, "int8": 6e-3, "nf4": 0.1}
+logits = nnx.jit(lambda model, tokens: model(tokens))
 
 
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "int8", "nf4"])
 def test_streamed_load_in_each_base_dtype(sharded, base_dtype):
   tokens = jnp.asarray(fx.llama_tokens())
+  fp32 = build_model(_config(sharded, "float32"))
   ref = build_model(_config(sharded, "float32"))
   model = build_model(_config(sharded, base_dtype))
   stored = jax.tree.leaves(nnx.state(model, FrozenKernel),
                            is_leaf=lambda x: isinstance(x, qw.QuantizedKernel))
   # every linear but the LM head (7 per layer) holds its kernel in the base dtype
   assert len(stored) == 7 and all(k.format == base_dtype for k in stored)
-  # streamed into that form: the same as storing the fp32 model's kernels afterwards
-  again = build_model(_config(sharded, "float32").replace(base_dtype=base_dtype,
-                                                          pretrained=None, model="llama-tiny"))
-  del again
-  err = float(jnp.max(jnp.abs(model(tokens) - ref(tokens))))
-  assert err < STREAM_TOL[base_dtype], err
+  # streamed into that form = the fp32 model's kernels stored afterwards, exactly
+  store_frozen_kernels(ref, _config(sharded, base_dtype))
+  np.testing.assert_array_equal(logits(model, tokens), logits(ref, tokens))
+  err = float(jnp.max(jnp.abs(logits(model, tokens) - logits(fp32, tokens))))
+  assert 0 < err < STREAM_TOL[base_dtype], err
