@@ -1,0 +1,229 @@
+"""The memory-budget planner: budgets that force each choice (real compiled peaks of a tiny
+ViT, compiled once per candidate), the bounded search against brute force, the printed
+table, budget parsing, and the training loop's hook."""
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+
+import jax
+import pytest
+
+from conftest import TINY_TRAIN
+from train import config as config_lib
+from train import planner
+from train.batches import Batches
+from train.images import digits
+
+# A tiny ViT (one block of width 32, 65 tokens: activations outweigh the parameters) at
+# batch 2 (micro-batches 2 and 1) and two policies: 4 compiles in all, shared by the tests.
+POLICIES = ("baseline", "lowmembp")
+BATCH = ["batch_size=2", "model.patch_size=1"]
+# Speeds that make a leaner policy at the full batch beat more micro-batches.
+TABLE = {"cpu": {"step_time": {"baseline": 1.0, "lowmembp": 1.3},
+                 "micro_batch_penalty": 0.5}}
+
+
+def _cfg(*extra):
+  return config_lib.load_config("digits-vit", None, TINY_TRAIN + BATCH + list(extra))
+
+
+@pytest.fixture(scope="module")
+def example():
+  return Batches(digits("train"), 2).peek()
+
+
+@pytest.fixture(scope="module")
+def predict():
+  """predict_peak memoized per (policy, grad_accum), counting the compiles."""
+  calls = []
+
+  @functools.cache
+  def peak(policy, accum, shapes_key):
+    calls.append((policy, accum))
+    return planner.predict_peak(_cfg(f"policy={policy}", f"grad_accum={accum}"),
+                                dict(shapes_key))
+
+  def predict(cfg, shapes, model_fn):
+    return peak(cfg.policy, cfg.grad_accum, tuple(sorted(shapes.items())))
+  predict.calls = calls
+  return predict
+
+
+@pytest.fixture(scope="module")
+def truth(example, predict):
+  """Every candidate's real predicted peak: {(policy, grad_accum): bytes}."""
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
+            for k, v in example.items()}
+  return {(c.policy, c.grad_accum): predict(_cfg().replace(policy=c.policy,
+                                                           grad_accum=c.grad_accum),
+                                            shapes, None)
+          for c in planner.candidates(_cfg(), POLICIES, TABLE, "cpu")}
+
+
+def _brute_force(truth, budget):
+  """The fastest candidate (TABLE's order) whose peak fits, or None."""
+  fitting = [c for c in planner.candidates(_cfg(), POLICIES, TABLE, "cpu")
+             if truth[c.policy, c.grad_accum] <= budget]
+  return fitting[0] if fitting else None
+
+
+def test_peaks_shrink_with_the_micro_batch_and_the_leaner_policy(truth):
+  """The premises the search and the budgets below rest on."""
+  for policy in POLICIES:
+    assert truth[policy, 1] > truth[policy, 2], truth
+  for accum in (1, 2):
+    assert truth["lowmembp", accum] < truth["baseline", accum], truth
+  assert truth["baseline", 2] < truth["lowmembp", 1], truth
+
+
+def test_budgets_force_each_choice(example, predict, truth):
+  cfg = _cfg()
+  cases = {  # budget -> the expected (policy, grad_accum)
+      2 ** 40: ("baseline", 1),                                 # fastest, full batch
+      truth["baseline", 1] - 1: ("lowmembp", 1),                # a leaner policy
+      truth["lowmembp", 1] - 1: ("baseline", 2),                # more micro-batches
+      truth["lowmembp", 2]: ("lowmembp", 2),                    # the leanest
+  }
+  assert len(set(cases.values())) == 4
+  for budget, (policy, accum) in cases.items():
+    plan = planner.plan(cfg, example, budget, policies=POLICIES, table=TABLE,
+                        predict=predict)
+    assert (plan.chosen.policy, plan.chosen.grad_accum) == (policy, accum), budget
+    assert plan.chosen.peak == truth[policy, accum] <= budget
+    new = plan.apply(cfg)  # the global batch kept
+    assert (new.policy, new.grad_accum, new.batch_size) == (policy, accum, 2)
+    assert plan.chosen.micro_batch * plan.chosen.grad_accum == cfg.batch_size
+
+
+def test_no_plan_fits_names_the_smallest_peak(example, predict, truth):
+  least = min(truth.values())
+  (policy, accum), = [k for k, v in truth.items() if v == least]
+  with pytest.raises(ValueError) as e:
+    planner.plan(_cfg(), example, least - 1, policies=POLICIES, table=TABLE, predict=predict)
+  msg = str(e.value)
+  assert "\n" not in msg and f"({least - 1} bytes): no plan fits" in msg
+  assert f"({least} bytes: {policy}, micro-batch {2 // accum} x grad_accum {accum})" in msg
+
+
+def test_search_matches_brute_force_with_few_compiles(truth):
+  """Every budget between the peaks: the search's choice is brute force's, from at most
+  1 + ceil(log2(2)) = 2 peaks per policy; the huge budget compiles one."""
+  cands = planner.candidates(_cfg(), POLICIES, TABLE, "cpu")
+  budgets = sorted({b for v in truth.values() for b in (v - 1, v)}) + [2 ** 40]
+  for budget in budgets:
+    asked = []
+
+    def peak_of(c):
+      asked.append(c)
+      return truth[c.policy, c.grad_accum]
+    rows, chosen = planner.search(cands, peak_of, budget)
+    want = _brute_force(truth, budget)
+    assert (chosen and (chosen.policy, chosen.grad_accum)) == (
+        want and (want.policy, want.grad_accum)), budget
+    assert len(asked) == len(set(asked)) <= 2 * len(POLICIES)
+    assert [r.peak is not None for r in rows].count(True) == len(asked)
+  assert len(asked) == 1  # the huge budget: the fastest fits
+
+
+def test_search_bisects_many_micro_batches():
+  """Batch 48 (10 micro-batch sizes), four policies, made-up peaks that shrink with the
+  micro-batch: brute force's choice at every budget, at most 1 + ceil(log2(10)) = 5 peaks
+  asked per policy."""
+  policies = ("baseline", "lowmembp", "lowmem", "lowmembp+remat")
+  table = {"cpu": {"step_time": {"baseline": 1.0, "lowmembp": 1.05, "lowmem": 1.2,
+                                 "lowmembp+remat": 1.33}, "micro_batch_penalty": 0.03}}
+  cands = planner.candidates(_cfg("batch_size=48"), policies, table, "cpu")
+  assert len(cands) == 40 and all(c.micro_batch * c.grad_accum == 48 for c in cands)
+  lean = {"baseline": 1.0, "lowmembp": 0.8, "lowmem": 0.5, "lowmembp+remat": 0.3}
+  peak = lambda c: int(1000 + 100 * lean[c.policy] * c.micro_batch)
+  for budget in sorted({peak(c) + d for c in cands for d in (-1, 0)}) + [10 ** 9]:
+    asked = []
+    _, chosen = planner.search(cands, lambda c: asked.append(c) or peak(c), budget)
+    fitting = [c for c in cands if peak(c) <= budget]
+    assert chosen == (dataclasses.replace(fitting[0], peak=peak(fitting[0]))
+                      if fitting else None), budget
+    for policy in policies:
+      assert sum(c.policy == policy for c in asked) <= 5, (budget, policy)
+
+
+def test_table_is_printed_fastest_first(example, predict, truth):
+  plan = planner.plan(_cfg(), example, truth["baseline", 1] - 1, policies=POLICIES,
+                      table=TABLE, predict=predict)
+  lines = plan.table().splitlines()
+  assert lines[0].split() == ["policy", "micro-batch", "grad_accum", "predicted", "peak",
+                              "expected", "speed", "chosen"]
+  rows = [line.split() for line in lines[2:]]
+  assert [(r[0], r[2]) for r in rows] == [("baseline", "1"), ("lowmembp", "1"),
+                                          ("baseline", "2"), ("lowmembp", "2")]
+  assert rows[1][-2:] == ["<-", "chosen"] and "1.000 (table)" in lines[2]
+  assert "0.769 (table)" in lines[3]  # 1 / 1.3
+  assert "not compiled: no faster than the chosen" in lines[4]
+  assert plan.compiled == 2  # baseline's full batch did not fit, lowmembp's did
+  assert "chosen lowmembp, micro-batch 2 x grad_accum 1" in plan.summary()
+
+
+def test_speeds_from_the_table_or_the_cost_model():
+  table = planner.load_speed_table()
+  assert {"cpu", "h100"} <= set(table)
+  cands = planner.candidates(_cfg("batch_size=4"), ("baseline", "lowmembp+remat", "offload"),
+                             table, None)
+  model = {(c.policy, c.grad_accum): c for c in cands}  # unknown device: the cost model
+  assert all(c.speed_from == "model" for c in cands)
+  assert model["lowmembp+remat", 1].step_time == pytest.approx(4 / 3)
+  assert model["offload", 1].step_time == pytest.approx(7 / 6)
+  assert model["baseline", 4].step_time == pytest.approx(1 + 3 * planner.MICRO_BATCH_PENALTY)
+  h100 = {(c.policy, c.grad_accum): c
+          for c in planner.candidates(_cfg(), ("lowmem",), table, "h100")}
+  assert h100["lowmem", 1].speed_from == "table"
+  assert h100["lowmem", 1].step_time == table["h100"]["step_time"]["lowmem"]
+  assert h100["lowmem", 2].speed_from == "model"  # no measured micro-batch penalty
+
+
+@pytest.mark.parametrize("text,size", [("20GiB", 20 * 2 ** 30), ("512MiB", 512 * 2 ** 20),
+                                       ("1.5 GB", 1_500_000_000), (4096, 4096),
+                                       ("auto", "auto")])
+def test_budget_parsing(text, size):
+  assert config_lib.parse_budget(text) == size
+  assert _cfg(f"memory_budget={text}").memory_budget is not None
+
+
+@pytest.mark.parametrize("text", ["20gib", "20 GiBs", "GiB", "1e9", "0", "-5MiB",
+                                  "true"])
+def test_bad_budgets_name_the_field(text):
+  with pytest.raises(ValueError, match=r"^TrainConfig: memory_budget=.*'20GiB'"):
+    _cfg(f"memory_budget={text}")
+
+
+def test_auto_on_cpu_is_a_clear_error():
+  assert jax.default_backend() == "cpu"
+  with pytest.raises(ValueError, match=r"memory_budget='auto' needs .* cpu does not: give a "
+                                       r"size, e.g. memory_budget=8GiB"):
+    planner.resolve_budget("auto")
+
+
+def test_budget_with_a_mesh_is_refused():
+  with pytest.raises(ValueError, match="memory_budget plans for one device"):
+    _cfg("memory_budget=1GiB", "mesh=data=1")
+
+
+def test_train_runs_the_plan(tmp_path, capsys):
+  """train(): the table before step 1, the chosen policy and grad_accum used and recorded,
+  and on CPU the line saying the real peak is not available."""
+  from train.loop import train
+  cfg = _cfg(f"out_dir={tmp_path}", "memory_budget=1TiB", "steps=1", "policy=lowmem",
+             "save_every=0")
+  train(cfg)
+  out = capsys.readouterr().out
+  table, step1 = out.index("predicted peak"), out.index("real peak is not available")
+  assert table < out.index("compiled step memory [") < step1
+  saved = json.loads((Path(tmp_path) / "config.json").read_text())
+  want = planner.candidates(cfg, planner.DEFAULT_POLICIES, planner.load_speed_table(),
+                            "cpu")[0]  # the fastest fits a TiB
+  assert (saved["policy"], saved["grad_accum"]) == (want.policy, want.grad_accum)
+  events = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
+  plan_event, = [e for e in events if e.get("event") == "plan"]
+  assert plan_event["policy"] == want.policy and plan_event["predicted_peak"] > 0
+  check, = [e for e in events if e.get("event") == "plan_check"]
+  assert check["real_peak"] is None
