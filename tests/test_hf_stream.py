@@ -60,7 +60,7 @@ logits = nnx.jit(lambda model, tokens: model(tokens))
 def test_streamed_load_in_each_base_dtype(sharded, base_dtype):
   tokens = jnp.asarray(fx.llama_tokens())
   fp32 = build_model(_config(sharded, "float32"))
-  ref = build_model(_config(sharded, "float32"))
+  ref = nnx.clone(fp32)
   model = build_model(_config(sharded, base_dtype))
   stored = jax.tree.leaves(nnx.state(model, FrozenKernel),
                            is_leaf=lambda x: isinstance(x, qw.QuantizedKernel))
