@@ -20,13 +20,14 @@ Expected speed: the step time relative to ``baseline`` at the full batch, from
 each extra micro-batch); a policy or penalty the device's family lacks, or an unknown
 device, uses the cost model of :func:`modelled_step_time` (and the table says so).
 
-Search (compiles bounded, fastest first): policies in order of their fastest candidate (the
-full batch). A policy is skipped once its full batch is no faster than the best fitting plan
-found; within a policy the full batch is compiled first, then the largest fitting
-micro-batch among those still faster than the best is found by bisection. The bisection
-assumes the peak does not grow as the micro-batch shrinks (activations scale with it; the
-gradient accumulator is the same for every ``grad_accum >= 2``). At most
-``1 + ceil(log2(#micro-batches))`` compiles per policy.
+Search (compiles bounded, fastest first): first the policies' full batches, fastest first,
+until one fits; then, per policy whose full batch did not fit, the largest micro-batch that
+fits among those still faster than the best plan so far, by bisection. Every candidate left
+uncompiled is slower than the chosen one or larger than a micro-batch of its policy that
+did not fit, so the chosen plan is the fastest that fits, given that a policy's peak does not
+grow as its micro-batch shrinks (activations scale with the micro-batch; the gradient
+accumulator is the same for every ``grad_accum >= 2``): the bisection rests on that. At
+most ``1 + ceil(log2(#micro-batches))`` compiles per policy; one when the fastest fits.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmem", "lowmembp+remat")
 # out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
 AUTO_MARGIN = 0.10
 SPEED_TABLE = Path(__file__).with_name("speed_table.json")
+# XLA options for the planner's compiles, per backend: only the memory figures are read, so
+# skip LLVM's optimizations (CPU: the same memory_analysis() to the byte, half the compile
+# time; measured on the tiny ViT steps of tests/test_planner.py). GPU: none (unmeasured).
+PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0,
+                                 "xla_llvm_disable_expensive_passes": True}}
 
 # The cost model (unknown devices; policies or penalties a family's table lacks), as step
 # time relative to baseline: a train step is ~1 forward + ~2 forwards' work of backward, so
@@ -198,9 +204,9 @@ def candidates(cfg: TrainConfig, policies: Sequence[str], table: dict,
 
 def search(cands: Sequence[Candidate], peak_of: Callable[[Candidate], int],
            budget: int) -> tuple[list[Candidate], Candidate | None]:
-  """The fastest candidate whose peak (``peak_of(c)``: predicted bytes) is <= ``budget``,
-  with as few ``peak_of`` calls as the module docstring says; the candidates with their peaks (or
-  why they were not compiled), and the chosen one or None."""
+  """The fastest of ``cands`` (fastest first) whose peak (``peak_of(c)``: predicted bytes)
+  is <= ``budget``, with the few ``peak_of`` calls the module docstring says; the candidates
+  with their peaks (or why they were not compiled), and the chosen one or None."""
   peaks: dict[int, int] = {}
   by_policy: dict[str, list[int]] = {}
   for i, c in enumerate(cands):
@@ -212,24 +218,25 @@ def search(cands: Sequence[Candidate], peak_of: Callable[[Candidate], int],
       peaks[i] = peak_of(cands[i])
     return peaks[i]
 
-  for policy, idx in by_policy.items():  # in order of each policy's fastest candidate
-    idx = sorted(idx, key=lambda i: -cands[i].micro_batch)
-    if best is not None:
-      idx = [i for i in idx if cands[i].step_time < cands[best].step_time]
-    if not idx:
-      continue
-    if peak(idx[0]) <= budget:  # the full batch (or the largest still faster)
+  # each policy's candidates, largest micro-batch (fastest) first; policies in the order
+  # of their full batch's speed (dicts keep the order of cands)
+  order = [sorted(idx, key=lambda i: -cands[i].micro_batch) for idx in by_policy.values()]
+  faster = lambda i: best is None or cands[i].step_time < cands[best].step_time
+  for idx in order:  # 1: the full batches, fastest first, until one fits
+    if peak(idx[0]) <= budget:
       best = idx[0]
-      continue
-    lo, hi = 1, len(idx)  # bisection: the first of idx[1:] that fits (hi: none does)
+      break
+  for idx in order:  # 2: more micro-batches where still faster than the best so far
+    rest = [i for i in idx[1:] if faster(i)]  # their full batch was compiled: no fit
+    lo, hi = 0, len(rest)  # bisection: the first of rest that fits (hi: none does)
     while lo < hi:
       mid = (lo + hi) // 2
-      if peak(idx[mid]) <= budget:
+      if peak(rest[mid]) <= budget:
         hi = mid
       else:
         lo = mid + 1
-    if hi < len(idx):
-      best = idx[hi]
+    if hi < len(rest):
+      best = rest[hi]
 
   def note(i, c):
     if best is not None and c.step_time >= cands[best].step_time:
@@ -257,7 +264,9 @@ def predict_peak(cfg: TrainConfig, batch_shapes: dict,
   """Predicted peak bytes of ``cfg``'s train step on ``batch_shapes`` (module docstring):
   compiled ahead of time, nothing run."""
   model_fn = model_fn or (lambda c: build_model(c, load_weights=False))
-  return compiled_memory(abstract_trainer(cfg, model_fn).lower(batch_shapes).compile()).total
+  lowered = abstract_trainer(cfg, model_fn).lower(batch_shapes)
+  options = PLAN_COMPILER_OPTIONS.get(jax.default_backend(), {})
+  return compiled_memory(lowered.compile(compiler_options=options)).total
 
 
 def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
