@@ -20,14 +20,16 @@ Expected speed: the step time relative to ``baseline`` at the full batch, from
 each extra micro-batch); a policy or penalty the device's family lacks, or an unknown
 device, uses the cost model of :func:`modelled_step_time` (and the table says so).
 
-Search (compiles bounded, fastest first): first the policies' full batches, fastest first,
-until one fits; then, per policy whose full batch did not fit, the largest micro-batch that
-fits among those still faster than the best plan so far, by bisection. Every candidate left
-uncompiled is slower than the chosen one or larger than a micro-batch of its policy that
-did not fit, so the chosen plan is the fastest that fits, given that a policy's peak does not
-grow as its micro-batch shrinks (activations scale with the micro-batch; the gradient
-accumulator is the same for every ``grad_accum >= 2``): the bisection rests on that. At
-most ``1 + ceil(log2(#micro-batches))`` compiles per policy; one when the fastest fits.
+Search (compiles bounded, fastest first): the candidates in speed order, each compiled
+unless a smaller micro-batch of its policy is known not to fit; the first that fits is the
+answer. A policy's second miss bisects its remaining micro-batches (those faster than the
+best so far) for the largest that fits, and the scan goes on until no faster candidate is
+left. Every candidate left uncompiled is slower than the chosen one or larger than a
+micro-batch of its policy that did not fit, so the chosen plan is the fastest that fits,
+given that a policy's peak does not grow as its micro-batch shrinks (activations scale with
+the micro-batch; the gradient accumulator is the same for every ``grad_accum >= 2``): the
+skips and the bisection rest on that. At most ``2 + ceil(log2(#micro-batches - 1))``
+compiles per policy; one when the fastest fits.
 """
 
 from __future__ import annotations
@@ -208,35 +210,40 @@ def search(cands: Sequence[Candidate], peak_of: Callable[[Candidate], int],
   is <= ``budget``, with the few ``peak_of`` calls the module docstring says; the candidates
   with their peaks (or why they were not compiled), and the chosen one or None."""
   peaks: dict[int, int] = {}
-  by_policy: dict[str, list[int]] = {}
-  for i, c in enumerate(cands):
-    by_policy.setdefault(c.policy, []).append(i)
+  lost: dict[str, int] = {}  # policy -> its smallest micro-batch known not to fit
   best = None  # index into cands
 
-  def peak(i):
+  def fits(i):
     if i not in peaks:
       peaks[i] = peak_of(cands[i])
-    return peaks[i]
+    if peaks[i] > budget:
+      lost[cands[i].policy] = min(lost.get(cands[i].policy, cands[i].micro_batch),
+                                  cands[i].micro_batch)
+    return peaks[i] <= budget
 
-  # each policy's candidates, largest micro-batch (fastest) first; policies in the order
-  # of their full batch's speed (dicts keep the order of cands)
-  order = [sorted(idx, key=lambda i: -cands[i].micro_batch) for idx in by_policy.values()]
-  faster = lambda i: best is None or cands[i].step_time < cands[best].step_time
-  for idx in order:  # 1: the full batches, fastest first, until one fits
-    if peak(idx[0]) <= budget:
-      best = idx[0]
+  for i, c in enumerate(cands):
+    if best is not None and c.step_time >= cands[best].step_time:
       break
-  for idx in order:  # 2: more micro-batches where still faster than the best so far
-    rest = [i for i in idx[1:] if faster(i)]  # their full batch was compiled: no fit
-    lo, hi = 0, len(rest)  # bisection: the first of rest that fits (hi: none does)
-    while lo < hi:
-      mid = (lo + hi) // 2
-      if peak(rest[mid]) <= budget:
-        hi = mid
+    if c.micro_batch >= lost.get(c.policy, c.micro_batch + 1):
+      continue  # a smaller micro-batch of its policy does not fit
+    missed = c.policy in lost
+    if fits(i):
+      best = i  # every faster candidate is known not to fit
+      break
+    if missed:  # the policy's second miss: bisect its smaller micro-batches
+      rest = [j for j in range(i + 1, len(cands)) if cands[j].policy == c.policy
+              and (best is None or cands[j].step_time < cands[best].step_time)]
+      lo, hi = 0, len(rest)  # the first of rest that fits (hi: none does)
+      while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(rest[mid]):
+          hi = mid
+        else:
+          lo = mid + 1
+      if hi < len(rest):
+        best = rest[hi]  # faster candidates of other policies may still fit: go on
       else:
-        lo = mid + 1
-    if hi < len(rest):
-      best = rest[hi]
+        lost[c.policy] = 0  # none of the policy fits
 
   def note(i, c):
     if best is not None and c.step_time >= cands[best].step_time:
