@@ -43,8 +43,7 @@ def predict():
   def peak(policy, accum, shapes_key):
     return planner.predict_peak(_cfg(f"policy={policy}", f"grad_accum={accum}"),
                                 dict(shapes_key))
-  return lambda cfg, shapes, model_fn: peak(cfg.policy, cfg.grad_accum,
-                                            tuple(sorted(shapes.items())))
+  return lambda cfg, shapes: peak(cfg.policy, cfg.grad_accum, tuple(sorted(shapes.items())))
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +51,7 @@ def truth(example, predict):
   """Real predicted peaks: {(policy, grad_accum): bytes}."""
   shapes = {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
             for k, v in example.items()}
-  return {(policy, accum): predict(_cfg(f"policy={policy}", f"grad_accum={accum}"),
-                                   shapes, None)
+  return {(policy, accum): predict(_cfg(f"policy={policy}", f"grad_accum={accum}"), shapes)
           for policy, accum in (("baseline", 1), ("baseline", 2), ("lowmembp", 1))}
 
 
@@ -83,7 +81,7 @@ def test_budgets_force_each_choice(example, predict, truth):
 def test_no_plan_fits_names_the_smallest_peak(example):
   """Made-up peaks (lowmembp leaner, shrinking with the micro-batch): one line naming the
   budget and the smallest peak found, lowmembp's at micro-batch 1."""
-  def predict(cfg, shapes, model_fn):
+  def predict(cfg, shapes):
     return 10 ** 6 + cfg.batch_size // cfg.grad_accum * (2 if cfg.policy == "baseline" else 1)
   with pytest.raises(ValueError) as e:
     planner.plan(_cfg(), example, 10 ** 6, policies=POLICIES, table=TABLE, predict=predict)
@@ -170,9 +168,11 @@ def test_auto_on_cpu_is_a_clear_error():
     planner.resolve_budget("auto")
 
 
-def test_budget_with_a_mesh_is_refused():
+def test_budget_with_a_mesh_or_grad_norm_cache_is_refused():
   with pytest.raises(ValueError, match="memory_budget plans for one device"):
     _cfg("memory_budget=1GiB", "mesh=data=1")
+  with pytest.raises(ValueError, match="grad_norm_cache=true .* does not work with it"):
+    _cfg("memory_budget=1GiB", "grad_norm_cache=true")
 
 
 def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):

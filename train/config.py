@@ -120,6 +120,9 @@ class TrainConfig:
       if self.mesh:
         raise ValueError(f"TrainConfig: memory_budget plans for one device; it does not "
                          f"work with mesh={self.mesh!r} yet")
+      if self.grad_norm_cache:
+        raise ValueError("TrainConfig: memory_budget chooses among policies that sample no "
+                         "linear; grad_norm_cache=true (WTA-CRS) does not work with it")
 
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)

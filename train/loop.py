@@ -146,14 +146,8 @@ def train(cfg: TrainConfig) -> dict:
 def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "planner.Plan"]:
   """Runs the planner for ``budget`` bytes on the first batch's shapes, prints its table;
   ``cfg`` with the chosen policy and grad_accum, and the plan."""
-  def model_fn(c: TrainConfig):
-    model = build_model(c, load_weights=False)
-    if c.grad_norm_cache:  # as train() attaches them, for this plan's micro-batch
-      sites.attach_grad_norm_caches(model, len(train_set), c.batch_size // c.grad_accum)
-    return model
-  example = Batches(train_set, cfg.batch_size, seed=cfg.seed,
-                    example_ids=cfg.grad_norm_cache).peek()
-  result = planner.plan(cfg, example, budget, model_fn=model_fn)
+  example = Batches(train_set, cfg.batch_size, seed=cfg.seed).peek()
+  result = planner.plan(cfg, example, budget)
   print(result.table(), result.summary(), sep="\n", flush=True)
   return result.apply(cfg), result
 

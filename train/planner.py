@@ -254,37 +254,34 @@ def search(cands: Sequence[Candidate], peak_of: Callable[[Candidate], int],
   return out, None if best is None else out[best]
 
 
-def abstract_trainer(cfg: TrainConfig, model_fn: Callable[[TrainConfig], object]) -> Trainer:
-  """A :class:`Trainer` of ``cfg`` whose state is ShapeDtypeStructs: model and optimizer
-  state are built inside ``jax.eval_shape``, so no parameter is materialized."""
+def abstract_trainer(cfg: TrainConfig) -> Trainer:
+  """A :class:`Trainer` of ``cfg`` whose state is ShapeDtypeStructs: the model (without
+  pretrained weights) and optimizer state are built inside ``jax.eval_shape``, so no
+  parameter is materialized."""
   made = {}
 
   def state():
-    made["trainer"] = Trainer.create(cfg, model_fn(cfg))
+    made["trainer"] = Trainer.create(cfg, build_model(cfg, load_weights=False))
     return made["trainer"].state
   shapes = jax.eval_shape(state)
   return dataclasses.replace(made["trainer"], state=shapes, first_bad=no_bad_step())
 
 
-def predict_peak(cfg: TrainConfig, batch_shapes: dict,
-                 model_fn: Callable[[TrainConfig], object] | None = None) -> int:
+def predict_peak(cfg: TrainConfig, batch_shapes: dict) -> int:
   """Predicted peak bytes of ``cfg``'s train step on ``batch_shapes`` (module docstring):
   compiled ahead of time, nothing run."""
-  model_fn = model_fn or (lambda c: build_model(c, load_weights=False))
-  lowered = abstract_trainer(cfg, model_fn).lower(batch_shapes)
+  lowered = abstract_trainer(cfg).lower(batch_shapes)
   options = PLAN_COMPILER_OPTIONS.get(jax.default_backend(), {})
   return compiled_memory(lowered.compile(compiler_options=options)).total
 
 
 def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
-         policies: Sequence[str] = DEFAULT_POLICIES,
-         model_fn: Callable[[TrainConfig], object] | None = None,
-         table: dict | None = None, predict: Callable = predict_peak) -> Plan:
+         policies: Sequence[str] = DEFAULT_POLICIES, table: dict | None = None,
+         predict: Callable[[TrainConfig, dict], int] = predict_peak) -> Plan:
   """The fastest plan (policy, micro-batch) for ``cfg`` whose predicted peak fits
   ``budget_bytes``. ``batch_example``: one global batch (arrays or ShapeDtypeStructs);
-  ``model_fn(cfg)``: the model to plan for (default: ``build_model`` without weights);
-  ``table``: the speed table (default: train/speed_table.json); ``predict(cfg, shapes,
-  model_fn)``: a plan's peak bytes (default: :func:`predict_peak`).
+  ``table``: the speed table (default: train/speed_table.json); ``predict(cfg, shapes)``:
+  a plan's peak bytes (default: :func:`predict_peak`).
   ValueError naming the budget and the smallest predicted peak when nothing fits."""
   start = time.perf_counter()
   table = load_speed_table() if table is None else table
@@ -297,7 +294,7 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
                      f"batch_size={cfg.batch_size}")
 
   def peak_of(c: Candidate) -> int:
-    return predict(cfg.replace(policy=c.policy, grad_accum=c.grad_accum), shapes, model_fn)
+    return predict(cfg.replace(policy=c.policy, grad_accum=c.grad_accum), shapes)
   rows, chosen = search(candidates(cfg, policies, table, family), peak_of, budget_bytes)
   if chosen is None:
     least = min((c for c in rows if c.peak is not None), key=lambda c: c.peak)
