@@ -53,7 +53,8 @@ from train.trainer import Trainer, no_bad_step
 # the final order): baseline (exact, fastest); lowmembp (same speed on an H100, less memory
 # where XLA does not already fuse it away); lowmem (= lowmembp+mesa8: int8 activations, a
 # quantize/dequantize pass, ~1.2x); lowmembp+remat (recomputes each block's forward, ~1.33x,
-# the least memory). All four train the model the configured batch would.
+# the least memory). baseline is exact; the others approximate the backward as their
+# papers do (docs/methods.md).
 DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmem", "lowmembp+remat")
 # "auto": the device's allocator limit less this fraction, for what the prediction leaves
 # out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
