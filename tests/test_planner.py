@@ -5,6 +5,7 @@ the printed table, speeds, budget parsing, and the training loop's hook."""
 import dataclasses
 import functools
 import json
+import types
 from pathlib import Path
 
 import jax
@@ -144,6 +145,10 @@ def test_speeds_from_the_table_or_the_cost_model():
   assert h100["lowmem", 1].speed_from == "table"
   assert h100["lowmem", 1].step_time == table["h100"]["step_time"]["lowmem"]
   assert h100["lowmem", 2].speed_from == "model"  # no measured micro-batch penalty
+  gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
+  assert planner.device_family(table, gpu("NVIDIA H100 80GB HBM3")) == "h100"
+  assert planner.device_family(table, gpu("NVIDIA H200")) is None  # not measured: the model
+  assert planner.device_family(table) == "cpu"
 
 
 @pytest.mark.parametrize("text,size", [("20GiB", 20 * 2 ** 30), ("512MiB", 512 * 2 ** 20),
