@@ -26,6 +26,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 
+import jax
 import numpy as np
 
 from lowmem_jax.memory import format_table, write_json
@@ -78,6 +79,7 @@ def train_seed(cfg, spec: str, seed: int) -> dict:
     result = train(cfg.replace(policy=spec, seed=seed, out_dir=out, compare_baseline=False,
                                save_every=0, eval_every=cfg.steps, export_dir=None,
                                resume=False))
+  jax.clear_caches()  # this run's compiled steps: a sweep would hold dozens of them
   return {"seed": seed, "eval_accuracy": result.get("eval_accuracy"),
           "eval_loss": result.get("eval_loss"), "train_loss": result["loss"]}
 
