@@ -116,3 +116,42 @@ def test_cli_errors_name_the_bad_argument(fakes, capsys, argv, message):
   assert fakes == ([], [])  # nothing trained
   with pytest.raises(ValueError, match="unknown run 'nope'"):
     accuracy.run_config("nope")
+
+
+def test_resume_trains_only_what_the_file_lacks(fakes, tmp_path, monkeypatch):
+  """A sweep killed after 5 fine-tunes, resumed: the 5 are not redone, the file and table
+  equal an uninterrupted sweep's, and finished runs of earlier invocations stay in them."""
+  trained, _ = fakes
+  out, md = tmp_path / "acc.json", tmp_path / "acc.md"
+  argv = ["--runs", "digits-revvit", "--seeds", "1,2", "--json", str(out)]
+  accuracy.main(argv)
+  whole = json.loads(out.read_text())
+  assert "partial" not in whole and len(trained) == 6
+
+  out.unlink()
+  trained.clear()
+  real_train = loop.train
+
+  def dies_at_six(cfg):
+    if len(trained) == 5:
+      raise KeyboardInterrupt  # the kill
+    return real_train(cfg)
+
+  monkeypatch.setattr(loop, "train", dies_at_six)
+  with pytest.raises(KeyboardInterrupt):
+    accuracy.main(argv)
+  monkeypatch.setattr(loop, "train", real_train)
+  assert len(json.loads(out.read_text())["partial"]) == 5
+  accuracy.main(argv + ["--resume", "--markdown", str(md)])
+  assert [(c.policy, c.seed) for c in trained[5:]] == [("pareprop", 2)]
+  assert json.loads(out.read_text()) == whole
+
+  accuracy.main(["--runs", "digits-vit", "--seeds", "1,2", "--json", str(out), "--resume",
+                 "--markdown", str(md)])
+  runs = [r["run"] for r in json.loads(out.read_text())["results"]]
+  assert runs == ["digits-vit", "digits-revvit"]  # RUNS order
+  assert "| digits-revvit (revvit-digits) | pareprop |" in md.read_text()
+  n = len(trained)
+  accuracy.main(["--runs", "digits-vit", "--seeds", "1,2,3", "--json", str(out), "--resume"])
+  assert len(trained) - n == 3 * len(accuracy.COMPARED)  # other seeds: nothing reused
+  assert [r["run"] for r in json.loads(out.read_text())["results"]] == ["digits-vit"]

@@ -3,6 +3,7 @@
     python -m train.accuracy                        # all runs, seeds 1, 2, 3
     python -m train.accuracy --runs digits-vit --seeds 1 --json out.json --markdown out.md
     python -m train.accuracy --set steps=50         # overrides apply to every run
+    python -m train.accuracy --json a.json --resume # go on from what a.json holds
 
 For each run (a named config and its own overrides) and each policy, trains once per seed
 (:func:`train.loop.train`); within a seed every policy starts from the same initial weights
@@ -14,14 +15,17 @@ loss as mean, sample std and min..max over the seeds, and the accuracy's paired 
 to the run's first policy (``baseline``) seed by seed. Then :func:`train.bench.run`
 measures, once per run (first seed), the compiled step memory (temporaries) and the step
 time of the run's policies, interleaved in one process, as ratios to the first policy.
-Writes JSON (every per-seed value) and a Markdown table after each run.
+The JSON (every per-seed value) is rewritten after each fine-tune, the Markdown table after
+each run; ``--resume`` reuses what the JSON holds (a killed sweep loses one fine-tune).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -29,7 +33,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from lowmem_jax.memory import format_table, write_json
+from lowmem_jax.memory import format_table
 from train import bench
 from train.config import apply_overrides, load_config
 
@@ -84,16 +88,27 @@ def train_seed(cfg, spec: str, seed: int) -> dict:
           "eval_loss": result.get("eval_loss"), "train_loss": result["loss"]}
 
 
+SEED_KEYS = ("seed", "eval_accuracy", "eval_loss", "train_loss")  # train_seed's result
+
+
 def run_one(name: str, overrides: Sequence[str], bench_steps: int, warmup: int,
-            seeds: Sequence[int] = DEFAULT_SEEDS) -> dict:
-  """Every policy of run ``name`` trained once per seed, then benched once; the JSON result."""
+            seeds: Sequence[int] = DEFAULT_SEEDS, done: dict | None = None,
+            on_trained=None) -> dict:
+  """Every policy of run ``name`` trained once per seed, then benched once; the JSON result.
+  ``done`` maps ``(policy, seed)`` to a per-seed result already had (not trained again);
+  ``on_trained(policy, result)`` is called after each new fine-tune."""
   cfg = run_config(name, overrides)
   policies = RUNS[name].policies
   per_seed = {spec: [] for spec in policies}
   for seed in seeds:
     for spec in policies:
-      print(f"\n== {name}: {spec}, seed {seed}", flush=True)
-      per_seed[spec].append(train_seed(cfg, spec, seed))
+      result = (done or {}).get((spec, seed))
+      if result is None:
+        print(f"\n== {name}: {spec}, seed {seed}", flush=True)
+        result = train_seed(cfg, spec, seed)
+        if on_trained is not None:
+          on_trained(spec, result)
+      per_seed[spec].append(result)
   base = per_seed[policies[0]]
   rows = []
   for spec in policies:
@@ -159,6 +174,61 @@ def markdown(results: Sequence[dict]) -> str:
   return "\n".join(lines) + "\n"
 
 
+class Progress:
+  """The sweep's JSON file: finished runs (``results``, in RUNS order) and the fine-tunes of
+  the unfinished one (``partial``), rewritten after every fine-tune. With ``resume`` it
+  starts from what the file holds for the same seeds and overrides (the rest is dropped),
+  so a killed sweep goes on where it stopped and runs can be added one invocation at a time."""
+
+  def __init__(self, path: str | None, seeds: Sequence[int], overrides: Sequence[str],
+               resume: bool = False):
+    self.path, self.seeds, self.overrides = path, list(seeds), list(overrides)
+    saved = {}
+    if resume and os.path.exists(path):
+      with open(path) as f:
+        saved = json.load(f)
+    self.results = [r for r in saved.get("results", [])
+                    if self._same_run(r) and r["seeds"] == self.seeds]
+    self.partial = [p for p in saved.get("partial", [])
+                    if self._same_run(p) and p["seed"] in self.seeds]
+    if resume:
+      print(f"resuming from {path}: {len(self.results)} finished runs, "
+            f"{len(self.partial)} fine-tunes", flush=True)
+
+  def _same_run(self, entry: dict) -> bool:
+    run = RUNS.get(entry.get("run"))
+    return run is not None and entry.get("overrides") == [*run.overrides, *self.overrides]
+
+  def result(self, name: str) -> dict | None:
+    """The finished run ``name``, if saved."""
+    return next((r for r in self.results if r["run"] == name), None)
+
+  def done(self, name: str) -> dict:
+    """``(policy, seed) -> result`` of run ``name``'s saved fine-tunes."""
+    return {(p["policy"], p["seed"]): {k: p[k] for k in SEED_KEYS}
+            for p in self.partial if p["run"] == name}
+
+  def trained(self, name: str, policy: str, result: dict) -> None:
+    self.partial.append({"run": name, "overrides": [*RUNS[name].overrides, *self.overrides],
+                         "policy": policy, **result})
+    self._write()
+
+  def finished(self, result: dict) -> None:
+    order = list(RUNS)
+    self.results = sorted([r for r in self.results if r["run"] != result["run"]] + [result],
+                          key=lambda r: order.index(r["run"]))
+    self.partial = [p for p in self.partial if p["run"] != result["run"]]
+    self._write()
+
+  def _write(self) -> None:
+    """Atomically (a kill mid-write leaves the previous file)."""
+    if self.path:
+      data = {"results": self.results, **({"partial": self.partial} if self.partial else {})}
+      with open(self.path + ".tmp", "w") as f:
+        json.dump(data, f, indent=2)
+      os.replace(self.path + ".tmp", self.path)
+
+
 def parse_seeds(text: str) -> list[int]:
   """``"1,2,3"`` -> ``[1, 2, 3]``; distinct non-negative integers."""
   try:
@@ -182,10 +252,14 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                   help="config override for every run (repeatable; not seed: use --seeds)")
   ap.add_argument("--bench-steps", type=int, default=20, help="timed steps per policy")
   ap.add_argument("--warmup", type=int, default=3)
-  ap.add_argument("--json", metavar="FILE")
+  ap.add_argument("--json", metavar="FILE", help="results, written after every fine-tune")
+  ap.add_argument("--resume", action="store_true", help="reuse what --json FILE holds for "
+                  "these seeds and overrides (finished runs, fine-tunes of a partial run)")
   ap.add_argument("--markdown", metavar="FILE")
   args = ap.parse_args(argv)
   names = [n.strip() for n in args.runs.split(",") if n.strip()]
+  if args.resume and not args.json:
+    ap.error("--resume reads --json FILE: name it")
   for n in names:
     if n not in RUNS:
       ap.error(f"unknown run {n!r}; valid: {', '.join(RUNS)}")
@@ -195,16 +269,20 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     seeds = parse_seeds(args.seeds)
   except ValueError as e:
     ap.error(str(e))
-  results = []
+  state = Progress(args.json, seeds, args.set, resume=args.resume)
   for n in names:
-    results.append(run_one(n, args.set, args.bench_steps, args.warmup, seeds))
-    write_json(args.json, {"results": results})  # after each run: a long sweep keeps its part
-    if args.markdown:
+    if state.result(n) is None:
+      state.finished(run_one(n, args.set, args.bench_steps, args.warmup, seeds,
+                             done=state.done(n),
+                             on_trained=lambda spec, r, n=n: state.trained(n, spec, r)))
+    if args.markdown:  # every finished run in the file (with --resume, earlier ones too)
       with open(args.markdown, "w") as f:
-        f.write(markdown(results))
+        f.write(markdown(state.results))
+  if args.json:
+    print(f"wrote {args.json}")
   print()
-  print(format_table(HEADERS, table_rows(results)))
-  return results
+  print(format_table(HEADERS, table_rows(state.results)))
+  return state.results
 
 
 if __name__ == "__main__":
