@@ -4,6 +4,8 @@
     python benchmarks/peers.py --case vit-lora --checkpointing --json F      # + grad checkpointing
     python benchmarks/peers.py --case llama-lora --json F                    # 4 layers of LLaMA-7B
     python benchmarks/peers.py --case llama-lora --smoke --json F            # tiny shapes (CPU)
+    python benchmarks/peers.py --case llama-lora --layers 32 --seq 2048 --base-dtype bfloat16 \
+        --find-max-batch --json F                                            # 7B: the largest batch
 
 One case per process (the allocator's peak is per process). Cases:
 
@@ -27,6 +29,21 @@ to None. ``--checkpointing``: timm ``set_grad_checkpointing(True)``, HF
 ``gradient_checkpointing`` with ``use_reentrant=False``, every block. One random batch is
 made on the device at setup and reused by every step (LoRA's B starts at zero, as ours).
 
+``--base-dtype`` (``llama-lora``): the weights the model is built with. ``float32`` (default)
+as above; ``bfloat16``: the whole model built in bf16 (as ``torch_dtype=torch.bfloat16``
+loads it: embeddings, norms and head too; no fp32 copy is made), peft's adapters fp32
+(its default ``autocast_adapter_dtype``); ``nf4`` (LoRA only): that bf16 model with every
+decoder linear replaced by bitsandbytes' ``Linear4bit`` (NF4, bf16 compute, no double
+quantization: QLoRA's setup, as our ``base_dtype=nf4``), the head left bf16; needs
+bitsandbytes (missing: exit 3 naming it, as for any package).
+
+``--find-max-batch``: the largest batch (at most ``--max-batch``) that runs two steps
+without ``torch.cuda.OutOfMemoryError``, found by trying batches in one process
+(``benchmarks.fit_search.largest_fitting``: doubling from 1, then the bracket narrowed,
+with each try's allocator peak; memory freed after an out-of-memory), then timed at that
+batch as below; the result's ``find_max_batch`` has the tries. On CPU nothing runs out of
+memory: the cap is the answer.
+
 Measured on CUDA: ``resident`` = ``memory_allocated()`` after setup (weights, LoRA, the
 batch; AdamW's state is made at the first step and so counts in the peak), then
 ``reset_peak_memory_stats()`` and ``--warmup`` + ``--steps`` steps; ``peak`` =
@@ -42,6 +59,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import math
 import statistics
 import sys
 import time
@@ -49,6 +67,8 @@ from pathlib import Path
 
 CASES = {"vit-lora": ("vit", True), "vit-full": ("vit", False),
          "llama-lora": ("llama", True), "llama-full": ("llama", False)}
+BASE_DTYPES = ("float32", "bfloat16", "nf4")
+BASE_ALIASES = {"fp32": "float32", "bf16": "bfloat16"}
 EXIT_MISSING = 3
 
 # shape flags per family: full size (the GPU check's shapes) and --smoke (tiny, CPU)
@@ -76,16 +96,19 @@ TARGET_MODULES = {
 LR, WEIGHT_DECAY = 1e-3, 0.05
 
 
-def requirements(case: str) -> list[str]:
-  """The packages a case imports: torch, timm (ViT) or transformers (LLaMA), peft (LoRA)."""
+def requirements(case: str, base_dtype: str = "float32") -> list[str]:
+  """The packages a case imports: torch, timm (ViT) or transformers (LLaMA), peft (LoRA),
+  bitsandbytes (an nf4 base)."""
   family, lora = CASES[case]
-  return ["torch", "timm" if family == "vit" else "transformers"] + (["peft"] if lora else [])
+  return ((["bitsandbytes"] if base_dtype == "nf4" else [])  # first: the one often missing
+          + ["torch", "timm" if family == "vit" else "transformers"]
+          + (["peft"] if lora else []))
 
 
-def missing_package(case: str) -> str | None:
+def missing_package(case: str, base_dtype: str = "float32") -> str | None:
   """The first of the case's packages that does not import, with why (timm, e.g., needs
   torchvision); None when all do."""
-  for name in requirements(case):
+  for name in requirements(case, base_dtype):
     try:
       importlib.import_module(name)
     except ImportError as e:
@@ -119,6 +142,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--grad-clip", type=float, default=1.0,
                   help="global-norm clip, 0: none (default: %(default)s, as our config)")
   ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--base-dtype", default="float32",
+                  type=lambda v: BASE_ALIASES.get(v, v), choices=BASE_DTYPES,
+                  help="llama cases: the weights' dtype (bf16, fp32 also accepted; nf4: "
+                       "LoRA only, needs bitsandbytes; default: %(default)s)")
+  ap.add_argument("--find-max-batch", action="store_true",
+                  help="the largest batch that runs (out of memory caught), then timed there")
+  ap.add_argument("--max-batch", type=int, default=256,
+                  help="--find-max-batch: the largest batch tried (default: %(default)s)")
   for key in SHAPE_KEYS:
     ap.add_argument("--" + key.replace("_", "-"), type=int, dest=key,
                     help=f"{' and '.join(f for f in SHAPES if key in SHAPES[f])} shape")
@@ -157,6 +188,11 @@ def parse_args(argv=None) -> argparse.Namespace:
              f"linears {', '.join(TARGET_MODULES[family])}")
   if not lora and args.targets:
     ap.error(f"--targets applies to LoRA cases, not {args.case}")
+  if args.base_dtype != "float32" and args.case != "llama-lora":
+    ap.error(f"--base-dtype {args.base_dtype} applies to llama-lora (a frozen base), not "
+             f"{args.case}")
+  if args.max_batch < 1:
+    ap.error(f"--max-batch must be >= 1, got {args.max_batch}")
   args.family, args.lora, args.shapes = family, lora, shapes
   args.targets = targets if lora else []
   return args
@@ -164,7 +200,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # ----------------------------------------------------------------------------- models
 def build_vit(args, device):
-  """timm's ViT-B/16 with our shapes; the step's loss on one random batch."""
+  """timm's ViT-B/16 with our shapes; ``batch_loss(batch)``: the step's loss on one random
+  batch of that size (made once, on the device) and the examples in it."""
   import timm
   import torch
   import torch.nn.functional as F
@@ -183,15 +220,20 @@ def build_vit(args, device):
   modules = sorted({TARGET_MODULES["vit"][t] for t in args.targets})
   model = _with_lora(model, args, r"blocks\.\d+\.(" + "|".join(modules) + ")")
   model.to(device).train()
-  g = torch.Generator(device="cpu").manual_seed(args.seed)
-  images = torch.randn(s["batch"], s["channels"], s["image_size"], s["image_size"],
-                       generator=g).to(device)
-  labels = torch.randint(0, s["num_classes"], (s["batch"],), generator=g).to(device)
-  return model, lambda: F.cross_entropy(model(images).float(), labels), s["batch"]
+
+  def batch_loss(batch):
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    images = torch.randn(batch, s["channels"], s["image_size"], s["image_size"],
+                         generator=g).to(device)
+    labels = torch.randint(0, s["num_classes"], (batch,), generator=g).to(device)
+    return lambda: F.cross_entropy(model(images).float(), labels), batch
+  return model, batch_loss
 
 
 def build_llama(args, device):
-  """HF ``LlamaForCausalLM`` from a config (built on the device); next-token loss."""
+  """HF ``LlamaForCausalLM`` from a config, built on the device in ``--base-dtype`` (nf4:
+  bf16, then its decoder linears quantized); ``batch_loss(batch)``: the next-token loss on
+  one random batch of that size and the tokens in it."""
   import torch
   import torch.nn.functional as F
   from transformers import LlamaConfig, LlamaForCausalLM
@@ -203,8 +245,16 @@ def build_llama(args, device):
       num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"] or s["dim"] // s["heads"],
       max_position_embeddings=max(s["seq"], 2048), tie_word_embeddings=False,
       use_cache=False, attn_implementation="sdpa")
-  with torch.device(device):  # fp32 weights, initialised where they will live
-    model = LlamaForCausalLM(config)
+  default = torch.get_default_dtype()
+  # the weights made in their dtype where they will live (as torch_dtype= loads them)
+  torch.set_default_dtype(torch.float32 if args.base_dtype == "float32" else torch.bfloat16)
+  try:
+    with torch.device(device):
+      model = LlamaForCausalLM(config)
+  finally:
+    torch.set_default_dtype(default)
+  if args.base_dtype == "nf4":
+    _quantize_nf4(model, device)
   model.train()
   if args.checkpointing:
     kwargs = {"use_reentrant": False}
@@ -213,14 +263,41 @@ def build_llama(args, device):
     else:
       model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
   model = _with_lora(model, args, sorted(TARGET_MODULES["llama"][t] for t in args.targets))
-  g = torch.Generator(device="cpu").manual_seed(args.seed)
-  tokens = torch.randint(0, s["vocab"], (s["batch"], s["seq"] + 1), generator=g).to(device)
-  inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-  def loss():
-    logits = model(input_ids=inputs, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-  return model, loss, s["batch"] * s["seq"]
+  def batch_loss(batch):
+    g = torch.Generator(device="cpu").manual_seed(args.seed)
+    tokens = torch.randint(0, s["vocab"], (batch, s["seq"] + 1), generator=g).to(device)
+    inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def loss():
+      logits = model(input_ids=inputs, use_cache=False).logits
+      return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return loss, batch * s["seq"]
+  return model, batch_loss
+
+
+def _quantize_nf4(model, device) -> None:
+  """Every ``nn.Linear`` of the decoder layers (not the head) replaced, in place, by a
+  bitsandbytes ``Linear4bit`` holding its weight in NF4 (quantized on the device)."""
+  import bitsandbytes as bnb
+  import torch
+
+  for layer in model.model.layers:
+    for parent in list(layer.modules()):
+      for name, child in list(parent.named_children()):
+        if type(child) is not torch.nn.Linear:
+          continue
+        quantized = bnb.nn.Linear4bit(child.in_features, child.out_features,
+                                      bias=child.bias is not None,
+                                      compute_dtype=torch.bfloat16, compress_statistics=False,
+                                      quant_type="nf4", device="meta")
+        quantized.weight = bnb.nn.Params4bit(child.weight.data, requires_grad=False,
+                                             compress_statistics=False, quant_type="nf4")
+        if child.bias is not None:
+          quantized.bias = torch.nn.Parameter(child.bias.data, requires_grad=False)
+        setattr(parent, name, quantized.to(device))
+  if torch.device(device).type == "cuda":
+    torch.cuda.empty_cache()  # the bf16 weights' blocks back to the driver
 
 
 def _with_lora(model, args, target_modules):
@@ -247,13 +324,13 @@ def measure(args) -> dict:
   device = torch.device(name)
   cuda = device.type == "cuda"
   build = build_vit if args.family == "vit" else build_llama
-  model, loss_fn, items = build(args, device)
+  model, batch_loss = build(args, device)
   params = [p for p in model.parameters() if p.requires_grad]
   optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=WEIGHT_DECAY)
   dtype = getattr(torch, args.dtype)
   autocast = torch.autocast(device.type, dtype=dtype, enabled=args.dtype != "float32")
 
-  def step():
+  def step(loss_fn):
     with autocast:
       loss = loss_fn()
     loss.backward()
@@ -263,24 +340,35 @@ def measure(args) -> dict:
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
 
+  search = None
+  if args.find_max_batch:
+    search = find_max_batch(args, batch_loss, step, optimizer, cuda)
+    if search["max_batch"] == 0:
+      return {"case": args.case, "base_dtype": args.base_dtype, "shapes": args.shapes,
+              "find_max_batch": search, "device": device.type,
+              "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+              "versions": _versions(args.case, args.base_dtype)}
+    args.shapes = {**args.shapes, "batch": search["max_batch"]}
+  loss_fn, items = batch_loss(args.shapes["batch"])
+
   resident = None
   if cuda:
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
   for _ in range(args.warmup):
-    loss = step()
+    loss = step(loss_fn)
   times = []
   for _ in range(args.steps):
     if cuda:
       start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
       start.record()
-      loss = step()
+      loss = step(loss_fn)
       end.record()
       times.append((start, end))
     else:
       t0 = time.perf_counter()
-      loss = step()
+      loss = step(loss_fn)
       times.append(time.perf_counter() - t0)
   if cuda:
     torch.cuda.synchronize()
@@ -295,14 +383,18 @@ def measure(args) -> dict:
   return {
       "case": args.case, "checkpointing": args.checkpointing, "lora": args.lora,
       "targets": args.targets, "rank": args.rank if args.lora else None,
+      "base_dtype": args.base_dtype,
+      "adapter_dtype": str(params[0].dtype).replace("torch.", "") if args.lora else None,
+      "find_max_batch": search,
       "alpha": args.alpha if args.lora else None, "dtype": args.dtype,
       "shapes": args.shapes, "warmup_steps": args.warmup, "timed_steps": args.steps,
       "device": device.type,
       "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-      "versions": _versions(args.case),
+      "versions": _versions(args.case, args.base_dtype),
       "trainable_params": sum(p.numel() for p in params),
       "trainable_tensors": len(params), "tensors_with_gradient": with_grad,
       "total_params": sum(p.numel() for p in model.parameters()),
+      "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
       "timing": "cuda events" if cuda else "host clock",
       "step_ms": seconds * 1e3, "step_ms_all": [t * 1e3 for t in times],
       "items_per_step": items, "throughput": items / seconds,
@@ -317,14 +409,54 @@ def measure(args) -> dict:
   }
 
 
-def _versions(case: str) -> dict:
+def _versions(case: str, base_dtype: str) -> dict:
   return {name: getattr(sys.modules.get(name), "__version__", None)
-          for name in requirements(case)}
+          for name in requirements(case, base_dtype)}
+
+
+def find_max_batch(args, batch_loss, step, optimizer, cuda: bool) -> dict:
+  """The largest batch up to ``--max-batch`` whose two steps run without running out of
+  CUDA memory (module docstring): ``{"max_batch", "capped", "tries": [[batch, peak bytes
+  or None: out of memory], ...], "cap"}``. On CPU every batch "fits" (no peak)."""
+  import gc
+
+  import torch
+  root = str(Path(__file__).resolve().parents[1])
+  if root not in sys.path:  # run as a script: benchmarks/ is on the path, not the root
+    sys.path.insert(0, root)
+  from benchmarks.fit_search import largest_fitting
+
+  def peak_of(batch: int) -> float:
+    loss_fn = batch_loss(batch)[0]
+    if cuda:
+      torch.cuda.synchronize()
+      torch.cuda.reset_peak_memory_stats()
+    try:
+      for _ in range(2):
+        step(loss_fn)
+      if cuda:
+        torch.cuda.synchronize()
+      oom = False
+    except torch.cuda.OutOfMemoryError:
+      oom = True
+    optimizer.zero_grad(set_to_none=True)
+    del loss_fn
+    gc.collect()
+    if cuda:
+      torch.cuda.empty_cache()
+    peak = math.inf if oom else (torch.cuda.max_memory_allocated() if cuda else 0)
+    print(f"  batch {batch}: " + ("out of memory" if oom else f"peak {peak / 2**20:.0f} MiB"),
+          file=sys.stderr, flush=True)
+    return peak
+  budget = torch.cuda.get_device_properties(0).total_memory if cuda else math.inf
+  found = largest_fitting(peak_of, budget, args.max_batch)
+  return {"max_batch": found.best, "capped": found.capped, "cap": args.max_batch,
+          "tries": [[b, None if math.isinf(p) else p] for b, p in found.tried]}
 
 
 def main(argv=None) -> dict:
   args = parse_args(argv)
-  missing = missing_package(args.case)
+  missing = missing_package(args.case, args.base_dtype)
   if missing:
     print(f"peers: {args.case} needs {missing}, which is not importable "
           "(pip install lowmem-jax[peers])", file=sys.stderr)

@@ -25,7 +25,10 @@ that fails or times out is recorded and the next one runs. All stages share a bu
 (``--budget``, default 510 s on a GPU): a stage's timeout is its own, cut so the stages
 after it keep their expected times; ``tests`` runs last and gets what is left. One call
 runs :data:`DEFAULT_STAGES`; ``bench-remat`` and ``reversible-depth`` make the second call
-(:data:`SECOND_CALL`, the second command above): together they would not fit in one. On the
+(:data:`SECOND_CALL`, the second command above): together they would not fit in one.
+``llama-fit`` (``benchmarks.llama_fit``: LLaMA-7B LoRA on bf16 and nf4 bases, the largest
+batch per policy found by compiling and confirmed by running, beside HF + peft) is a third
+call of its own (:data:`THIRD_CALL`: ``--stages env,llama-fit``). On the
 GPU machines, which hold no ``.git``, pass ``--commit <hash>`` to record the commit.
 """
 
@@ -49,16 +52,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "train", "bench-vit", "bench-llama", "bench-remat", "kernel-bench",
-          "attention-bench", "reversible-depth", "tests")
-# what one call runs (under 9 minutes); the rest is a second call: SECOND_CALL
+          "attention-bench", "reversible-depth", "llama-fit", "tests")
+# what one call runs (under 9 minutes); the rest is a second call (SECOND_CALL) and a
+# third (THIRD_CALL: LLaMA-7B's largest batches, a call of its own)
 SECOND_CALL = ("env", "bench-remat", "reversible-depth")
-DEFAULT_STAGES = tuple(s for s in STAGES if s not in SECOND_CALL[1:])
+THIRD_CALL = ("env", "llama-fit")
+DEFAULT_STAGES = tuple(s for s in STAGES if s not in SECOND_CALL[1:] + THIRD_CALL[1:])
 LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
 PEERS_S = (120, 55)  # --peers (+ the --peak it implies on a GPU): (timeout, reserve) per bench
 KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
 GPU_BUDGET_S = 510  # all stages on an H100: the command stays under 9 minutes
 SMOKE_BUDGET_S = 1800  # a loaded CPU: slow, and --smoke only checks the check
 SMOKE_TIMEOUT_FACTOR = 3
+# llama-fit: (stage timeout, --budget-s: no new row after it). Estimate, unmeasured: on an
+# H100 a row is ~2-3 minutes: a fresh process compiling the 32-layer step 4-8 times (~15-30
+# s each, GPU autotuning included), then a fresh process that builds the state (~15 s), compiles
+# and runs 1 + 3 steps at ~10k tokens/s (baseline ~12k tokens/step: ~5 s; remat ~120k
+# tokens/step: ~60 s); the peer ~1-2 minutes. So one call gets the bf16 rows of baseline,
+# lowmem and perhaps lowmembp; the rest (remat, nf4, the peer) need more calls:
+# `python -m benchmarks.llama_fit --policies ... --bases ... --json F` (see its docstring).
+LLAMA_FIT_S = (480, 300)
 
 
 @dataclasses.dataclass
@@ -172,6 +185,14 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
                  ["--variants", "lhs,stream", "--steps", "5", "--rounds", "3", "--warmup", "1"])
   stages.append(Stage("reversible-depth", reversible, 200, 60,
                       json_file="reversible-depth.json"))
+
+  # LLaMA-7B LoRA (32 layers, bf16 and nf4 bases): the largest batch per policy by
+  # compiling, confirmed by running, and the HF + peft peer's (THIRD_CALL); rows are written
+  # as they finish, the most telling first, so a cut stage keeps them
+  fit = _py("-m", "benchmarks.llama_fit", "--json", str(out / "llama-fit.json"))
+  fit += ["--smoke"] if smoke else ["--budget-s", str(LLAMA_FIT_S[1])]
+  stages.append(Stage("llama-fit", fit, LLAMA_FIT_S[0], LLAMA_FIT_S[0] - 60,
+                      json_file="llama-fit.json"))
 
   junit = out / "tests-junit.xml"
   cmd = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--junitxml", str(junit),
@@ -472,9 +493,29 @@ def _reversible_figure(rec: dict) -> str | None:
   return "reversible-depth: " + "; ".join(cells) if cells else None
 
 
+def _llama_fit_figure(rec: dict) -> str | None:
+  """Each row's largest batch (compiled / run), tokens/s, real peak and prediction error."""
+  cells = []
+  for r in (rec.get("json") or {}).get("rows") or []:
+    name = f"{r['policy']} {r['base_dtype']}"
+    if "error" in r or "missing" in r:
+      cells.append(f"{name} " + ("failed" if "error" in r else f"missing {r['missing']}"))
+      continue
+    cell = (f"{name} batch {r.get('max_batch_aot', '-')}/{r['max_batch_run']} x {r['seq']}")
+    if r.get("tokens_per_s"):
+      cell += f" {r['tokens_per_s']:.0f} tok/s"
+    if r.get("real_peak"):
+      cell += f", peak {r['real_peak'] / 2**30:.1f} GiB"
+    if r.get("error_pct") is not None:
+      cell += f" (pred {r['error_pct']:+.1f}%)"
+    cells.append(cell)
+  return "llama-fit (batch AOT/run): " + "; ".join(cells) if cells else None
+
+
 FIGURES = {"train": _train_figure, "bench-vit": _bench_figure, "bench-llama": _bench_figure,
            "bench-remat": _bench_figure,
-           "kernel-bench": _kernel_figure, "reversible-depth": _reversible_figure}
+           "kernel-bench": _kernel_figure, "reversible-depth": _reversible_figure,
+           "llama-fit": _llama_fit_figure}
 
 
 def key_figures(report: dict) -> list[str]:

@@ -120,6 +120,12 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   for calls in (gpu_check.DEFAULT_STAGES, gpu_check.SECOND_CALL):
     reserve = sum(s.reserve_s for s in stages.values() if s.name in calls)
     assert reserve < 510 - 120  # each call's stages leave the tests two minutes
+  fit = stages["llama-fit"]  # a call of its own: its budget stops new rows before the timeout
+  assert fit.cmd[1:3] == ["-m", "benchmarks.llama_fit"] and "--smoke" not in fit.cmd
+  assert "llama-fit" not in gpu_check.DEFAULT_STAGES and "llama-fit" in gpu_check.THIRD_CALL
+  assert float(fit.cmd[fit.cmd.index("--budget-s") + 1]) + 120 <= fit.timeout_s
+  assert sum(s.reserve_s for s in stages.values() if s.name in gpu_check.THIRD_CALL) < 510
+  assert "--smoke" in smoke["llama-fit"].cmd
 
 
 def _assert_report_structure(report, names):
@@ -226,6 +232,15 @@ def test_markdown_shows_key_figures_and_a_low_copy():
        "json": {"kernels": {"copy": copy, "rows": rows}}},
       {"name": "attention-bench", "status": "timeout", "exit_code": -9, "wall_s": 120.0,
        "timeout_s": 120, "json": {"unexpected": "shape"}},
+      {"name": "llama-fit", "status": "passed", "exit_code": 0, "wall_s": 400.0,
+       "timeout_s": 480, "stdout_tail": "table", "json": {"rows": [
+           {"kind": "ours", "policy": "baseline", "base_dtype": "bfloat16", "seq": 2048,
+            "max_batch_aot": 6, "max_batch_run": 5, "tokens_per_s": 9000.0,
+            "real_peak": 60 * 2**30, "error_pct": 2.5},
+           {"kind": "ours", "policy": "lowmem", "base_dtype": "bfloat16", "seq": 2048,
+            "error": "boom"},
+           {"kind": "peer", "policy": "torch+peft", "base_dtype": "nf4", "seq": 2048,
+            "missing": "bitsandbytes"}]}},
       {"name": "reversible-depth", "status": "timeout", "exit_code": -9, "wall_s": 200.0,
        "timeout_s": 200, "stdout_tail": "", "json": {"run_rows": [
            {"case": "reversible", "layers": 12, "peak_bytes_in_use": 3 * 2**30,
@@ -234,7 +249,7 @@ def test_markdown_shows_key_figures_and_a_low_copy():
   ]
   report = gpu_check.build_report(stages, args={"argv": []}, git={"commit": None},
                                   started="2026-11-23T10:00:00", wall_s=213.0)
-  assert report["stage_status"] == {"passed": ["env", "bench-vit", "bench-llama"],
+  assert report["stage_status"] == {"passed": ["env", "bench-vit", "bench-llama", "llama-fit"],
                                     "failed": ["kernel-bench"],
                                     "timeout": ["attention-bench", "reversible-depth"]}
   md = gpu_check.markdown(report)
@@ -246,3 +261,6 @@ def test_markdown_shows_key_figures_and_a_low_copy():
   assert "measured copy 1076 GB/s (32% of peak) **LOW" in md
   assert "| attention-bench | timeout | -9 |" in md and "Traceback: boom" in md
   assert "- reversible-depth: reversible x12 peak 3072 MiB, 40.0 ms (1.00x rev)\n" in md
+  assert ("- llama-fit (batch AOT/run): baseline bfloat16 batch 6/5 x 2048 9000 tok/s, peak "
+          "60.0 GiB (pred +2.5%); lowmem bfloat16 failed; torch+peft nf4 missing "
+          "bitsandbytes\n") in md

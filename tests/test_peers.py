@@ -65,6 +65,11 @@ def test_smoke_shapes_and_explicit_flags_win():
     (["--case", "vit-lora", "--steps", "0"], "--steps must be >= 1"),
     (["--case", "vit-lora", "--rank", "0"], "--rank must be >= 1"),
     (["--case", "bert-lora"], "invalid choice: 'bert-lora'"),
+    (["--case", "vit-lora", "--base-dtype", "bf16"],
+     "--base-dtype bfloat16 applies to llama-lora (a frozen base), not vit-lora"),
+    (["--case", "llama-full", "--base-dtype", "nf4"], "applies to llama-lora"),
+    (["--case", "llama-lora", "--base-dtype", "int8"], "invalid choice: 'int8'"),
+    (["--case", "llama-lora", "--max-batch", "0"], "--max-batch must be >= 1"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
   with pytest.raises(SystemExit) as e:
@@ -75,7 +80,9 @@ def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
 def test_requirements_and_a_missing_package(tmp_path, monkeypatch, capsys):
   assert peers.requirements("vit-lora") == ["torch", "timm", "peft"]
   assert peers.requirements("llama-full") == ["torch", "transformers"]
-  monkeypatch.setattr(peers, "requirements", lambda case: ["no_such_package_xyz"])
+  assert peers.requirements("llama-lora", "nf4") == ["bitsandbytes", "torch", "transformers",
+                                                     "peft"]
+  monkeypatch.setattr(peers, "requirements", lambda case, base: ["no_such_package_xyz"])
   out = tmp_path / "peer.json"
   with pytest.raises(SystemExit) as e:
     peers.main(["--case", "llama-lora", "--smoke", "--json", str(out)])
@@ -119,3 +126,17 @@ def test_smoke_run_on_cpu_with_and_without_checkpointing(case, tmp_path):
   if not plain["lora"]:
     assert plain["trainable_params"] == plain["total_params"]
   assert not math.isnan(plain["final_loss"])
+
+
+def test_bf16_base_and_the_largest_batch_on_cpu(tmp_path):
+  """--base-dtype bf16: the model in bf16, peft's adapters fp32; --find-max-batch on CPU
+  (nothing runs out of memory): every batch up to the cap fits, then it is timed."""
+  r = _run("llama-lora", tmp_path, "--layers", "1", "--base-dtype", "bf16", "--find-max-batch",
+           "--max-batch", "3")
+  assert r["base_dtype"] == "bfloat16" and r["adapter_dtype"] == "float32"
+  frozen = r["total_params"] - r["trainable_params"]
+  assert r["parameter_bytes"] == 2 * frozen + 4 * r["trainable_params"]
+  assert r["find_max_batch"] == {"max_batch": 3, "capped": True, "cap": 3,
+                                 "tries": [[1, 0], [2, 0], [3, 0]]}
+  assert r["shapes"]["batch"] == 3 and r["items_per_step"] == 3 * r["shapes"]["seq"]
+  assert r["finite"] and r["tensors_with_gradient"] == r["trainable_tensors"]

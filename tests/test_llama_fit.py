@@ -1,0 +1,171 @@
+"""benchmarks/llama_fit.py: the batch search against brute force (fake peaks), one --smoke
+run end to end (fresh processes for the compiles and the run, its state stacked from one
+layer, the peer's missing package), the JSON and the table."""
+
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from benchmarks import llama_fit
+from benchmarks.fit_search import largest_at_most, largest_fitting
+from train.planner import abstract_trainer
+
+pytestmark = pytest.mark.precision("default")
+
+PEAKS = {  # non-decreasing peaks of the batch, in bytes
+    "affine": lambda b: 1000 + 37 * b,
+    "convex": lambda b: 500 + 10 * b + b * b,
+    "steps": lambda b: 800 + 50 * (b // 5) + 3 * b,
+    "flat then steep": lambda b: 100 if b < 40 else 100 + 1000 * (b - 39),
+}
+
+
+def _counted(peak):
+  calls = []
+
+  def peak_of(b):
+    calls.append(b)
+    return peak(b)
+  return peak_of, calls
+
+
+@pytest.mark.parametrize("name", list(PEAKS))
+def test_largest_fitting_is_the_brute_force_boundary(name):
+  peak = PEAKS[name]
+  for cap in (1, 7, 64, 256):
+    for budget in range(0, peak(cap) + 60, max(7, peak(cap) // 1500)):
+      peak_of, calls = _counted(peak)
+      found = largest_fitting(peak_of, budget, cap)
+      want = max((b for b in range(1, cap + 1) if peak(b) <= budget), default=0)
+      assert found.best == want, (name, cap, budget)
+      assert found.peak == (peak(want) if want else None)
+      assert len(set(calls)) == len(calls) == found.trials  # no batch compiled twice
+      assert [b for b, _ in found.tried] == calls and found.capped == (want == cap)
+      if 0 < want < cap:
+        assert want + 1 in calls  # the boundary is proven, not assumed
+      # never much worse than doubling then bisecting
+      assert found.trials <= 2 * math.ceil(math.log2(cap + 1)) + 2
+
+
+def test_affine_peaks_take_four_compiles_and_the_cap_ends_the_search():
+  for budget in (1300, 5000, 9000):  # boundaries 8, 108, 216
+    found = largest_fitting(PEAKS["affine"], budget, 256)
+    assert found.best == (budget - 1000) // 37 and found.trials <= 4
+  found = largest_fitting(lambda b: 10, 100, 256)  # flat: plain doubling to the cap
+  assert (found.best, found.capped, [b for b, _ in found.tried]) == (
+      256, True, [1, 2, 4, 8, 16, 32, 64, 128, 256])
+  found = largest_fitting(lambda b: 10 + b, 10**9, 256)  # the line jumps to the cap
+  assert found.best == 256 and found.trials == 3
+  found = largest_fitting(lambda b: 500, 100, 256)
+  assert (found.best, found.peak, found.trials, found.capped) == (0, None, 1, False)
+  with pytest.raises(ValueError, match="cap must be >= 1"):
+    largest_fitting(lambda b: 0, 1, 0)
+
+
+def test_out_of_memory_misses_fall_back_to_doubling_and_bisection():
+  for boundary in (1, 2, 5, 37, 100):  # a run's peak, or inf where it runs out of memory
+    found = largest_fitting(lambda b: 0 if b <= boundary else math.inf, 1, 256)
+    assert found.best == boundary
+    assert found.trials <= 2 * math.ceil(math.log2(boundary + 1)) + 1
+
+
+def test_largest_at_most_tries_the_start_then_steps_down():
+  for start in (1, 2, 9, 50):
+    for k in range(0, start + 2):
+      seen = []
+      best, tried = largest_at_most(lambda b: seen.append(b) or b <= k, start)
+      assert best == min(k, start) and seen[0] == start and len(set(seen)) == len(seen)
+      assert tried == tuple((b, b <= k) for b in seen)
+  assert largest_at_most(lambda b: b <= 48, 50)[1] == ((50, False), (49, False), (48, True))
+
+
+def test_smoke_run_end_to_end(tmp_path, capsys):
+  """Fresh processes compile (search) and run (confirm) one row; the peer's nf4 base needs
+  bitsandbytes (missing here: the row says so)."""
+  out = tmp_path / "fit.json"
+  result = llama_fit.main(["--smoke", "--json", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+  ours, peer = result["rows"]
+  assert (ours["kind"], ours["policy"], ours["base_dtype"], ours["seq"]) == (
+      "ours", "baseline", "nf4", 32)
+  # the smoke budget is crossed inside the cap: the boundary is proven by a miss
+  assert 1 <= ours["max_batch_aot"] < 8 and not ours["capped"] and ours["compiles"] >= 2
+  assert ours["predicted_peak_aot"] <= ours["budget_bytes"]
+  tried = dict(map(tuple, ours["search"]["tried"]))
+  assert tried[ours["max_batch_aot"] + 1] > ours["budget_bytes"]
+  # CPU: nothing runs out of memory, no allocator peak
+  assert ours["max_batch_run"] == ours["max_batch_aot"] and ours["real_peak"] is None
+  assert ours["error_pct"] is None and ours["finite"] and ours["tokens_per_s"] > 0
+  assert ours["tokens_per_step"] == 32 * ours["max_batch_run"]
+  assert ours["confirm_tries"] == [[ours["max_batch_aot"], True]]
+  # the run's executable is the search's at that batch: the same prediction, and the state
+  # stacked from one layer had the abstract state's shapes and dtypes (the executable takes
+  # nothing else): its bytes are the abstract ones, nf4 kernels and all
+  assert ours["predicted_peak"] == ours["predicted_peak_aot"]
+  spec = {"model": "llama-tiny", "layers": 2, "seq": 32, "base_dtype": "nf4"}
+  cfg = llama_fit.row_config(spec, ours["max_batch_run"])
+  state = abstract_trainer(cfg).state
+  assert ours["state_bytes"] == sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+  assert any(x.dtype == np.uint8 for x in jax.tree.leaves(state))
+  assert {k: v.shape for k, v in llama_fit.batch_shapes(cfg).items()} == dict.fromkeys(
+      ("tokens", "targets", "loss_mask"), (ours["max_batch_run"], 32))
+  assert peer["kind"] == "peer" and peer["base_dtype"] == "nf4"
+  if "missing" in peer:
+    assert peer["missing"] == "bitsandbytes"
+  assert result["not_run"] == [] and result["device_kind"] == "cpu"
+  printed = capsys.readouterr().out
+  assert "max batch AOT" in printed and "baseline" in printed
+
+
+def test_budget_s_leaves_rows_out_and_says_which(tmp_path):
+  result = llama_fit.main(["--smoke", "--budget-s", "-1", "--json", str(tmp_path / "f.json")])
+  assert result["rows"] == []
+  assert result["not_run"] == ["baseline / nf4 / seq 32", "torch+peft / nf4 / seq 32"]
+
+
+def test_peer_ratios_and_table():
+  rows = [{"kind": "ours", "policy": "baseline", "base_dtype": "bfloat16", "seq": 2048,
+           "max_batch_aot": 6, "max_batch_run": 5, "tokens_per_step": 10240,
+           "predicted_peak": 60 * 2**30, "real_peak": 59 * 2**30, "error_pct": 1.7,
+           "tokens_per_s": 9000.0},
+          {"kind": "ours", "policy": "remat", "base_dtype": "nf4", "seq": 2048,
+           "error": "search process exit 1: boom"},
+          {"kind": "peer", "policy": "torch+peft", "base_dtype": "bfloat16", "seq": 2048,
+           "max_batch_run": 4, "capped": False, "tokens_per_step": 8192,
+           "tokens_per_s": 7500.0},
+          {"kind": "peer", "policy": "torch+peft", "base_dtype": "nf4", "seq": 2048,
+           "missing": "bitsandbytes"}]
+  llama_fit.add_peer_ratios(rows)
+  assert rows[0]["tokens_per_step_vs_peer"] == 10240 / 8192
+  assert rows[0]["tokens_per_s_vs_peer"] == 9000 / 7500
+  assert "tokens_per_s_vs_peer" not in rows[1]
+  text = llama_fit.table({"rows": rows})
+  lines = text.splitlines()
+  assert "max batch AOT" in lines[0] and "tok/s vs peer" in lines[0]
+  assert lines[2].split()[:5] == ["baseline", "bfloat16", "2048", "6", "5"]
+  assert "1.25" in lines[2] and "1.20" in lines[2] and "+1.7" in lines[2]
+  assert "failed" in lines[3] and "missing: bitsandbytes" in lines[5]
+  assert llama_fit.summary(rows[1]) == "failed: search process exit 1: boom"
+  assert llama_fit.summary(rows[0]) == "batch 6 by compiling, 5 by running, 9000 tokens/s"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--bases", "fp8"], "base_dtype='fp8'"),
+    (["--seq", "0"], "lengths >= 1"),
+    (["--policies", "baseline,nope"], "nope"),
+    (["--memory-budget", "lots"], "memory_budget='lots'"),
+    (["--model", "llama-huge"], "llama-huge"),
+    (["--cap", "0"], "--cap must be >= 1"),
+])
+def test_bad_arguments_exit_2_naming_the_value(argv, message, capsys):
+  with pytest.raises(SystemExit) as e:
+    llama_fit.parse_args(["--smoke", *argv])
+  assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_peer_bases_it_cannot_build_are_missing_rows():
+  row = llama_fit.peer_row({"base_dtype": "int8", "seq": 8, "model": "llama-tiny"}, 4)
+  assert row["missing"].startswith("no int8 base")
