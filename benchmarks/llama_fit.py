@@ -248,9 +248,11 @@ def our_row(spec: dict, mem_fraction: float) -> dict:
   row["search"] = found
   if "error" in found:
     return {**row, "error": found["error"]}
-  row.update(max_batch_aot=found["max_batch"], predicted_peak_aot=found["predicted_peak"],
-             capped=found["capped"], compiles=found["compiles"],
-             compile_s=found["compile_s"], budget_bytes=found["budget_bytes"],
+  row.update(max_batch_aot=found["max_batch"],
+             tokens_per_step_aot=found["max_batch"] * spec["seq"],
+             predicted_peak_aot=found["predicted_peak"], capped=found["capped"],
+             compiles=found["compiles"], compile_s=found["compile_s"],
+             budget_bytes=found["budget_bytes"],
              device_kind=found["device_kind"], backend=found["backend"])
   if found["max_batch"] == 0:
     return {**row, "max_batch_run": 0,

@@ -99,7 +99,7 @@ def test_smoke_run_end_to_end(tmp_path, capsys):
   # CPU: nothing runs out of memory, no allocator peak
   assert ours["max_batch_run"] == ours["max_batch_aot"] and ours["real_peak"] is None
   assert ours["error_pct"] is None and ours["finite"] and ours["tokens_per_s"] > 0
-  assert ours["tokens_per_step"] == 32 * ours["max_batch_run"]
+  assert ours["tokens_per_step"] == 32 * ours["max_batch_run"] == ours["tokens_per_step_aot"]
   assert ours["confirm_tries"] == [[ours["max_batch_aot"], True]]
   # the run's executable is the search's at that batch: the same prediction, and the state
   # stacked from one layer had the abstract state's shapes and dtypes (the executable takes
