@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from conftest import with_test_xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,7 +41,7 @@ def test_fsdp_splits_the_largest_axis_but_never_the_layer_axis():
       assert batch["image"].addressable_shards[0].data.shape == (2, 32, 32, 3)
       print("ok")
   """)
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),
          "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         env=env, timeout=300)
