@@ -17,6 +17,9 @@ sampling (CRS) with the same k. Shapes are static, so all of it jits.
 Several linears reading one activation (q, k and v) share one sample: :func:`sample_tensor`
 carries the activation with its rows, indices and scales (:class:`SampledTensor`), and
 :func:`sampled_linear` reads it, saving those rows (one buffer for all the readers).
+:func:`linear_on_sample` is the layer on a sample drawn by the caller (:func:`select`) that
+keeps something else from which backward rebuilds the rows (Mesa's code of the input,
+:mod:`lowmem_jax.wta_crs`).
 """
 
 from __future__ import annotations
@@ -166,23 +169,33 @@ def linear_reference(x, kernel, bias=None, contract_ndim: int = 1):
   return y if bias is None else y + bias
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _sampled_linear(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim):
-  """The exact linear whose ``dkernel`` is the estimator on the given sample."""
-  del rows, idx, scale, row_weights
+def kept_rows(rows, idx):
+  """``rows_of`` of a sample that keeps its rows themselves (:func:`wta_crs_linear`,
+  :class:`SampledTensor`)."""
+  del idx
+  return rows
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _sampled_linear(x, kernel, bias, kept, idx, scale, row_weights, contract_ndim, rows_of):
+  """The exact linear whose ``dkernel`` is the estimator on the sampled rows
+  ``rows_of(kept, idx)``."""
+  del kept, idx, scale, row_weights
   return linear_reference(x, kernel, bias, contract_ndim)
 
 
-def _sampled_linear_fwd(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim):
+def _sampled_linear_fwd(x, kernel, bias, kept, idx, scale, row_weights, contract_ndim,
+                        rows_of):
   y = linear_reference(x, kernel, bias, contract_ndim)
-  # Residuals: the k sampled rows (never rows x in; the same buffer for every reader of
-  # one SampledTensor), where they came from, their weights, and the kernel; of the
-  # bias only whether there is one (the pytree structure of () or None).
-  return y, (rows, idx, scale, kernel, None if bias is None else (), row_weights)
+  # Residuals: what the sample keeps (its k rows, never rows x in, the same buffer for
+  # every reader of one SampledTensor; or Mesa's code of x, which its other readers keep
+  # anyway), where the rows came from, their weights, and the kernel; of the bias only
+  # whether there is one (the pytree structure of () or None).
+  return y, (kept, idx, scale, kernel, None if bias is None else (), row_weights)
 
 
-def _sampled_linear_bwd(contract_ndim, res, g):
-  rows, idx, scale, kernel, has_bias, row_weights = res
+def _sampled_linear_bwd(contract_ndim, rows_of, res, g):
+  kept, idx, scale, kernel, has_bias, row_weights = res
   out_ndim = kernel.ndim - contract_ndim
   lead_ndim = g.ndim - out_ndim
   out_axes = tuple(range(lead_ndim, g.ndim))
@@ -194,7 +207,7 @@ def _sampled_linear_bwd(contract_ndim, res, g):
   if has_bias is not None:
     dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead_ndim))).astype(g.dtype)
   g2d = g.reshape(-1, math.prod(g.shape[lead_ndim:]))
-  dkernel = _scaled_row_outer_sum(rows, g2d[idx], scale)
+  dkernel = _scaled_row_outer_sum(rows_of(kept, idx), g2d[idx], scale)
   dkernel = dkernel.reshape(kernel.shape).astype(kernel.dtype)
   d_row_weights = None
   if row_weights is not None:
@@ -207,18 +220,25 @@ def _sampled_linear_bwd(contract_ndim, res, g):
 _sampled_linear.defvjp(_sampled_linear_fwd, _sampled_linear_bwd)
 
 
-def select_rows(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
-                contract_ndim: int = 1):
-  """``(rows [k, in], idx int32[k], scale f32[k])``: the WTA-CRS sample of ``x``'s rows
-  (its leading positions; the trailing ``contract_ndim`` axes flattened to ``in``),
-  ``k = budget(rows, ratio)``, drawn with ``key`` from :func:`sampling_probabilities`
-  (times ``row_weights``). No gradient flows through the choice (stop_gradient)."""
+def select(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
+           contract_ndim: int = 1):
+  """``(idx int32[k], scale f32[k])``: the WTA-CRS sample of ``x``'s rows (its leading
+  positions; the trailing ``contract_ndim`` axes flattened to ``in``), ``k =
+  budget(rows, ratio)``, drawn with ``key`` from :func:`sampling_probabilities` (times
+  ``row_weights``). No gradient flows through the choice (stop_gradient)."""
   x = jax.lax.stop_gradient(x)
   lead = x.shape[:x.ndim - contract_ndim]
   x2d = x.reshape(math.prod(lead), -1)
   rw = None if row_weights is None else jax.lax.stop_gradient(row_weights).reshape(-1)
-  idx, scale = wta_crs_select(sampling_probabilities(x2d, rw), budget(x2d.shape[0], ratio),
-                              key)
+  return wta_crs_select(sampling_probabilities(x2d, rw), budget(x2d.shape[0], ratio), key)
+
+
+def select_rows(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
+                contract_ndim: int = 1):
+  """``(rows [k, in], idx, scale)``: :func:`select`'s sample with its rows of ``x``."""
+  idx, scale = select(x, key, ratio=ratio, row_weights=row_weights,
+                      contract_ndim=contract_ndim)
+  x2d = jax.lax.stop_gradient(x).reshape(-1, math.prod(x.shape[x.ndim - contract_ndim:]))
   return x2d[idx], idx, scale
 
 
@@ -268,7 +288,8 @@ def wta_crs_linear(x, kernel, bias, key, *, ratio: float = DEFAULT_RATIO, row_we
   _check_key(key)
   rows, idx, scale = select_rows(x, key, ratio=ratio, row_weights=row_weights,
                                  contract_ndim=contract_ndim)
-  return _sampled_linear(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim)
+  return _sampled_linear(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim,
+                         kept_rows)
 
 
 def _check_linear(x, kernel, bias, contract_ndim, who):
@@ -358,7 +379,20 @@ def sampled_linear(x, kernel, bias, sample: SampledTensor):
     raise ValueError(f"sampled_linear: x{list(x.shape)} is not the sampled value "
                      f"{list(sample.value.shape)}")
   return _sampled_linear(x, kernel, bias, sample.rows, sample.idx, sample.scale,
-                         sample.weights, 1)
+                         sample.weights, 1, kept_rows)
+
+
+def linear_on_sample(x, kernel, bias, kept, rows_of, idx, scale, *, row_weights=None,
+                     contract_ndim: int = 1):
+  """:func:`wta_crs_linear` of ``x`` on a sample the caller drew (:func:`select`), whose
+  rows backward rebuilds as ``rows_of(kept, idx)`` (``[k, in]``): its residuals are
+  ``kept`` (a pytree: e.g. another method's code of all of ``x``, which other readers
+  keep anyway), ``idx``, ``scale`` and the kernel. ``rows_of`` must be hashable (a
+  module-level function or a ``functools.partial`` of one)."""
+  _check_linear(x, kernel, bias, contract_ndim, "linear_on_sample")
+  _check_row_weights(row_weights, x.shape[:x.ndim - contract_ndim], "linear_on_sample")
+  return _sampled_linear(x, kernel, bias, kept, idx, scale, row_weights, contract_ndim,
+                         rows_of)
 
 
 # ----------------------------------------------------------------------------- state

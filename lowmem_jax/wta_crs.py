@@ -21,7 +21,15 @@ it the base's site), so ``dA`` is the one sampled, with ``A``'s output cotangent
 ``scale * g B^T`` in place of ``g``. Heads and embeddings are never sampled.
 
 With Mesa (``mesa8+wta-crs``) both would carry the same activation: Mesa's code stays the
-carrier (what unsampled readers keep) and each sampled linear samples its value itself.
+carrier, and a sampled linear reading it draws its sample of the value (its own key, as
+a linear reading a plain input) and keeps no rows at all: only the code, which the
+activation's other readers keep anyway (the frozen LoRA base, the residual path), and
+its ``k`` indices and scales. Backward gathers those ``k`` rows of the code and
+dequantizes them (:func:`code_rows`): ``dW`` is the estimator on the rows Mesa's backward
+sees, unbiased for Mesa's ``dW``. So the combination keeps Mesa's memory plus ``8k``
+bytes per reader. Keeping the sampled code rows instead (``k x in`` uint8, shared) would
+add 0.3 bytes per element wherever an unsampled reader keeps the code, as every LoRA
+base does; it would only pay where every reader is sampled and none else keeps the code.
 Preset ``wta-crs``.
 
 Measured (CPU, ``peak_buffers``, jax 0.10.2, fp32): MiniLM (6 layers, D 384, F 1536)
@@ -59,8 +67,10 @@ per activation would fix it (not done: Mesa's carrier is another module's).
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
-from lowmem_jax import sampling
+from lowmem_jax import quant, sampling
 from lowmem_jax.baseline import Norm, Shared, keep_inputs
 from lowmem_jax.methods import Field, Method, Strategy, check_choice, value_of
 from lowmem_jax.sampling import SampledTensor
@@ -139,8 +149,11 @@ class SampledNorm(Strategy):
 class SampledLinear(Strategy):
   """``dense``'s function with a WTA-CRS weight gradient. Reading a
   :class:`~lowmem_jax.sampling.SampledTensor`, it keeps the rows carried (shared with
-  the other readers), their indices and scales, and the kernel; reading a plain (or
-  otherwise carried) input it samples ``k`` rows of the value itself, with its own key."""
+  the other readers), their indices and scales, and the kernel. Reading Mesa's
+  :class:`~lowmem_jax.quant.QTensor`, it draws ``k`` rows of the value with its own key
+  and keeps the code (the buffer the other readers keep) with its indices and scales:
+  backward gathers and dequantizes those rows of the code. Reading a plain input it
+  samples ``k`` rows of the value and keeps them."""
   ratio: float
 
   def init_state(self):
@@ -158,9 +171,46 @@ class SampledLinear(Strategy):
       return sampling.sampled_linear(value, kernel, bias, x), {}
     state = states["sampler"]
     weights = sampling.row_weights(state, value.shape[:value.ndim - contract])
-    y = sampling.wta_crs_linear(value, kernel, bias, state.step_key(), ratio=self.ratio,
-                                contract_ndim=contract, row_weights=weights)
+    if isinstance(x, quant.QTensor):
+      idx, scale = sampling.select(value, state.step_key(), ratio=self.ratio,
+                                   row_weights=weights, contract_ndim=contract)
+      y = sampling.linear_on_sample(value, kernel, bias, (x.codes, x.lo, x.hi),
+                                    _code_rows_of(x, contract), idx, scale,
+                                    row_weights=weights, contract_ndim=contract)
+    else:
+      y = sampling.wta_crs_linear(value, kernel, bias, state.step_key(), ratio=self.ratio,
+                                  contract_ndim=contract, row_weights=weights)
     return y, {"sampler": state.advanced()}
+
+
+def code_rows(in_dims, axis, groups, implementation, dtype, code, idx):
+  """Rows ``idx`` (``[k, in]``, ``dtype``) of the values of Mesa's ``code`` (``(codes,
+  lo, hi)`` of a ``[..., *in_dims]`` tensor, ``groups`` along ``axis`` of a row
+  ``[k, *in_dims]``): only those k rows of the codes are gathered and dequantized, so
+  backward makes no ``rows x in`` array. The values are the ones Mesa's backward sees
+  (:meth:`lowmem_jax.quant.QTensor.dequantized`), rows ``idx``."""
+  codes, lo, hi = code
+  k = idx.shape[0]
+  rows = codes.reshape(-1, math.prod(in_dims))[idx].reshape((k,) + tuple(in_dims))
+  rows = quant.dequantize(rows, lo, hi, dtype, axis=axis, groups=groups,
+                          implementation=implementation)
+  return rows.reshape(k, -1)
+
+
+def _code_rows_of(qt: quant.QTensor, contract: int):
+  """:func:`code_rows` for the rows of ``qt`` that a linear contracting its trailing
+  ``contract`` axes reads: the code's groups must lie inside a row."""
+  lead_ndim = qt.codes.ndim - contract
+  if qt.groups == 1:
+    axis = -1
+  elif qt.axis >= lead_ndim:
+    axis = qt.axis - lead_ndim + 1
+  else:
+    raise ValueError(f"SampledLinear: the code's {qt.groups} groups lie along axis "
+                     f"{qt.axis}, across the rows of this linear's input (it contracts "
+                     f"the last {contract} of {qt.codes.ndim} axes); sample another linear")
+  return functools.partial(code_rows, tuple(qt.codes.shape[lead_ndim:]), axis, qt.groups,
+                           qt.implementation, qt.value.dtype)
 
 
 def read_sampled(fn, inputs, diff_args=(), const_args=()):
@@ -180,7 +230,7 @@ def _sampler(policy) -> Sampler:
 
 def _shared(policy, inner, *, groups: int = 1, axis: int = -1):
   # Only where the activation is kept as it is: another method's carrier (Mesa's code)
-  # stays, and its sampled readers each sample the value themselves.
+  # stays, and its sampled readers each draw a sample of the value and keep the code.
   if policy.sampled_linear == "none" or not isinstance(inner, Shared):
     return inner
   return SampledShared(_sampler(policy))
