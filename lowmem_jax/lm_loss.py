@@ -19,7 +19,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.custom_derivatives import SymbolicZero
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
+
+from lowmem_jax.quantized_weight import QuantizedKernel, dequantize
 
 # Tokens per chunk: [1024, 32000] fp32 is 125 MiB (the whole [4096, 32000]: 500 MiB). A
 # trained head reads and writes its fp32 [D, V] gradient accumulator once per chunk (1 GB
@@ -59,6 +61,13 @@ def cross_entropy_reference(h, w, targets, *, transposed: bool = False):
   return logits_cross_entropy(_logits(h, w.astype(h.dtype), transposed), targets)
 
 
+def _weight(w, dtype):
+  """``w`` in ``dtype`` for the matmuls: a frozen
+  :class:`~lowmem_jax.quantized_weight.QuantizedKernel` dequantized (inside each pass,
+  so only its stored form is saved), an array cast."""
+  return dequantize(w, dtype) if isinstance(w, QuantizedKernel) else w.astype(dtype)
+
+
 def _padded(x, length: int):
   """``x [R, T, ...]`` with zero positions appended along T up to ``length``."""
   pad = length - x.shape[1]
@@ -83,7 +92,7 @@ def _forward(h, w, targets, step, transposed):
   """Per-token ``(losses, correct, lse)`` of ``h [R, T, D]``, ``step`` positions of every
   row at a time (a ragged last step is padded)."""
   r, t = targets.shape
-  w = w.astype(h.dtype)
+  w = _weight(w, h.dtype)
   h, targets, num_steps = _steps(h, targets, step)
 
   def body(i, out):
@@ -110,8 +119,14 @@ def _fused(h, w, targets, step, transposed):
 
 def _fused_fwd(h, w, targets, step, transposed):
   # symbolic_zeros: each argument comes with whether it is differentiated (perturbed)
-  need = (h.perturbed, w.perturbed)
-  h, w, targets = h.value, w.value, targets.value
+  # (a stored QuantizedKernel comes as a pytree of them, and is frozen: no dw)
+  stored = isinstance(w, QuantizedKernel)
+  need = (h.perturbed, False if stored else w.perturbed)
+  if stored:
+    w = jax.tree.map(lambda p: p.value, w, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
+  else:
+    w = w.value
+  h, targets = h.value, targets.value
   losses, correct, lse = _forward(h, w, targets, step, transposed)
   # Residuals: h and w as given (arguments: no copies; w's cast is redone in backward),
   # the targets and an fp32 log-sum-exp per token; never a [tokens, V] array.
@@ -124,7 +139,7 @@ def _fused_bwd(step, transposed, res, cts):
   if isinstance(g, SymbolicZero) or not (need_dh or need_dw):
     return None, None, None
   t, w_dtype = h.shape[1], w.dtype
-  w = w.astype(h.dtype)
+  w = _weight(w, h.dtype)
   h, targets, num_steps = _steps(h, targets, step)
   lse = _padded(lse, h.shape[1])
   g = _padded(g.astype(jnp.float32), h.shape[1])  # padded positions: g = 0, no contribution
@@ -166,16 +181,18 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
   padded inside.
 
   ``h [..., D]`` in the compute dtype, ``w [D, V]`` (``[V, D]`` when ``transposed``) as
-  stored (any float dtype; cast to ``h``'s for the matmuls), ``targets`` integer ``[...]``.
+  stored (any float dtype, or a frozen ``QuantizedKernel``; cast or dequantized to ``h``'s
+  dtype inside each pass), ``targets`` integer ``[...]``.
   Backward (a custom VJP) saves ``h``, ``w`` (no copies) and an fp32 log-sum-exp per
   token, recomputes each chunk's softmax and accumulates ``dw`` over chunks in fp32 (cast
   to ``w``'s dtype at the end); gradients of ``h`` or ``w`` not asked for are not computed
   (a frozen head: no ``dw`` pass). Weight or mask tokens by multiplying ``losses``: a zero
   cotangent contributes nothing."""
-  h, w, targets = jnp.asarray(h), jnp.asarray(w), jnp.asarray(targets)
+  h, targets = jnp.asarray(h), jnp.asarray(targets)
+  w = w if isinstance(w, QuantizedKernel) else jnp.asarray(w)
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
     raise ValueError(f"chunked_cross_entropy: chunk must be a positive int, got {chunk!r}")
-  if h.ndim < 1 or w.ndim != 2 or h.shape[-1] != w.shape[1 if transposed else 0]:
+  if h.ndim < 1 or len(w.shape) != 2 or h.shape[-1] != w.shape[1 if transposed else 0]:
     raise ValueError(f"chunked_cross_entropy: w must be [D, V] ([V, D] when transposed) "
                      f"with D = h's last axis, got h {list(h.shape)}, w {list(w.shape)}")
   if not (jnp.issubdtype(h.dtype, jnp.floating) and jnp.issubdtype(w.dtype, jnp.floating)):

@@ -162,7 +162,7 @@ def merge_norm_affine(scale, bias, kernel, kernel_bias):
   to the kernel's dtype (``bias'`` is None only if both biases are None). Done once, at
   model build or checkpoint import, not inside a jitted step.
   """
-  w = np.asarray(kernel, dtype=np.float64)
+  w = np.array(kernel, dtype=np.float64)  # our own copy: scaled in place (host memory)
   if w.ndim < 1:
     raise ValueError("merge_norm_affine: kernel must have an input axis")
   d_in, out_shape = w.shape[0], w.shape[1:]
@@ -175,18 +175,19 @@ def merge_norm_affine(scale, bias, kernel, kernel_bias):
           f"merge_norm_affine: {name} has shape {v.shape}, expected ({n},) for kernel {w.shape}")
     return v
 
-  new_w = w if scale is None else vector("scale", scale, d_in).reshape(
-      (d_in,) + (1,) * len(out_shape)) * w
   new_b = None
   if kernel_bias is not None:
     new_b = np.asarray(kernel_bias, dtype=np.float64)
     if new_b.shape != out_shape:
       raise ValueError(
           f"merge_norm_affine: kernel_bias has shape {new_b.shape}, expected {out_shape}")
-  if bias is not None:
+  if bias is not None:  # beta @ kernel, the kernel as given (before the scale)
     beta = vector("bias", bias, d_in)
     shift = np.tensordot(beta, w, axes=1)
     new_b = shift if new_b is None else new_b + shift
-  out_w = jnp.asarray(new_w.astype(dtype))
+  if scale is not None:
+    w *= vector("scale", scale, d_in).reshape((d_in,) + (1,) * len(out_shape))
+  w = w.astype(dtype)  # the float64 copy freed before the device copy
+  out_w = jnp.asarray(w)
   out_b = None if new_b is None else jnp.asarray(new_b.astype(dtype))
   return out_w, out_b

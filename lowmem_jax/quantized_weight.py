@@ -15,13 +15,19 @@ stored as a :class:`QuantizedKernel`, a pytree whose array leaves all keep ``lea
   input row ``2j`` in the low nibble, ``2j + 1`` in the high one (bitsandbytes puts the
   first in the high nibble; we do not share its storage). ``double_quant``: the absmax
   scales minus their mean, int8 blockwise (blocks of 256, symmetric absmax), QLoRA's
-  "double quantization" with a linear 8-bit code where bitsandbytes uses its dynamic map.
+  "double quantization" with a linear 8-bit code where bitsandbytes uses its dynamic map;
+  named ``nf4-dq`` where a storage is named by one string (``base_dtype``).
+
+A table (an embedding ``[V, D]``) is stored with ``n_in=1, n_out=0``: each row a lead
+index, its ``D`` values the inputs, so int8 has one scale per row and nf4 blocks run
+along the row; :func:`take_rows` gathers rows in the stored form.
 
 :func:`quantize` / :func:`dequantize` are the plain-jnp reference. :func:`frozen_dense`
-is the matmul with such a kernel: it dequantizes to the compute dtype inside the op and
-saves only the stored kernel (resident anyway) for backward, which dequantizes again for
-``dx = g W^T``: no dequantized copy is kept between forward and backward, and there is
-no weight gradient (the kernel is frozen).
+is the matmul with such a kernel (or, ``transposed``, with a table: ``x @ E^T``, a tied
+LM head): it dequantizes to the compute dtype inside the op and saves only the stored
+kernel (resident anyway) for backward, which dequantizes again for ``dx = g W^T``: no
+dequantized copy is kept between forward and backward, and there is no weight gradient
+(the kernel is frozen).
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FORMATS = ("float32", "bfloat16", "int8", "nf4")  # float32: kept as it is (no QuantizedKernel)
+# Storage names: float32 is kept as it is (no QuantizedKernel); nf4-dq is nf4 with its
+# absmax scales double-quantized (a QuantizedKernel of format "nf4", ``scale`` None).
+FORMATS = ("float32", "bfloat16", "int8", "nf4", "nf4-dq")
 NF4_BLOCK = 64     # inputs per absmax block (QLoRA)
 SCALE_BLOCK = 256  # absmax values per block of the double quantization (QLoRA)
 # The 16 NF4 levels, exactly as bitsandbytes' csrc/kernels.cu (dDequantizeNF4) has them:
@@ -86,6 +94,11 @@ class QuantizedKernel:
   def nbytes(self) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(self))
 
+  @property
+  def storage(self) -> str:
+    """The storage name (:data:`FORMATS`) this kernel was made with."""
+    return "nf4-dq" if self.format == "nf4" and self.scale is None else self.format
+
   def __getitem__(self, key):
     # ``variable[...]`` (nnx) reads the whole value; a kernel is not indexed otherwise
     if key is not Ellipsis:
@@ -122,12 +135,19 @@ def _absmax_int8(x, axis: int):
 
 def quantize(w, format: str, *, n_in: int = 1, n_out: int = 1,
              double_quant: bool = False) -> QuantizedKernel:
-  """``w [lead..., in..., out...]`` (fp32) stored in ``format``."""
+  """``w [lead..., in..., out...]`` (fp32) stored in ``format`` (:data:`FORMATS` but
+  float32; ``nf4-dq`` = ``nf4`` with ``double_quant``). Jitted: one compile per shape."""
   if format not in FORMATS[1:]:
     raise ValueError(f"quantize: format={format!r} is not one of {', '.join(FORMATS[1:])}")
+  if format == "nf4-dq":
+    format, double_quant = "nf4", True
   if double_quant and format != "nf4":
     raise ValueError(f"quantize: double_quant applies to nf4 only, not {format!r}")
-  w = jnp.asarray(w, jnp.float32)
+  return _quantize(jnp.asarray(w, jnp.float32), format, n_in, n_out, double_quant)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _quantize(w, format, n_in, n_out, double_quant):
   flat, lead, tail = _split(w, n_in, n_out)
   meta = dict(format=format, tail=tail, n_in=n_in)
   if format == "bfloat16":
@@ -167,6 +187,16 @@ def nf4_absmax(k: QuantizedKernel):
   return scales[..., :kp * n].reshape(lead + (kp, n))
 
 
+def take_rows(k: QuantizedKernel, ids) -> QuantizedKernel:
+  """The rows ``ids`` (integers, any shape) of a table's single lead axis, in the stored
+  form: ``dequantize(take_rows(k, ids))`` is ``dequantize(k)[ids]`` without dequantizing
+  the rest. No gradient flows to the table (frozen)."""
+  if len(k.lead) != 1:
+    raise ValueError(f"take_rows: a table has one lead (row) axis, got lead {k.lead}")
+  ids = jnp.asarray(ids)
+  return jax.tree.map(lambda x: jax.lax.stop_gradient(jnp.take(x, ids, axis=0)), k)
+
+
 def dequantize(k: QuantizedKernel, dtype=jnp.float32):
   """The kernel ``[lead..., in..., out...]`` in ``dtype`` (computed in fp32, then cast)."""
   lead, tail = k.lead, tuple(k.tail)
@@ -185,27 +215,31 @@ def dequantize(k: QuantizedKernel, dtype=jnp.float32):
 
 
 # ----------------------------------------------------------------------------- the matmul
-def _dot(x, w, contract: int, preferred):
-  axes = (tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract)))
+def _dot(x, w, contract: int, preferred, transposed: bool = False):
+  """``x``'s trailing ``contract`` axes with ``w``'s leading ones (``transposed``: its
+  trailing ones: ``w`` is ``[out..., in...]``)."""
+  w_axes = range(w.ndim - contract, w.ndim) if transposed else range(contract)
+  axes = (tuple(range(x.ndim - contract, x.ndim)), tuple(w_axes))
   return jax.lax.dot_general(x, w, (axes, ((), ())), preferred_element_type=preferred)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _frozen_dense(contract, dtype, preferred, x, kernel):
-  return _dot(x.astype(dtype), dequantize(kernel, dtype), contract, preferred)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _frozen_dense(contract, dtype, preferred, transposed, x, kernel):
+  return _dot(x.astype(dtype), dequantize(kernel, dtype), contract, preferred, transposed)
 
 
-def _frozen_dense_fwd(contract, dtype, preferred, x, kernel):
-  y = _frozen_dense(contract, dtype, preferred, x, kernel)
+def _frozen_dense_fwd(contract, dtype, preferred, transposed, x, kernel):
+  y = _frozen_dense(contract, dtype, preferred, transposed, x, kernel)
   # the stored kernel only (resident anyway) and an empty array for x's dtype
   return y, (kernel, jnp.zeros((0,), x.dtype))
 
 
-def _frozen_dense_bwd(contract, dtype, preferred, res, g):
+def _frozen_dense_bwd(contract, dtype, preferred, transposed, res, g):
   kernel, x_like = res
   w = dequantize(kernel, dtype)
   n_out = w.ndim - contract
-  axes = (tuple(range(g.ndim - n_out, g.ndim)), tuple(range(contract, w.ndim)))
+  w_out = range(n_out) if transposed else range(contract, w.ndim)
+  axes = (tuple(range(g.ndim - n_out, g.ndim)), tuple(w_out))
   dx = jax.lax.dot_general(g.astype(dtype), w, (axes, ((), ())),
                            preferred_element_type=preferred)
   return dx.astype(x_like.dtype), None  # the kernel is frozen: no gradient
@@ -214,19 +248,22 @@ def _frozen_dense_bwd(contract, dtype, preferred, res, g):
 _frozen_dense.defvjp(_frozen_dense_fwd, _frozen_dense_bwd)
 
 
-def frozen_dense(x, kernel: QuantizedKernel, *, contract: int, dtype, preferred=None):
-  """``x`` contracted (``contract`` trailing axes) with ``dequantize(kernel, dtype)``.
-  Saves the stored kernel only; backward dequantizes it again for ``dx``; no weight
-  gradient."""
-  if kernel.lead:
+def frozen_dense(x, kernel: QuantizedKernel, *, contract: int, dtype, preferred=None,
+                 transposed: bool = False):
+  """``x`` contracted (``contract`` trailing axes) with ``dequantize(kernel, dtype)``;
+  ``transposed``: with its trailing axes, the kernel a table ``[out, in...]`` (a tied
+  LM head ``h @ E^T``). Saves the stored kernel only; backward dequantizes it again for
+  ``dx``; no weight gradient."""
+  if kernel.lead and not transposed:
     raise ValueError(f"frozen_dense: a stacked kernel (lead axes {kernel.lead}) is used "
                      "one layer at a time")
   return _frozen_dense(contract, jnp.dtype(dtype),
-                       None if preferred is None else jnp.dtype(preferred), x, kernel)
+                       None if preferred is None else jnp.dtype(preferred), bool(transposed),
+                       x, kernel)
 
 
 def frozen_dense_reference(x, kernel: QuantizedKernel, *, contract: int, dtype,
-                           preferred=None):
+                           preferred=None, transposed: bool = False):
   """:func:`frozen_dense` by plain autodiff (keeps the dequantized kernel: tests only)."""
   w = jax.lax.stop_gradient(dequantize(kernel, dtype))
-  return _dot(x.astype(dtype), w, contract, preferred)
+  return _dot(x.astype(dtype), w, contract, preferred, transposed)

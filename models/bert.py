@@ -50,6 +50,7 @@ from lowmem_jax.methods import read
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
 from models.config import init_model, make_config, replace_fields, token_ids
+from models.embedding import Embed
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import Mlp
@@ -168,9 +169,9 @@ class BertEmbeddings(nnx.Module):
   def __init__(self, cfg: BertConfig, *, dtype, rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.initializer_range)
     embed = dict(embedding_init=init, rngs=rngs)
-    self.word = nnx.Embed(cfg.vocab_size, cfg.dim, **embed)
-    self.position = nnx.Embed(cfg.max_positions, cfg.dim, **embed)
-    self.token_type = nnx.Embed(cfg.type_vocab_size, cfg.dim, **embed)
+    self.word = Embed(cfg.vocab_size, cfg.dim, **embed)
+    self.position = Embed(cfg.max_positions, cfg.dim, **embed)
+    self.token_type = Embed(cfg.type_vocab_size, cfg.dim, **embed)
     # The standard LayerNorm with its affine whatever the policy (DESIGN.md: the
     # embeddings LN is left as is).
     self.norm = Norm(cfg.dim, kind="layer", eps=cfg.eps, policy=MemoryPolicy())

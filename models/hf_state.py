@@ -13,13 +13,15 @@ HF affine folded into every :class:`Linear` that names it as ``norm``
 (``lowmem_jax.norms.merge_norm_affine``, float64). Exported, such a norm is weight 1 /
 bias 0 with the merged linears, unless the entry names where the affine is ``kept``
 (BERT's residual path): then that affine is exported and the linears un-merged with it.
-Tensors stay in float64 numpy until the model holds them; each stacked variable is
-filled row by row in numpy and assigned once.
+Tensors stay numpy in the checkpoint's dtype until the model holds them (merges run in
+float64); each stacked variable is filled row by row in a device buffer (donated
+updates) and assigned once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -28,6 +30,7 @@ import numpy as np
 from flax import nnx
 
 from lowmem_jax import quantized_weight
+from models.embedding import Embed
 from models.linear import FrozenKernel
 
 
@@ -48,7 +51,8 @@ class StateReader:
     return key in self.state
 
   def take(self, key: str, shape: Sequence[int] | None = None) -> np.ndarray:
-    """The tensor ``key`` as float64 numpy; zeros of ``shape`` if it is missing or
+    """The tensor ``key`` as numpy in the checkpoint's dtype (no float64 copy of it in
+    flight: merges upcast themselves); zeros of ``shape`` if it is missing or
     mis-shaped (recorded for :meth:`finish`)."""
     if key not in self.state:
       self.missing.append(key)
@@ -58,7 +62,7 @@ class StateReader:
     if shape is not None and tuple(value.shape) != tuple(shape):
       self.misshaped.append(f"{key}: checkpoint {list(value.shape)}, model {list(shape)}")
       return np.zeros(tuple(shape))  # keep going: finish() reports every problem
-    return value.astype(np.float64) if np.issubdtype(value.dtype, np.floating) else value
+    return value
 
   def finish(self) -> None:
     """Raises :class:`CheckpointError` naming every problem found while reading."""
@@ -144,74 +148,74 @@ def _host(value) -> np.ndarray:
   return np.asarray(value, np.float32)
 
 
-_quantize = jax.jit(quantized_weight.quantize, static_argnames=("format", "n_in", "n_out",
-                                                             "double_quant"))
+@functools.partial(jax.jit, donate_argnums=0)
+def _put_row(buffer, row, layer):
+  """``buffer`` (a pytree of stacked arrays) with row ``layer`` replaced by ``row``: in
+  place (the buffer is donated), one compile per structure."""
+  return jax.tree.map(lambda b, r: jax.lax.dynamic_update_index_in_dim(b, r, layer, 0),
+                      buffer, row)
 
 
 class _Rows:
-  """Numpy copies of the variables being written, each assigned as soon as all its rows
-  are (so host memory holds about one stacked variable beyond the model). A kernel
-  stored in a base dtype is kept in that form, one row quantized as it is read."""
+  """The variables being written, each filled row by row in a device buffer (donated
+  row updates: no host copy of it) and assigned as soon as all its rows are. A weight
+  stored in a base dtype is kept in that form, each row quantized as it is read. Host
+  memory holds one tensor in flight; the device the model as it is built."""
 
   def __init__(self):
-    self.arrays: dict[int, tuple[nnx.Variable, object, set]] = {}
-
-  def _buffer(self, var, make):
-    if id(var) not in self.arrays:
-      self.arrays[id(var)] = (var, make(), set())
-    return self.arrays[id(var)][1]
+    # id(var) -> (var, buffer or None once assigned, rows written, assign(buffer))
+    self.arrays: dict[int, tuple] = {}
 
   def set(self, var: nnx.Variable, layer: int | None, value) -> None:
-    def make():
-      current = _value(var)
-      if _abstract(current):
-        return np.zeros(current.shape, np.float32)
-      return np.array(current, np.float32)
-    array = self._buffer(var, make)
-    target = array if layer is None else array[layer]
-    target[...] = np.asarray(value, np.float32).reshape(target.shape)
-    self._done(var, layer, lambda a: jnp.asarray(a, _value(var).dtype))
+    current = _value(var)
+    shape, dtype = tuple(current.shape), current.dtype
+    row = jnp.asarray(np.asarray(value, np.float32).reshape(
+        shape if layer is None else shape[1:]), dtype)
 
-  def set_stored(self, module, layer: int | None, kernel, format: str, n_in: int) -> None:
-    """Row ``layer`` of ``module``'s kernel (``[in..., out...]``) stored in ``format``."""
-    var = module.kernel
+    def make():  # a real model (a fresh head's) keeps the rows nothing overwrites
+      return jnp.zeros(shape, dtype) if _abstract(current) else jnp.array(current)
+    self._write(var, layer, row, make, var.set_value)
+
+  def set_stored(self, module, name: str, layer: int | None, value, format: str,
+                 n_in: int, n_out: int) -> None:
+    """Row ``layer`` of ``module``'s weight ``name`` (a kernel ``[in..., out...]``, or a
+    table ``[V, D]`` with ``n_out=0``) stored in ``format``."""
+    var = getattr(module, name)
     shape = tuple(_value(var).shape)
-    row_shape = shape if layer is None else shape[1:]
-    row = _quantize(np.asarray(kernel, np.float32).reshape(row_shape), format, n_in=n_in,
-                    n_out=len(row_shape) - n_in)
-    leaves, treedef = jax.tree.flatten(row)
-    stack = () if layer is None else (shape[0],)
-    buffers = self._buffer(var, lambda: (treedef, [np.zeros(stack + x.shape, x.dtype)
-                                                   for x in leaves]))[1]
-    for buffer, leaf in zip(buffers, leaves):
-      (buffer if layer is None else buffer[layer])[...] = np.asarray(leaf)
+    row = quantized_weight.quantize(
+        np.asarray(value, np.float32).reshape(shape if layer is None else shape[1:]),
+        format, n_in=n_in, n_out=n_out)
 
-    def assign(_):
-      module.kernel = FrozenKernel(jax.tree.unflatten(treedef,
-                                                      [jnp.asarray(b) for b in buffers]))
-    self._done(var, layer, assign, value=False)
+    def make():
+      return jax.tree.map(lambda x: jnp.zeros(shape[:1] + x.shape, x.dtype), row)
+    self._write(var, layer, row, make,
+                lambda stored: setattr(module, name, FrozenKernel(stored)))
 
-  def _done(self, var, layer, assign, value=True) -> None:
-    _, array, layers = self.arrays[id(var)]
-    layers.add(layer)
+  def _write(self, var, layer, row, make, assign) -> None:
     rows = 1 if layer is None else _value(var).shape[0]
-    if len(layers) == rows:
-      if value:
-        var.set_value(assign(array))
-      else:
-        assign(array)
-      self.arrays[id(var)] = (var, None, layers)  # written: read back from the variable
+    entry = self.arrays.get(id(var))
+    buffer, written = (row, set()) if layer is None else (
+        (make(), set()) if entry is None else entry[1:3])
+    if layer is not None:
+      buffer = _put_row(buffer, row, layer)
+    written.add(layer)
+    done = len(written) == rows
+    if done:
+      assign(buffer)
+    self.arrays[id(var)] = (var, None if done else buffer, written, assign)
 
   def get(self, var: nnx.Variable, layer: int | None) -> np.ndarray:
     entry = self.arrays.get(id(var))
-    array = entry[1] if entry is not None and entry[1] is not None else _host(_value(var))
-    return np.asarray(_row(array, layer), np.float64)
+    value = entry[1] if entry is not None and entry[1] is not None else _value(var)
+    if layer is not None:
+      value = jax.tree.map(lambda x: x[layer], value)
+    return np.asarray(_host(value), np.float64)
 
   def assign(self) -> None:
     """Writes the variables with rows still missing (the reader has reported them)."""
-    for var, array, _ in self.arrays.values():
-      if array is not None and not isinstance(array, tuple):
-        var.set_value(jnp.asarray(array, _value(var).dtype))
+    for _, buffer, _, assign in self.arrays.values():
+      if buffer is not None:
+        assign(buffer)
 
 
 def init_unread(model, build) -> None:
@@ -235,17 +239,23 @@ def init_unread(model, build) -> None:
 def _kernel_dims(module, layer) -> tuple[tuple[int, ...], int]:
   """(kernel shape of one layer, number of input axes)."""
   shape = tuple(_value(module.kernel).shape)[0 if layer is None else 1:]
-  axis = getattr(module, "axis", (-1,))
-  return shape, len(axis) if isinstance(axis, tuple) else 1
+  return shape, module.kernel_axes()[0]
+
+
+def _format(store, path: str, module) -> str:
+  """``store``'s storage name for ``module``'s weight ("float32" without a store)."""
+  return "float32" if store is None else (store(tuple(path.split(".")), module)
+                                          or "float32")
 
 
 def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
                store: Callable | None = None) -> None:
   """Loads every entry of the map from ``reader`` into ``model`` (in place; ``model`` may
   be abstract, from ``nnx.eval_shape``). Norms come first, so the linears reading a
-  merged norm find its affine. ``store(path, linear)``: the format of that linear's
-  kernel (``lowmem_jax.quantized_weight.FORMATS``; None or "float32": as it is), each
-  row quantized as it is read."""
+  merged norm find its affine. ``store(path, module)``: the storage of that module's
+  frozen weight, a linear's kernel or an embedding's table
+  (``lowmem_jax.quantized_weight.FORMATS``; None or "float32": as it is), each row
+  quantized as it is read."""
   from lowmem_jax.norms import merge_norm_affine
 
   rows, affines = _Rows(), {}
@@ -273,7 +283,15 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
       ours = tuple(_value(var).shape)[0 if e.layer is None else 1:]
       hf_shape = ours if e.to_hf is None else e.to_hf(np.zeros(ours)).shape
       value = reader.take(e.hf, hf_shape)
-      rows.set(var, e.layer, value if e.to_ours is None else e.to_ours(value))
+      value = value if e.to_ours is None else e.to_ours(value)
+      owner, name = e.path.rpartition(".")[::2]
+      module = _resolve(model, owner) if owner else model
+      format = (_format(store, owner, module)
+                if isinstance(module, Embed) and name == "embedding" else "float32")
+      if format == "float32":
+        rows.set(var, e.layer, value)
+      else:
+        rows.set_stored(module, name, e.layer, value, format, n_in=1, n_out=0)
     elif isinstance(e, Linear):
       module = _resolve(model, e.path)
       shape, n_in = _kernel_dims(module, e.layer)
@@ -286,15 +304,16 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
         kernel = reader.take(f"{e.hf}.weight", (d_out, d_in)).T
         bias = reader.take(f"{e.hf}.bias", (d_out,)) if has_bias else None
       if e.norm in affines:
-        kernel, bias = merge_norm_affine(*affines[e.norm], kernel.astype(np.float32), bias)
+        kernel, bias = merge_norm_affine(*affines[e.norm],
+                                         kernel.astype(np.float32, copy=False), bias)
         if bias is not None and not has_bias:
           raise CheckpointError(f"{e.hf}: merging the norm bias needs a bias on this linear")
-      format = "float32" if store is None else (store(tuple(e.path.split(".")), module)
-                                                  or "float32")
+      format = _format(store, e.path, module)
       if format == "float32":
         rows.set(module.kernel, e.layer, kernel)
       else:
-        rows.set_stored(module, e.layer, kernel, format, n_in)
+        rows.set_stored(module, "kernel", e.layer, kernel, format, n_in,
+                        len(shape) - n_in)
       if has_bias:
         rows.set(module.bias, e.layer, bias)
   rows.assign()

@@ -11,7 +11,6 @@ sample of the token rows for the weight gradient.
 from __future__ import annotations
 
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -41,26 +40,32 @@ class _PolicyDense:
     self.saving = Site(self.policy.linear_strategy(self.role, frozen=True))
 
   def store_kernel(self, format: str, *, double_quant: bool = False) -> None:
-    """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``),
-    once, as a :class:`FrozenKernel`; the layer then uses the frozen strategy
-    (:meth:`freeze_kernel`). ``float32`` leaves it as it is; a kernel stored in
-    ``format`` already (a streamed load) is only frozen."""
+    """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``;
+    ``double_quant``: ``nf4`` as ``nf4-dq``), once, as a :class:`FrozenKernel`; the layer
+    then uses the frozen strategy (:meth:`freeze_kernel`). ``float32`` leaves it as it
+    is; a kernel stored in ``format`` already (a streamed load) is only frozen."""
     if format == "float32":
       return
+    if double_quant and format == "nf4":
+      format = "nf4-dq"
     kernel = self.kernel[...]
     if isinstance(kernel, quantized_weight.QuantizedKernel):
-      if kernel.format != format:
+      if kernel.storage != format:
         raise ValueError(f"store_kernel: {self.role or 'this linear'}'s kernel is stored as "
-                         f"{kernel.format} already, not {format}")
+                         f"{kernel.storage} already, not {format}")
       self.freeze_kernel()
       return
-    out = self.out_features
-    n_out = len(out) if isinstance(out, tuple) else 1
-    axis = getattr(self, "axis", (-1,))
-    n_in = len(axis) if isinstance(axis, tuple) else 1
-    self.kernel = FrozenKernel(quantized_weight.quantize(
-        kernel, format, n_in=n_in, n_out=n_out, double_quant=double_quant))
+    n_in, n_out = self.kernel_axes()
+    self.kernel = FrozenKernel(quantized_weight.quantize(kernel, format, n_in=n_in,
+                                                         n_out=n_out, double_quant=double_quant))
     self.freeze_kernel()
+
+  def kernel_axes(self) -> tuple[int, int]:
+    """``(input axes, output axes)`` of one layer's kernel."""
+    out = self.out_features
+    axis = getattr(self, "axis", (-1,))
+    return (len(axis) if isinstance(axis, tuple) else 1,
+            len(out) if isinstance(out, tuple) else 1)
 
   def _policy_call(self, x, contract: int):
     dtype = self.dtype or jnp.result_type(as_array(x), self.kernel[...].dtype)

@@ -33,8 +33,10 @@ from flax import nnx
 from lowmem_jax import baseline
 from lowmem_jax.lm_loss import DEFAULT_CHUNK, chunked_cross_entropy, logits_cross_entropy
 from lowmem_jax.policy import MemoryPolicy
+from lowmem_jax.quantized_weight import QuantizedKernel, frozen_dense
 from models.attention import SelfAttention
 from models.config import init_model, make_config, token_ids
+from models.embedding import Embed, table_value
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import GatedMlp
@@ -178,7 +180,7 @@ class Llama(nnx.Module):
     rngs = init_model(self, cfg, config, LlamaConfig, policy, dtype, rngs)
     cfg = self.cfg
     init = nnx.initializers.normal(stddev=0.02)  # HF's initializer_range
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
+    self.embed = Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
     self.stack = BlockStack(lambda r: LlamaBlock(cfg, self.policy, dtype=self.dtype, rngs=r),
                             cfg.num_layers, self.policy, rngs)
     self.norm = Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=self.policy)
@@ -219,21 +221,27 @@ class Llama(nnx.Module):
     if self.lm_head is not None:
       return self.lm_head(h).astype(jnp.float32)
     h = as_array(h)  # the tied head keeps h itself
-    return jnp.einsum("btd,vd->btv", h, self._tied_weight().astype(self.dtype),
+    w = self._tied_weight()
+    if isinstance(w, QuantizedKernel):  # a frozen stored table: dequantized inside the op
+      return frozen_dense(h, w, contract=1, dtype=self.dtype, preferred=jnp.float32,
+                          transposed=True)
+    return jnp.einsum("btd,vd->btv", h, w.astype(self.dtype),
                       preferred_element_type=jnp.float32)
 
   def _tied_weight(self):
-    """The embedding ``[V, D]`` as the tied head multiplies by it (in the compute dtype):
-    with the final norm's merged scale applied, that product in the compute dtype; else
-    the embedding as stored."""
+    """The embedding ``[V, D]`` as the tied head multiplies by it: with the final norm's
+    merged scale applied, that product in the compute dtype; else the table as stored
+    (fp32, or a frozen ``QuantizedKernel``: one copy serves lookup and head)."""
+    table = self.embed.embedding[...]
     if self.head_scale is None:
-      return self.embed.embedding[...]
-    return (self.embed.embedding[...] * self.head_scale[...][None, :]).astype(self.dtype)
+      return table
+    return (table_value(table) * self.head_scale[...][None, :]).astype(self.dtype)
 
   def head_weight(self):
     """``(w, transposed)``: the head as one matmul ``h @ w`` (``w [D, V]``, or ``[V, D]``
-    with ``transposed``; as stored or in the compute dtype, cast to it for the matmul), or
-    None when it is not a plain matmul."""
+    with ``transposed``; as stored, a frozen ``QuantizedKernel`` included, or in the
+    compute dtype; cast or dequantized to it inside the matmul), or None when it is not
+    a plain matmul."""
     if self.lm_head is None:
       return self._tied_weight(), True
     kernel = plain_kernel(self.lm_head)
@@ -247,7 +255,7 @@ class Llama(nnx.Module):
 
 
 def plain_kernel(head):
-  """``head``'s kernel ``[D, V]`` as stored when ``head`` computes exactly ``h @ kernel``
+  """``head``'s kernel ``[D, V]`` as stored (fp32 or a frozen ``QuantizedKernel``) when ``head`` computes exactly ``h @ kernel``
   in its declared compute dtype (that of ``h``): our Linear with no bias whose strategy is
   the baseline's. None otherwise (LoRA-wrapped, a sampled or stateful strategy)."""
   if (type(head) is not Linear or head.bias is not None or head.dtype is None

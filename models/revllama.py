@@ -17,6 +17,7 @@ from flax import nnx
 from lowmem_jax.policy import MemoryPolicy
 from models import llama
 from models.config import derived_presets, init_model, token_ids
+from models.embedding import Embed
 from models.attention import SelfAttention
 from models.linear import Linear
 from models.mlp import GatedMlp
@@ -62,7 +63,7 @@ class RevLlama(nnx.Module):
                       reversible=True)
     cfg, policy = self.cfg, self.policy
     init = nnx.initializers.normal(stddev=0.02)
-    self.embed = nnx.Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
+    self.embed = Embed(cfg.vocab_size, cfg.dim, embedding_init=init, rngs=rngs)
     self.stack = ReversibleStack(lambda r: RevLlamaAttention(cfg, policy, self.dtype, r),
                                  lambda r: _mlp(cfg, policy, self.dtype, r),
                                  cfg.num_layers, policy, rngs)

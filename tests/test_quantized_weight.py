@@ -1,6 +1,8 @@
 """Frozen kernels in bf16 / int8 / nf4 (lowmem_jax.quantized_weight): round-trip error
 bounds, the matmul against its plain-autodiff reference (values, dx, what it saves),
-a tiny LLaMA's logits against the fp32 model, resident bytes, LoRA gradients."""
+embedding tables (row gather, the tied head's matmul, the fused LM loss on a stored
+head), a tiny LLaMA's logits against the fp32 model (untied and tied), resident bytes
+(nf4 with double quantization too), LoRA gradients."""
 
 import math
 
@@ -11,6 +13,7 @@ import pytest
 from flax import nnx
 
 from lowmem_jax import quantized_weight as qw
+from lowmem_jax import lm_loss
 from lowmem_jax.dense import Dense
 from lowmem_jax.memory import saved_residuals
 from models.linear import FrozenKernel
@@ -138,11 +141,93 @@ def test_frozen_dense_matches_reference_and_saves_no_dequantized_kernel(format, 
   assert big(saved_residuals(ref, x, k))
 
 
+TABLE = jax.random.normal(jax.random.key(4), (40, 100)) * jnp.linspace(0.1, 2.0, 40)[:, None]
+IDS = jnp.array([[3, 39, 0], [3, 17, 8]])
+
+
+@pytest.mark.parametrize("format", ["bfloat16", "int8", "nf4"])
+def test_table_rows_within_bound_and_gathered_exactly(format):
+  """A table [V, D] stored with its rows as lead axes (n_in=1, n_out=0): int8 has one
+  scale per row, |err| <= absmax_row / 254 (as a linear's per output column: a row is
+  an output of the tied head); nf4 blocks of 64 run along the row, |err| <= A gap / 2
+  (bounds derived in test_dequantize_quantize_error_within_derived_bound); bf16
+  <= 2^-8 |w|. take_rows gathers the stored rows: equal to indexing the dequantized
+  table, exactly."""
+  k = qw.quantize(TABLE, format, n_in=1, n_out=0)
+  assert k.lead == (40,) and k.shape == (40, 100)
+  got, w = np.asarray(qw.dequantize(k), np.float64), np.asarray(TABLE, np.float64)
+  err = np.abs(got - w)
+  if format == "bfloat16":
+    assert np.all(err <= 2.0 ** -8 * np.abs(w))
+  elif format == "int8":
+    assert k.scale.shape == (40,)
+    assert np.all(err <= np.max(np.abs(w), axis=1, keepdims=True) / 254 * (1 + 1e-6))
+  else:
+    blocks = np.pad(w, ((0, 0), (0, 28))).reshape(40, 2, 64)
+    bound = np.max(np.abs(blocks), axis=2, keepdims=True) * qw.NF4_MAX_GAP / 2
+    padded = np.pad(err, ((0, 0), (0, 28))).reshape(40, 2, 64)
+    assert np.all(padded <= bound * (1 + 1e-6) + 1e-7)
+  rows = qw.dequantize(qw.take_rows(k, IDS))
+  assert rows.shape == (2, 3, 100)
+  np.testing.assert_array_equal(rows, qw.dequantize(k)[IDS])
+
+
+def test_tied_head_matmul_on_a_stored_table():
+  """h @ E^T with E an int8 table (frozen_dense, transposed): values and dh as the
+  plain-autodiff reference (tight), no residual of the table's size (the reference
+  keeps the dequantized table: the check can fail), no gradient for the table."""
+  k = qw.quantize(TABLE, "int8", n_in=1, n_out=0)
+  h = jax.random.normal(jax.random.key(5), (2, 3, 100))
+  ours = lambda h, k: jnp.sum(jnp.tanh(qw.frozen_dense(h, k, contract=1, dtype=jnp.float32,
+                                                       transposed=True)))
+  ref = lambda h, k: jnp.sum(jnp.tanh(qw.frozen_dense_reference(
+      h, k, contract=1, dtype=jnp.float32, transposed=True)))
+  assert float(ours(h, k)) == pytest.approx(float(ref(h, k)), rel=1e-6)
+  # the reference is h @ E^T (a sum of 240 terms ~1 in another order: 1e-5)
+  np.testing.assert_allclose(float(ref(h, k)), float(jnp.sum(jnp.tanh(
+      h @ qw.dequantize(k).T))), rtol=1e-5)
+  dh, dk = jax.grad(ours, argnums=(0, 1), allow_int=True)(h, k)
+  np.testing.assert_allclose(dh, jax.grad(ref)(h, k), rtol=1e-6, atol=1e-6)
+  assert not any(_has_gradient(g) for g in jax.tree.leaves(dk))
+  big = lambda s: [r for r in s.items if math.prod(r.shape) >= TABLE.size]
+  assert not big(saved_residuals(ours, h, k))
+  assert big(saved_residuals(ref, h, k))
+
+
+@pytest.mark.parametrize("format,transposed", [("nf4", False), ("int8", True)])
+def test_fused_lm_loss_on_a_stored_head(format, transposed):
+  """chunked_cross_entropy with a stored head (an nf4 kernel [D, V]; an int8 table
+  [V, D], the tied head): losses, accuracy and dh as the reference on the dequantized
+  weight (tight); it saves the stored form only (no array of the weight's size)."""
+  w = TABLE if transposed else TABLE.T  # V = 40, D = 100
+  k = qw.quantize(w, format, n_in=1, n_out=0 if transposed else 1)
+  h = jax.random.normal(jax.random.key(6), (2, 5, 100))
+  targets = jax.random.randint(jax.random.key(7), (2, 5), 0, 40)
+  fused = lambda h, k: lm_loss.chunked_cross_entropy(h, k, targets, chunk=4,
+                                                     transposed=transposed)
+  ref = lambda h, k: lm_loss.cross_entropy_reference(h, qw.dequantize(k), targets,
+                                                     transposed=transposed)
+  for got, want in zip(jax.jit(fused)(h, k), ref(h, k)):
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  total = lambda f: lambda h, k: jnp.sum(f(h, k)[0] * jnp.arange(1.0, 6.0))
+  want = jax.jit(jax.grad(total(ref)))(h, k)  # fp32 sums over V in another order
+  np.testing.assert_allclose(jax.jit(jax.grad(total(fused)))(h, k), want, rtol=1e-5,
+                             atol=1e-5 * float(jnp.max(jnp.abs(want))))
+  big = [r for r in saved_residuals(total(fused), h, k).items
+         if math.prod(r.shape) >= w.size // 2]
+  assert not big, big
+
+
 # --------------------------------------------------------------------------- in a model
-def _cfg(base_dtype="float32"):
+# dim 128, 4 kv heads, mlp 256: every kernel's K x N is a multiple of 64 x 256, so nf4's
+# absmax blocks and double quantization's blocks of 256 scales come out whole
+MODEL = {"num_layers": 1, "dim": 128, "num_kv_heads": 4, "mlp_dim": 256}
+
+
+def _cfg(base_dtype="float32", **model):
   return TrainConfig(name="t", task="lm", model="llama-tiny", policy="baseline",
                      dtype="float32", trainable="lora", lora_targets="query,value",
-                     model_overrides={"num_layers": 1}, base_dtype=base_dtype)
+                     model_overrides={**MODEL, **model}, base_dtype=base_dtype)
 
 
 @pytest.fixture(scope="module")
@@ -153,15 +238,17 @@ def fp32_model():
 TOKENS = jax.random.randint(jax.random.key(3), (2, 12), 0, 256)
 # one compile per model structure (fp32, each format), shared by the tests
 logits = nnx.jit(lambda model: model(TOKENS))
+TABLE_PATH = ("embed", "embedding")
 
 
 def _kernels(model):
-  return {p: v for p, v in nnx.iter_graph(model) if p and p[-1] == "kernel"
+  """The base weights: every linear's kernel (not LoRA's) and the embedding table."""
+  return {p: v for p, v in nnx.iter_graph(model) if p and p[-1] in ("kernel", "embedding")
           and isinstance(v, (FrozenKernel, nnx.Param)) and not isinstance(v, LoRAParam)}
 
 
 def _with_kernels(model, kernels):
-  """A copy of ``model`` whose (fp32) kernels at the given paths are replaced."""
+  """A copy of ``model`` whose (fp32) weights at the given paths are replaced."""
   model = nnx.clone(model)
   found = _kernels(model)
   for path, value in kernels.items():
@@ -169,43 +256,84 @@ def _with_kernels(model, kernels):
   return model
 
 
-@pytest.mark.parametrize("format", ["bfloat16", "int8", "nf4"])
-def test_tiny_llama_logits_within_first_order_bound(fp32_model, format):
-  """Storing the frozen kernels changes W by dW = dequantize(quantize(W)) - W (bounded
-  above). The logits change by J dW + R, J the logits' derivative in the kernels and R
-  second order in dW: |R| <~ eps |J dW| with eps the kernels' relative error (<= 2^-8
-  bf16, <= 1/254 int8, <= 0.152 nf4 of the block absmax). Bound:
-  max |d logits| <= (1 + 4 eps) max |J dW| + 1e-5, J dW by a central difference
-  (f(W + h dW) - f(W - h dW)) / 2h, h = 1/4 (its error is third order in dW)."""
-  eps = {"bfloat16": 2.0 ** -8, "int8": 1 / 254, "nf4": qw.NF4_MAX_GAP / 2}[format]
+EPS = {"bfloat16": 2.0 ** -8, "int8": 1 / 254, "nf4": qw.NF4_MAX_GAP / 2}
+
+
+def _check_first_order_bound(fp32_model, format, n_frozen):
+  """Stores ``fp32_model``'s frozen weights in ``format``; checks the logits' error
+  against the bound of test_tiny_llama_logits_within_first_order_bound."""
   model = nnx.clone(fp32_model)
   store_frozen_kernels(model, _cfg(format))
   stored, plain = _kernels(model), _kernels(fp32_model)
   frozen = [p for p, v in stored.items() if isinstance(v, FrozenKernel)]
-  assert len(frozen) == 7  # every linear of the block; not the LM head
+  assert len(frozen) == n_frozen
+  assert stored[TABLE_PATH][...].storage == ("bfloat16" if format == "nf4" else format)
   dw = {p: qw.dequantize(stored[p][...]) - plain[p][...] for p in frozen}
   h = 0.25
   shifted = [_with_kernels(fp32_model, {p: plain[p][...] + s * h * d for p, d in dw.items()})
              for s in (1, -1)]
   first = (logits(shifted[0]) - logits(shifted[1])) / (2 * h)
   err = float(jnp.max(jnp.abs(logits(model) - logits(fp32_model))))
-  bound = (1 + 4 * eps) * float(jnp.max(jnp.abs(first))) + 1e-5
+  bound = (1 + 4 * EPS[format]) * float(jnp.max(jnp.abs(first))) + 1e-5
   assert 0 < err <= bound, (err, bound)
+  return model
+
+
+@pytest.mark.parametrize("format", ["bfloat16", "int8", "nf4"])
+def test_tiny_llama_logits_within_first_order_bound(fp32_model, format):
+  """Storing the frozen weights (7 linears per block, the LM head, the embedding table)
+  changes W by dW = dequantize(quantize(W)) - W (bounded above). The logits change by
+  J dW + R, J the logits' derivative in the weights and R second order in dW:
+  |R| <~ eps |J dW| with eps the largest relative error of the stored weights (<= 2^-8
+  bf16, <= 1/254 int8 of the column's or row's absmax, <= 0.152 nf4 of the block absmax;
+  an nf4 base stores the table in bf16, 2^-8 < 0.152). Bound:
+  max |d logits| <= (1 + 4 eps) max |J dW| + 1e-5, J dW by a central difference
+  (f(W + h dW) - f(W - h dW)) / 2h, h = 1/4 (its error is third order in dW)."""
+  _check_first_order_bound(fp32_model, format, n_frozen=9)
+
+
+def test_tied_llama_stores_its_table_once_and_its_fused_loss_reads_it():
+  """Tied embeddings, int8 base: one stored table (no LM head kernel) serves the lookup
+  and the head; logits within the first-order bound above; the fused chunked loss on the
+  stored table (transposed) equals the loss of the logits path."""
+  tied = build_model(_cfg(tie_embeddings=True))
+  model = _check_first_order_bound(tied, "int8", n_frozen=8)
+  assert model.lm_head is None  # 7 linears and the table stored
+  targets = jnp.roll(TOKENS, -1, axis=1)
+  fused = nnx.jit(lambda m: m.token_losses(TOKENS, targets, chunk=8))(model)
+  plain = lm_loss.logits_cross_entropy(logits(model), targets)
+  np.testing.assert_allclose(fused[0], plain[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(fused[1], plain[1])
 
 
 def test_resident_bytes_per_format(fp32_model):
-  """Bytes of the frozen kernels' leaves per base parameter: bf16 2, int8 1 + 4/K,
-  nf4 0.5 + 4/64 (K % 64 == 0 here except the MLP's down, K = 176 padded to 192)."""
-  n = sum(v[...].size for p, v in _kernels(fp32_model).items() if p != ("lm_head", "kernel"))
+  """Bytes of the stored linear kernels (LM head included) per parameter: bf16 2; int8
+  1 + 4/K (an fp32 scale per output column; K = 128, the MLP's down 256); nf4 0.5 + 4/64 =
+  0.5625 (an fp32 absmax per 64); nf4-dq 0.5 + 1/64 (an int8 code per absmax)
+  + 4/(64 * 256) (an fp32 scale per 256 codes) + 4/(K N) (their mean) ~= 0.516. The
+  embedding table: bf16 2, int8 1 + 4/D (a scale per row), nf4 and nf4-dq in bf16."""
+  kernels = {p: v[...] for p, v in _kernels(fp32_model).items() if p != TABLE_PATH}
+  n = sum(k.size for k in kernels.values())
+  inputs = lambda p: 256 if p[-2] == "down" else 128
+  expect = {"bfloat16": 2 * n,
+            "int8": sum(k.size + 4 * k.size // inputs(p) for p, k in kernels.items()),
+            "nf4": 0.5625 * n,
+            "nf4-dq": sum(k.size * (0.5 + 1 / 64 + 4 / 64 / 256) + 4 for k in kernels.values())}
+  table = fp32_model.embed.embedding[...]
+  table_bytes = {"bfloat16": 2 * table.size, "int8": table.size + 4 * table.shape[0],
+                 "nf4": 2 * table.size, "nf4-dq": 2 * table.size}
   per_param = {}
-  for format in ("bfloat16", "int8", "nf4"):
+  for format in expect:
     model = nnx.clone(fp32_model)
     store_frozen_kernels(model, _cfg(format))
-    leaves = jax.tree.leaves(nnx.state(model, FrozenKernel))
-    per_param[format] = sum(x.nbytes for x in leaves) / n
-  assert per_param["bfloat16"] == 2
-  assert 1 < per_param["int8"] < 1 + 4 / 64
-  assert 0.5625 <= per_param["nf4"] < 0.5625 * 192 / 176
+    stored = {p: v[...] for p, v in nnx.iter_graph(model) if isinstance(v, FrozenKernel)}
+    assert stored[TABLE_PATH].nbytes == table_bytes[format]
+    del stored[TABLE_PATH]
+    assert set(stored) == set(kernels)
+    got = sum(k.nbytes for k in stored.values())
+    assert got == expect[format], (format, got, expect[format])
+    per_param[format] = got / n
+  assert per_param["nf4"] == 0.5625 and 0.515 < per_param["nf4-dq"] < 0.517, per_param
 
 
 def test_lora_gradients_flow_with_an_nf4_base():
@@ -227,9 +355,16 @@ def test_lora_gradients_flow_with_an_nf4_base():
 
 
 def test_base_dtype_config_errors():
+  """Double quantization is the base dtype nf4-dq: a name for another format is an error
+  that lists the valid ones."""
   with pytest.raises(ValueError, match="base_dtype='nf4' needs frozen weights"):
     TrainConfig(base_dtype="nf4")
   with pytest.raises(ValueError, match="base_dtype='int4' is not one of"):
     TrainConfig(base_dtype="int4", trainable="lora")
+  with pytest.raises(ValueError, match="base_dtype='int8-dq' is not one of .*'nf4-dq'"):
+    TrainConfig(base_dtype="int8-dq", trainable="lora")
+  assert TrainConfig(base_dtype="nf4-dq", trainable="lora").base_dtype == "nf4-dq"
+  with pytest.raises(ValueError, match="double_quant applies to nf4 only"):
+    qw.quantize(W, "int8", double_quant=True)
   with pytest.raises(ValueError, match="quantize: format='int4'"):
     qw.quantize(W, "int4")

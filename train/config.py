@@ -18,11 +18,17 @@ from pathlib import Path
 
 from lowmem_jax.lm_loss import DEFAULT_CHUNK
 from lowmem_jax.policy import MemoryPolicy
+from lowmem_jax.quantized_weight import FORMATS
 
 TASKS = ("image", "text", "lm")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("default", "high", "highest")  # jax.default_matmul_precision names
+# base_dtype: the storage names of lowmem_jax.quantized_weight. Double quantization is a
+# base dtype of its own (nf4-dq), not a flag: one name says the whole storage wherever
+# it goes (the streamed load, store_kernel), and no flag can name a format it does not
+# apply to (int8 + double quant)
+BASE_DTYPES = FORMATS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,8 +68,10 @@ class TrainConfig:
   lora_rank: int = 8
   lora_alpha: float = 16.0
   lora_targets: str = "query,value"
-  base_dtype: str = "float32"         # frozen linear kernels (LoRA bases, frozen:<regex>):
-                                      # "float32" | "bfloat16" | "int8" | "nf4"
+  base_dtype: str = "float32"         # frozen weights (LoRA bases, LM head, embeddings;
+                                      # frozen:<regex>): "float32" | "bfloat16" | "int8" |
+                                      # "nf4" | "nf4-dq" (nf4, absmax double-quantized);
+                                      # tables: nf4 in bf16 (models.embedding)
   seed: int = 0
   # bookkeeping
   eval_every: int = 100
@@ -106,7 +114,7 @@ class TrainConfig:
     if not (self.trainable in ("full", "lora") or self.trainable.startswith("frozen:")):
       raise ValueError(f"TrainConfig: trainable={self.trainable!r}; use 'full', 'lora' or "
                        "'frozen:<regex>'")
-    choice("base_dtype", ("float32", "bfloat16", "int8", "nf4"))
+    choice("base_dtype", BASE_DTYPES)
     if self.base_dtype != "float32" and self.trainable == "full":
       raise ValueError(f"TrainConfig: base_dtype={self.base_dtype!r} needs frozen weights "
                        "(trainable=lora or frozen:<regex>); trainable=full trains them all")

@@ -3,12 +3,10 @@
 
 from __future__ import annotations
 
-from flax import nnx
-
 from lowmem_jax.memory import MiB
 from lowmem_jax.policy import MemoryPolicy
 from train.config import TrainConfig
-from train.model import build_model
+from train.planner import abstract_trainer
 from train.trainer import Trainer
 
 
@@ -17,15 +15,14 @@ def _mib(b):
 
 
 def print_memory(trainer: Trainer, batch, cfg: TrainConfig) -> dict:
-  """Compiled memory of the step (predicts an OOM before it happens), beside baseline's."""
+  """Compiled memory of the step (predicts an OOM before it happens), beside baseline's
+  (an abstract trainer: its model and optimizer state are shapes, nothing materialized)."""
   ours = trainer.compiled_memory(batch)
   report = {"policy": MemoryPolicy.parse(cfg.policy).spec, **ours.as_dict()}
   line = (f"compiled step memory [{report['policy']}]: temp {_mib(ours.temp)}, "
           f"arguments {_mib(ours.argument)}, total {_mib(ours.total)}")
   if cfg.compare_baseline and MemoryPolicy.parse(cfg.policy) != MemoryPolicy():
-    base_cfg = cfg.replace(policy="baseline", resume=False)
-    model = nnx.eval_shape(lambda: build_model(base_cfg, load_weights=False))
-    base = Trainer.create(base_cfg, model)
+    base = abstract_trainer(cfg.replace(policy="baseline", resume=False))
     mem = base.compiled_memory(batch)
     report["baseline"] = mem.as_dict()
     line += (f"\n                       [baseline]: temp {_mib(mem.temp)}, arguments "

@@ -11,6 +11,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, registry
+from models.embedding import TABLE_FORMATS, Embed
 from models.linear import Linear, LinearGeneral
 from train.config import TrainConfig
 
@@ -56,24 +57,32 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
   return model
 
 
-def base_format(cfg: TrainConfig, path: tuple, linear) -> str:
-  """How the linear at ``path`` stores its kernel: ``cfg.base_dtype`` when the kernel
-  does not train under ``cfg.trainable`` (under LoRA: every base, wrapped or not), else
-  "float32". Not the LM head, which the fused loss reads as a plain array
-  (``models.llama.plain_kernel``): it stays as it is."""
-  if cfg.base_dtype == "float32" or cfg.trainable == "full" or path[-1:] == ("lm_head",):
+def base_format(cfg: TrainConfig, path: tuple, module) -> str:
+  """How the module at ``path`` stores its frozen weight, a linear's kernel or an
+  embedding's table (``models.embedding.TABLE_FORMATS``: nf4 tables in bf16): in
+  ``cfg.base_dtype`` when it does not train under ``cfg.trainable`` (under LoRA: every
+  base, wrapped or not, the LM head and the embedding too), else "float32"."""
+  if cfg.base_dtype == "float32" or cfg.trainable == "full":
     return "float32"
+  table = isinstance(module, Embed)
+  name = "embedding" if table else "kernel"
   trains = nnx.filterlib.to_predicate(trainable_filter(cfg))
-  return "float32" if trains(tuple(path) + ("kernel",), linear.kernel) else cfg.base_dtype
+  if trains(tuple(path) + (name,), getattr(module, name)):
+    return "float32"
+  return TABLE_FORMATS[cfg.base_dtype] if table else cfg.base_dtype
 
 
 def store_frozen_kernels(model, cfg: TrainConfig) -> None:
-  """Stores every frozen linear kernel in ``cfg.base_dtype``, once, in place (one a
-  streamed load stored already is only marked frozen)."""
+  """Stores every frozen linear kernel and embedding table in its :func:`base_format`,
+  once, in place (one a streamed load stored already is only marked frozen)."""
   for path, node in list(nnx.iter_graph(model)):
-    if isinstance(node, (Linear, LinearGeneral)):
+    if isinstance(node, (Linear, LinearGeneral, Embed)):
       format = base_format(cfg, tuple(path), node)
-      if format != "float32":
+      if format == "float32":
+        continue
+      if isinstance(node, Embed):
+        node.store_table(format)
+      else:
         node.store_kernel(format)
 
 
