@@ -176,36 +176,43 @@ def kept_rows(rows, idx):
   return rows
 
 
+def _cast_linear(x, kernel, bias, contract_ndim):
+  """:func:`linear_reference` with the weights cast to ``x``'s dtype."""
+  bias = None if bias is None else bias.astype(x.dtype)
+  return linear_reference(x, kernel.astype(x.dtype), bias, contract_ndim)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _sampled_linear(x, kernel, bias, kept, idx, scale, row_weights, contract_ndim, rows_of):
   """The exact linear whose ``dkernel`` is the estimator on the sampled rows
   ``rows_of(kept, idx)``."""
   del kept, idx, scale, row_weights
-  return linear_reference(x, kernel, bias, contract_ndim)
+  return _cast_linear(x, kernel, bias, contract_ndim)
 
 
 def _sampled_linear_fwd(x, kernel, bias, kept, idx, scale, row_weights, contract_ndim,
                         rows_of):
-  y = linear_reference(x, kernel, bias, contract_ndim)
+  y = _cast_linear(x, kernel, bias, contract_ndim)
   # Residuals: what the sample keeps (its k rows, never rows x in, the same buffer for
   # every reader of one SampledTensor; or Mesa's code of x, which its other readers keep
-  # anyway), where the rows came from, their weights, and the kernel; of the bias only
-  # whether there is one (the pytree structure of () or None).
-  return y, (kept, idx, scale, kernel, None if bias is None else (), row_weights)
+  # anyway), where the rows came from, their weights, and the weights as given (they
+  # live anyway; a compute-dtype cast would be a copy held for backward).
+  return y, (kept, idx, scale, kernel, bias, row_weights)
 
 
 def _sampled_linear_bwd(contract_ndim, rows_of, res, g):
-  kept, idx, scale, kernel, has_bias, row_weights = res
+  kept, idx, scale, kernel, bias, row_weights = res
   out_ndim = kernel.ndim - contract_ndim
   lead_ndim = g.ndim - out_ndim
   out_axes = tuple(range(lead_ndim, g.ndim))
   # dx = g . kernel^T over the output axes: exact.
-  dx = jax.lax.dot_general(g, kernel, ((out_axes, tuple(range(contract_ndim, kernel.ndim))),
-                                       ((), ())), preferred_element_type=jnp.float32)
+  dx = jax.lax.dot_general(g, kernel.astype(g.dtype),
+                           ((out_axes, tuple(range(contract_ndim, kernel.ndim))), ((), ())),
+                           preferred_element_type=jnp.float32)
   dx = dx.astype(g.dtype)
   dbias = None
-  if has_bias is not None:
-    dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead_ndim))).astype(g.dtype)
+  if bias is not None:
+    dbias = jnp.sum(g.astype(jnp.float32), axis=tuple(range(lead_ndim))).astype(bias.dtype)
   g2d = g.reshape(-1, math.prod(g.shape[lead_ndim:]))
   dkernel = _scaled_row_outer_sum(rows_of(kept, idx), g2d[idx], scale)
   dkernel = dkernel.reshape(kernel.shape).astype(kernel.dtype)
@@ -259,8 +266,10 @@ def wta_crs_linear(x, kernel, bias, key, *, ratio: float = DEFAULT_RATIO, row_we
 
   ``x``: ``[..., *in_dims]``, its trailing ``contract_ndim`` axes contracted (2 for an
   out-projection reading ``[B, N, heads, head_dim]``). ``kernel``: ``[*in_dims, *out_dims]``
-  (Flax layout), ``bias``: ``[*out_dims]`` or None, both of ``x``'s dtype (the caller
-  casts). Returns ``tensordot(x, kernel) + bias`` (fp32 accumulation, ``x.dtype``).
+  (Flax layout), ``bias``: ``[*out_dims]`` or None, floating, as stored (fp32): cast to
+  ``x``'s dtype inside, and kept as given for backward (no cast copy is held; their
+  cotangents come in their own dtype). Returns ``tensordot(x, kernel) + bias`` (fp32
+  accumulation, ``x.dtype``).
 
   Rows are the leading (non-contracted) positions of ``x``; ``k = budget(rows, ratio)``
   of them are chosen in forward by :func:`wta_crs_select` from
@@ -305,17 +314,15 @@ def _check_linear(x, kernel, bias, contract_ndim, who):
     raise ValueError(f"{who}: x{list(x.shape)} and kernel{list(kernel.shape)} "
                      f"do not match: kernel's leading {contract_ndim} axes must be "
                      f"{list(in_dims)}")
-  if kernel.dtype != x.dtype:
-    raise ValueError(f"{who}: kernel dtype {kernel.dtype} differs from x dtype "
-                     f"{x.dtype}; cast the kernel to the compute dtype")
+  if not jnp.issubdtype(kernel.dtype, jnp.floating):
+    raise ValueError(f"{who}: kernel must be floating point, got {kernel.dtype}")
   if bias is not None:
     out_dims = kernel.shape[contract_ndim:]
     if bias.shape != out_dims:
       raise ValueError(f"{who}: bias has shape {list(bias.shape)}, expected the "
                        f"kernel's output axes {list(out_dims)}")
-    if bias.dtype != x.dtype:
-      raise ValueError(f"{who}: bias dtype {bias.dtype} differs from x dtype "
-                       f"{x.dtype}; cast the bias to the compute dtype")
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise ValueError(f"{who}: bias must be floating point, got {bias.dtype}")
 
 
 def _check_row_weights(row_weights, lead, who):

@@ -27,27 +27,38 @@ activation's other readers keep anyway (the frozen LoRA base, the residual path)
 its ``k`` indices and scales. Backward gathers those ``k`` rows of the code and
 dequantizes them (:func:`code_rows`): ``dW`` is the estimator on the rows Mesa's backward
 sees, unbiased for Mesa's ``dW``. So the combination keeps Mesa's memory plus ``8k``
-bytes per reader. Keeping the sampled code rows instead (``k x in`` uint8, shared) would
+bytes per reader (the weights are kept as given by every sampled linear: no cast copy).
+Keeping the sampled code rows instead (``k x in`` uint8, one sample per activation) would
 add 0.3 bytes per element wherever an unsampled reader keeps the code, as every LoRA
-base does; it would only pay where every reader is sampled and none else keeps the code.
+base does (here 0.3 (2D + F) bytes per token per layer, about 4 MiB in all, by
+arithmetic: not built); it would only pay where no other reader keeps the code.
 Preset ``wta-crs``.
 
-Measured (CPU, ``peak_buffers``, jax 0.10.2, fp32): MiniLM (6 layers, D 384, F 1536)
-minilm-text, batch 16 x 64, LoRA r8 on query, key, value, out, fc1, fc2; peak / temp MiB
-(temp: all but the ~90 MiB of arguments, 44.7 of them the word embeddings):
+Measured (CPU, jax 0.10.2, bf16 compute, fp32 parameters: the config's): MiniLM (6
+layers, D 384, F 1536) minilm-text, batch 16 x 64, LoRA r8 on query, key, value, out,
+fc1, fc2. MiB: ``peak``: :func:`lowmem_jax.memory.peak_buffers`; ``live``: the most
+distinct bytes live at any point of the same schedule; ``temp``: the compiled temp
+allocation (arguments, ~90 MiB, besides). ``peak`` is at XLA's "peak" moment, which
+sizes a scan's stacked residuals (its while loop's tuple elements) at 8 bytes each and
+counts a buffer updated in place twice: with Mesa, whose codes are all stacked
+residuals, it misses the backward's peak (mesa8: 136.0 there, 171.1 at most). By ``live``
+and ``temp`` each combination keeps no more than either of its parts:
 
-=====================================  ======  ======  ============
-policy                                  peak    temp    peak vs LoRA
-=====================================  ======  ======  ============
-baseline                                277.1   186.9   1
-wta-crs, a sample per linear (before)   246.6   156.2   0.89
-wta-crs, shared, ``out`` sampled too    240.3   149.8   0.87
-wta-crs                                 237.8   147.4   0.86
-lowmembp                                234.4   144.2   0.85
-lowmembp+wta-crs                        204.1   113.7   0.74
-mesa8                                   136.0    46.4   0.49
-mesa8+wta-crs                           177.1    86.8   0.64
-=====================================  ======  ======  ============
+=====================================  =====  =====  =====  ============
+policy                                  peak   live   temp   live vs LoRA
+=====================================  =====  =====  =====  ============
+baseline                                277.1  278.6  191.4  1
+wta-crs, a sample per linear (before)   246.6
+wta-crs, shared, ``out`` sampled too    240.3
+wta-crs                                 237.2  238.7  148.7  0.86
+lowmembp                                234.4  235.9  148.7  0.85
+lowmembp+wta-crs                        203.5  205.0  114.8  0.74
+mesa8                                   136.0  171.1   83.9  0.61
+mesa8+wta-crs, fp32 rows kept (before)  177.1
+mesa8+wta-crs                           151.2  169.9   79.7  0.61
+lowmem                                  160.6  162.1   74.9  0.58
+lowmem+wta-crs                          159.4  160.9   70.8  0.58
+=====================================  =====  =====  =====  ============
 
 Per token per layer, what is kept (D = 384, F = 1536; post-LN BERT): attention q, k, v,
 o (4D, whatever the policy); the two LayerNorms' inputs (2D; MS norms: their outputs);
@@ -59,9 +70,6 @@ default). So WTA-CRS alone removes at most the readers' 2D + F of 8D + 2F (37% o
 activation memory; 26% at k = 0.3 rows), and less of the peak, which also holds the
 parameters and backward's transients: 30% below LoRA's peak is out of its reach on
 post-LN BERT. With lowmembp the GELU keeps a 2-bit code (F/16): 6.6D + 0.36F.
-``mesa8+wta-crs`` keeps more than ``mesa8``: each sampled reader's fp32 rows (1.2 bytes
-per element each) replace a shared uint8 code (1 byte); sampling the code's rows once
-per activation would fix it (not done: Mesa's carrier is another module's).
 """
 
 from __future__ import annotations
@@ -160,9 +168,8 @@ class SampledLinear(Strategy):
     return {"sampler": sampling.KeyState.create()}
 
   def apply(self, states, dense, x, kernel, bias, *, contract: int):
-    # dense casts to its compute dtype; the sampled rule takes everything cast already
-    kernel = kernel.astype(dense.dtype)
-    bias = None if bias is None else bias.astype(dense.dtype)
+    # dense casts to its compute dtype: the activation here, the weights inside the rule
+    # (which keeps them as given, not a cast copy)
     value = value_of(x).astype(dense.dtype)
     if isinstance(x, SampledTensor):
       if contract != 1:

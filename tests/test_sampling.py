@@ -263,6 +263,21 @@ def test_bf16_cotangent_dtypes():
   np.testing.assert_allclose(np.asarray(drw, np.float32), 8.0)  # ||g_i||^2, 8 ones
 
 
+def test_weights_as_stored_are_cast_inside_and_kept_as_given():
+  """bf16 x with fp32 weights (as stored): the forward casts them; backward keeps them
+  as given (arguments: alive anyway), no bf16 copy; their cotangents are fp32."""
+  x, kernel, bias = layer_args((2, 6, 8), 1, (5,), jnp.float32)
+  x = x.astype(jnp.bfloat16)
+  key = jax.random.key(0)
+  y, (dx, dkernel, dbias, _) = layer_vjp(x, kernel, bias, key, None)
+  want = linear_reference(x, kernel.astype(jnp.bfloat16), bias.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(np.asarray(y, np.float32), np.asarray(want, np.float32))
+  assert (y.dtype, dx.dtype, dkernel.dtype, dbias.dtype) == (
+      jnp.bfloat16, jnp.bfloat16, jnp.float32, jnp.float32)
+  res = saved_residuals(lambda x, w, b: wta_crs_linear(x, w, b, key).sum(), x, kernel, bias)
+  assert not [r for r in res.items if r.shape in (kernel.shape, bias.shape)], res.table()
+
+
 @pytest.mark.parametrize("dtype,contract_ndim", [(jnp.float32, 1), (jnp.bfloat16, 2)])
 def test_saves_only_the_selected_rows(dtype, contract_ndim):
   x_shape = (4, 32, 16) if contract_ndim == 1 else (4, 32, 4, 4)
@@ -332,8 +347,8 @@ def bad_input_cases():
       (dict(ok, row_weights=jnp.ones((2, 5))), "row_weights has shape \\[2, 5\\]"),
       (dict(ok, row_weights=jnp.ones((2, 6), jnp.int32)), "row_weights must be floating"),
       (dict(ok, bias=jnp.ones(4)), "bias has shape \\[4\\]"),
-      (dict(ok, kernel=kernel.astype(jnp.bfloat16)), "kernel dtype bfloat16 differs"),
-      (dict(ok, bias=bias.astype(jnp.bfloat16)), "bias dtype bfloat16 differs"),
+      (dict(ok, kernel=kernel.astype(jnp.int32)), "kernel must be floating point, got int32"),
+      (dict(ok, bias=bias.astype(jnp.int32)), "bias must be floating point, got int32"),
       (dict(ok, x=jnp.ones((2, 6, 8), jnp.int32), kernel=jnp.ones((8, 5), jnp.int32)),
        "x must be floating"),
       (dict(ok, key=0), "key must be a PRNG key"),
