@@ -343,7 +343,14 @@ def test_padded_path_matches_xla(causal, heads, kv_heads, mask_kind, n, m):
   ref = loss(lambda q, k, v: attention(q, k, v, causal=causal, mask=mask, scale=0.35,
                                        implementation="xla"))
   (lp, gp), (lr, gr) = padded(q, k, v), ref(q, k, v)
-  np.testing.assert_allclose(lp, lr, rtol=1e-6, atol=1e-5)
+  # The loss sums b*n*heads*d products o*w that cancel (w = cos): the two paths (and the
+  # CPU compiler at another optimization level) sum in other orders, so their rounding
+  # differs by up to ~N*eps*sum|o*w|, not eps*|loss|. |o| <= max|v| (attention averages
+  # rows of v), so sum|o*w| <= sum|w| * max|v|; 1e-6 of that is ~8 ulps of the absolute
+  # sum (measured: 3.6e-5 at -O0 against a bound of ~2.4e-3). The gradients below are the
+  # elementwise check.
+  assert abs(float(lp) - float(lr)) <= 1e-6 * float(jnp.sum(jnp.abs(weights))
+                                                     * jnp.max(jnp.abs(v))), (lp, lr)
   for a, r in zip(gp, gr):
     assert a.shape == r.shape
     np.testing.assert_allclose(a, r, rtol=1e-5, atol=1e-6)
