@@ -58,7 +58,7 @@ from pathlib import Path
 
 from benchmarks.fit_search import largest_at_most, largest_fitting
 from lowmem_jax.gpu_check import LLAMA_LORA_TARGETS
-from lowmem_jax.memory import format_table, split_policies
+from lowmem_jax.memory import format_table, split_policies, write_json
 from lowmem_jax.policy import MemoryPolicy
 from train.config import TrainConfig, parse_budget
 
@@ -99,21 +99,21 @@ def batch_shapes(cfg: TrainConfig) -> dict:
           for k, a in one.items()}
 
 
-def resident_trainer(cfg: TrainConfig):
-  """The :class:`~train.trainer.Trainer` of ``cfg`` with its state on the device, the
-  frozen kernels in storage form, and no fp32 copy of the model made anywhere: the state
-  of a one-layer model is built on the host CPU (its kernels stored in ``base_dtype``
-  there), and each leaf is put on the device and broadcast along the layer axis to the
-  full depth (every layer the same weights: memory and speed do not depend on them)."""
+def resident_trainer(abstract):
+  """``abstract`` (``train.planner.abstract_trainer(cfg)``: its state ShapeDtypeStructs)
+  with its state on the device, the frozen kernels in storage form, and no fp32 copy of
+  the model made anywhere: the state of a one-layer model is built on the host CPU (its
+  kernels stored in ``base_dtype`` there), and each leaf is put on the device and
+  broadcast along the layer axis to the full depth (every layer the same weights: memory
+  and speed do not depend on them)."""
   import dataclasses
 
   import jax
   import jax.numpy as jnp
   from train.model import model_config
-  from train.planner import abstract_trainer
   from train.trainer import Trainer
 
-  trainer = abstract_trainer(cfg)
+  cfg = abstract.cfg
   layers = model_config(cfg).num_layers
   one = cfg.replace(model_overrides={**cfg.model_overrides, "num_layers": 1})
   try:
@@ -135,8 +135,8 @@ def resident_trainer(cfg: TrainConfig):
       return jnp.broadcast_to(leaf, want.shape)  # a new buffer; the one layer is dropped
     raise ValueError(f"resident_trainer: a leaf of shape {leaf.shape} does not stack to "
                      f"{want.shape} ({layers} layers)")
-  state = jax.tree.map(fill, trainer.state, small)
-  return dataclasses.replace(trainer, state=state)
+  state = jax.tree.map(fill, abstract.state, small)
+  return dataclasses.replace(abstract, state=state)
 
 
 def _device_info() -> dict:
@@ -186,13 +186,14 @@ def confirm_child(spec: dict, batch: int) -> dict:
   cfg = row_config(spec, batch)
   result = {"batch": batch, **_device_info()}
   try:
-    trainer = resident_trainer(cfg)
+    abstract = abstract_trainer(cfg)
+    trainer = resident_trainer(abstract)
     runner = _Runner(trainer, Batches(synthetic_dataset(cfg, 2 * batch), batch,
                                       seed=cfg.seed))
     # the search's very executable (predict_peak's: abstract state, the planner's compiler
     # options), from the compilation cache where one is on
     options = PLAN_COMPILER_OPTIONS.get(jax.default_backend(), {})
-    lowered = abstract_trainer(cfg).lower(batch_shapes(cfg))
+    lowered = abstract.lower(batch_shapes(cfg))
     compiled = lowered.compile(compiler_options=options)
     predicted = compiled_memory(compiled).total
     trainer.train_step = compiled  # the steps run the very executable predicted
@@ -370,13 +371,6 @@ def table(result: dict) -> str:
                        "tok/step vs peer", "tok/s vs peer"), rows)
 
 
-def _write(path: str | None, result: dict) -> None:
-  if path:
-    tmp = Path(path).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2))
-    os.replace(tmp, path)
-
-
 def row_specs(args) -> list[dict]:
   """Every row, in run order: ours (base, policy, length), then the peer's (base, length)."""
   common = {"model": args.model, "layers": args.layers, "memory_budget": args.memory_budget,
@@ -485,11 +479,11 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     result["rows"].append(row)
     result.setdefault("device_kind", row.get("device_kind"))
     add_peer_ratios(result["rows"])
-    _write(args.json, result)
+    write_json(args.json, result, announce=False)
     print(f"[llama_fit] {_label(spec)}: {summary(row)} ({row['seconds']:.0f} s)", flush=True)
   wall = time.perf_counter() - start
   result["wall_s"] = wall
-  _write(args.json, result)
+  write_json(args.json, result, announce=False)
   device = result.get("device_kind") or "unknown device"
   print(f"\n{args.model}" + (f" ({args.layers} layers)" if args.layers else "")
         + f", LoRA r=8 on {LLAMA_LORA_TARGETS}, bf16 compute; {device}; memory budget "

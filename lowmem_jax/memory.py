@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -152,12 +153,16 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
                    + [line(r) for r in cells[1:]])
 
 
-def write_json(path: str | None, result: dict) -> None:
-  """Writes a benchmark's figures as JSON (no-op without a path) and says where."""
+def write_json(path: str | None, result: dict, *, announce: bool = True) -> None:
+  """Writes a benchmark's figures as JSON (no-op without a path), atomically (a file
+  rewritten as a sweep goes is never left half-written), and says where (``announce``)."""
   if path:
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
       json.dump(result, f, indent=2)
-    print(f"wrote {path}")
+    os.replace(tmp, path)
+    if announce:
+      print(f"wrote {path}")
 
 
 # ----------------------------------------------------------------------------- the report

@@ -13,10 +13,11 @@ stored as a :class:`QuantizedKernel`, a pytree whose array leaves all keep ``lea
   the nearest of the 16 NF4 levels times ``absmax``: ``|err| <= absmax * gap / 2`` with
   ``gap`` the largest distance between adjacent levels. Two 4-bit indices per uint8:
   input row ``2j`` in the low nibble, ``2j + 1`` in the high one (bitsandbytes puts the
-  first in the high nibble; we do not share its storage). ``double_quant``: the absmax
-  scales minus their mean, int8 blockwise (blocks of 256, symmetric absmax), QLoRA's
-  "double quantization" with a linear 8-bit code where bitsandbytes uses its dynamic map;
-  named ``nf4-dq`` where a storage is named by one string (``base_dtype``).
+  first in the high nibble; we do not share its storage).
+* ``nf4-dq``: ``nf4`` with its absmax scales minus their mean stored int8 blockwise
+  (blocks of 256, symmetric absmax): QLoRA's "double quantization", with a linear 8-bit
+  code where bitsandbytes uses its dynamic map. One name for the whole storage, as
+  ``base_dtype`` takes it: no flag can ask for an int8 kernel double-quantized.
 
 A table (an embedding ``[V, D]``) is stored with ``n_in=1, n_out=0``: each row a lead
 index, its ``D`` values the inputs, so int8 has one scale per row and nf4 blocks run
@@ -133,17 +134,14 @@ def _absmax_int8(x, axis: int):
   return jnp.clip(q, -127, 127).astype(jnp.int8), scale
 
 
-def quantize(w, format: str, *, n_in: int = 1, n_out: int = 1,
-             double_quant: bool = False) -> QuantizedKernel:
+def quantize(w, format: str, *, n_in: int = 1, n_out: int = 1) -> QuantizedKernel:
   """``w [lead..., in..., out...]`` (fp32) stored in ``format`` (:data:`FORMATS` but
-  float32; ``nf4-dq`` = ``nf4`` with ``double_quant``). Jitted: one compile per shape."""
+  float32). Jitted: one compile per shape."""
   if format not in FORMATS[1:]:
     raise ValueError(f"quantize: format={format!r} is not one of {', '.join(FORMATS[1:])}")
-  if format == "nf4-dq":
-    format, double_quant = "nf4", True
-  if double_quant and format != "nf4":
-    raise ValueError(f"quantize: double_quant applies to nf4 only, not {format!r}")
-  return _quantize(jnp.asarray(w, jnp.float32), format, n_in, n_out, double_quant)
+  double_quant = format == "nf4-dq"
+  return _quantize(jnp.asarray(w, jnp.float32), "nf4" if double_quant else format, n_in,
+                   n_out, double_quant)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))

@@ -39,15 +39,13 @@ class _PolicyDense:
     linear (no WTA-CRS sample: there is no weight gradient to estimate)."""
     self.saving = Site(self.policy.linear_strategy(self.role, frozen=True))
 
-  def store_kernel(self, format: str, *, double_quant: bool = False) -> None:
-    """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``;
-    ``double_quant``: ``nf4`` as ``nf4-dq``), once, as a :class:`FrozenKernel`; the layer
-    then uses the frozen strategy (:meth:`freeze_kernel`). ``float32`` leaves it as it
-    is; a kernel stored in ``format`` already (a streamed load) is only frozen."""
+  def store_kernel(self, format: str) -> None:
+    """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``),
+    once, as a :class:`FrozenKernel`; the layer then uses the frozen strategy
+    (:meth:`freeze_kernel`). ``float32`` leaves it as it is; a kernel stored in
+    ``format`` already (a streamed load) is only frozen."""
     if format == "float32":
       return
-    if double_quant and format == "nf4":
-      format = "nf4-dq"
     kernel = self.kernel[...]
     if isinstance(kernel, quantized_weight.QuantizedKernel):
       if kernel.storage != format:
@@ -57,7 +55,7 @@ class _PolicyDense:
       return
     n_in, n_out = self.kernel_axes()
     self.kernel = FrozenKernel(quantized_weight.quantize(kernel, format, n_in=n_in,
-                                                         n_out=n_out, double_quant=double_quant))
+                                                         n_out=n_out))
     self.freeze_kernel()
 
   def kernel_axes(self) -> tuple[int, int]:

@@ -24,11 +24,11 @@ from train.model import build_model, store_frozen_kernels
 # a stacked kernel [layers=2, in=100, out=(3, 5)]: 100 inputs are not a multiple of 64
 W = jax.random.normal(jax.random.key(0), (2, 100, 3, 5)) * jnp.linspace(0.1, 3.0, 15
                                                                         ).reshape(3, 5)
-CASES = [("bfloat16", False), ("int8", False), ("nf4", False), ("nf4", True)]
+CASES = ["bfloat16", "int8", "nf4", "nf4-dq"]
 
 
-def _roundtrip(format, double_quant=False, w=W, n_in=1):
-  k = qw.quantize(w, format, n_in=n_in, n_out=w.ndim - 1 - n_in, double_quant=double_quant)
+def _roundtrip(format, w=W, n_in=1):
+  k = qw.quantize(w, format, n_in=n_in, n_out=w.ndim - 1 - n_in)
   return k, np.asarray(qw.dequantize(k), np.float64), np.asarray(w, np.float64)
 
 
@@ -43,8 +43,8 @@ def test_nf4_levels_are_qlora_s():
   assert qw.NF4_MAX_GAP == pytest.approx(1 - 0.6961928009986877)
 
 
-@pytest.mark.parametrize("format,double_quant", CASES)
-def test_dequantize_quantize_error_within_derived_bound(format, double_quant):
+@pytest.mark.parametrize("format", CASES)
+def test_dequantize_quantize_error_within_derived_bound(format):
   """Derived bounds (fp32 slack 1e-6 relative):
   bf16: round to nearest with 8 significant bits: |err| <= 2^-8 |w|.
   int8: q = round(w / s), s = absmax_col / 127, |q| <= 127 so no clipping:
@@ -54,7 +54,8 @@ def test_dequantize_quantize_error_within_derived_bound(format, double_quant):
   nf4 + double quantization: A is stored as A' with |A - A'| <= s2 / 2 (int8 of
         A - mean(A) in blocks of 256, s2 = block absmax / 127) and |l| <= 1, so
         |err| <= A max_gap / 2 + |A - A'|."""
-  k, got, w = _roundtrip(format, double_quant)
+  k, got, w = _roundtrip(format)
+  double_quant = format == "nf4-dq"
   err = np.abs(got - w)
   if format == "bfloat16":
     assert np.all(err <= 2.0 ** -8 * np.abs(w))
@@ -85,10 +86,9 @@ def test_storage_layout_and_bytes():
   two inputs + an fp32 absmax per 64 (0.5625 B/param when K % 64 == 0); with double
   quantization an int8 per 64 + an fp32 scale per 256 of those + 4 B (their mean)."""
   w = jax.random.normal(jax.random.key(1), (128, 32))
-  sizes = {f + ("+dq" if d else ""): qw.quantize(w, f, double_quant=d).nbytes
-           for f, d in CASES}
+  sizes = {f: qw.quantize(w, f).nbytes for f in CASES}
   assert sizes == {"bfloat16": 2 * 4096, "int8": 4096 + 4 * 32,
-                   "nf4": 4096 // 2 + 4 * 2 * 32, "nf4+dq": 4096 // 2 + 256 + 4 + 4}
+                   "nf4": 4096 // 2 + 4 * 2 * 32, "nf4-dq": 4096 // 2 + 256 + 4 + 4}
   k = qw.quantize(W, "nf4", n_out=2)
   assert k.shape == W.shape and k.lead == (2,) and k.data.dtype == jnp.uint8
   assert k.data.shape == (2, 64, 15) and k.scale.shape == (2, 2, 15)
@@ -364,7 +364,7 @@ def test_base_dtype_config_errors():
   with pytest.raises(ValueError, match="base_dtype='int8-dq' is not one of .*'nf4-dq'"):
     TrainConfig(base_dtype="int8-dq", trainable="lora")
   assert TrainConfig(base_dtype="nf4-dq", trainable="lora").base_dtype == "nf4-dq"
-  with pytest.raises(ValueError, match="double_quant applies to nf4 only"):
-    qw.quantize(W, "int8", double_quant=True)
+  with pytest.raises(ValueError, match="quantize: format='int8-dq' is not one of"):
+    qw.quantize(W, "int8-dq")
   with pytest.raises(ValueError, match="quantize: format='int4'"):
     qw.quantize(W, "int4")

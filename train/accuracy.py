@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from lowmem_jax.memory import format_table
+from lowmem_jax.memory import format_table, write_json
 from train import bench
 from train.config import apply_overrides, load_config
 
@@ -221,12 +221,8 @@ class Progress:
     self._write()
 
   def _write(self) -> None:
-    """Atomically (a kill mid-write leaves the previous file)."""
-    if self.path:
-      data = {"results": self.results, **({"partial": self.partial} if self.partial else {})}
-      with open(self.path + ".tmp", "w") as f:
-        json.dump(data, f, indent=2)
-      os.replace(self.path + ".tmp", self.path)
+    data = {"results": self.results, **({"partial": self.partial} if self.partial else {})}
+    write_json(self.path, data, announce=False)  # atomic: a kill leaves the previous file
 
 
 def parse_seeds(text: str) -> list[int]:
