@@ -3,12 +3,19 @@
 :func:`peak_buffers` compiles a function with ``xla_dump_to`` set for that one compile and
 reads three files XLA writes after buffer assignment (CPU and GPU alike):
 
-* ``*after_optimizations-live-range.txt``: the schedule, each buffer's live range, and the
-  buffers live at the peak ("Live ranges at T (peak)");
-* ``*after_optimizations-buffer-assignment.txt``: each buffer's size, shape and allocation
-  (argument, output, temporary);
+* ``*after_optimizations-live-range.txt``: the schedule and each value's live range;
+* ``*after_optimizations-buffer-assignment.txt``: each value's size, shape, allocation
+  (argument, output, temporary) and offset in it;
 * ``*after_optimizations.txt``: the optimized HLO, whose op metadata names the JAX op and the
   Python source line of every instruction.
+
+The peak is the moment of the schedule with the most distinct bytes live: values that
+share bytes (a loop's state and its in-place update, a bitcast, a donated argument and
+the output written into it) are counted once, each at its own size from the buffer
+assignment. XLA's own "Live ranges at T (peak)" list is not used: it sizes values by
+their defining instruction's shape (a while loop's tuple elements at a pointer's 8
+bytes) and counts aliases twice, so under Mesa, whose codes are all a scan's stacked
+residuals, it lands on a forward moment and misses the backward's peak.
 
 A buffer written by a fused ``dynamic-update-slice`` (a ``lax.scan`` stacking a residual
 per layer) is attributed to the value it stacks, not to the scan. Jaxpr-level residuals
@@ -61,7 +68,7 @@ class Buffer:
 @dataclasses.dataclass(frozen=True)
 class PeakBuffers:
   """The buffers live at the executable's peak, largest first."""
-  peak_bytes: int              # the sum of their sizes (XLA's peak)
+  peak_bytes: int              # the sum of their sizes: the most distinct bytes live
   buffers: tuple[Buffer, ...]
   module: str                  # the HLO module name
   dump_dir: str | None = None  # where the dump was kept (None: removed)
@@ -155,14 +162,13 @@ def read_dump(folder: str) -> PeakBuffers:
   live_range = prefix + "-live-range.txt"
   if not os.path.exists(live_range):
     raise FileNotFoundError(f"{live_range}: XLA wrote no live ranges for this module")
-  live = _peak_live(_read(live_range), values)
   buffers = []
-  for name, nbytes in live:
-    kind, type_text = values.get(name, ("temp", None))
-    shape, dtype = _parse_type(type_text)
+  for name, nbytes in _peak_live(_read(live_range), values):
+    value = values[name]
+    shape, dtype = _parse_type(value.type_text)
     base, _, index = name.partition("{")
     instr = hlo.origin(base, [int(i) for i in index.rstrip("}").split(",") if i])
-    buffers.append(Buffer(name=name, nbytes=nbytes, shape=shape, dtype=dtype, kind=kind,
+    buffers.append(Buffer(name=name, nbytes=nbytes, shape=shape, dtype=dtype, kind=value.kind,
                           instruction=instr.root_opcode if instr else "?",
                           op_name=instr.op_name if instr else "",
                           source=hlo.source(instr) if instr else base))
@@ -184,17 +190,27 @@ def _parse_type(text: str | None):
   return shape, _DTYPES.get(m.group(1), m.group(1))
 
 
-_ALLOCATION = re.compile(r"^allocation \d+: size \d+, (.*)$")
-_VALUE = re.compile(r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=\d+,offset=\d+\): (.*)$")
+_ALLOCATION = re.compile(r"^allocation (\d+): size \d+, (.*)$")
+_VALUE = re.compile(r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 
 
-def _buffer_values(text: str) -> dict[str, tuple[str, str]]:
-  """value name (``name{index}``) -> (allocation kind, HLO type text)."""
-  out, kind = {}, "temp"
+@dataclasses.dataclass(frozen=True)
+class _Value:
+  """Where one HLO value lives: its allocation, offset and size in it."""
+  kind: str           # the allocation's: "argument", "output", "temp", "constant"
+  type_text: str      # "f32[6,512,32]{2,1,0}"
+  allocation: int
+  offset: int
+  size: int
+
+
+def _buffer_values(text: str) -> dict[str, _Value]:
+  """value name (``name{index}``) -> where it lives."""
+  out, kind, allocation = {}, "temp", -1
   for line in text.splitlines():
     m = _ALLOCATION.match(line)
     if m:
-      what = m.group(1)
+      allocation, what = int(m.group(1)), m.group(2)
       kind = ("argument" if what.startswith("parameter") else
               "output" if what.startswith("output") else
               "constant" if what.startswith("constant") else "temp")
@@ -202,48 +218,61 @@ def _buffer_values(text: str) -> dict[str, tuple[str, str]]:
     m = _VALUE.match(line)
     if m:
       name = m.group(1) if "{" in m.group(1) else m.group(1) + "{}"
-      out.setdefault(name, (kind, m.group(2).strip()))
+      out.setdefault(name, _Value(kind=kind, type_text=m.group(4).strip(),
+                                  allocation=allocation, offset=int(m.group(3)),
+                                  size=int(m.group(2))))
   return out
 
 
-_LIVE = re.compile(r"^\s+(\S+\{[\d,]*\}):\s+(\d+) bytes")
 _RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$")
 
 
-def _peak_live(text: str, values: dict) -> list[tuple[str, int]]:
-  """(buffer, bytes) live at the peak: XLA's own list when it wrote one, else the largest
-  sum over the schedule of the buffers' live ranges (sizes from the buffer assignment)."""
-  lines = text.splitlines()
-  for i, line in enumerate(lines):
-    if line.strip().startswith("Live ranges at") and "(peak)" in line:
-      out = []
-      for rest in lines[i + 1:]:
-        m = _LIVE.match(rest)
-        if not m:
-          break
-        out.append((m.group(1), int(m.group(2))))
-      return out
+def _peak_live(text: str, values: dict[str, _Value]) -> list[tuple[str, int]]:
+  """(value, bytes) live at the moment with the most distinct bytes live.
+
+  Values at the same allocation and offset are the same bytes (aliases: a loop's state
+  and its in-place update, a bitcast, a donated argument and its output): such a slot
+  counts once, at the size of its largest live value, and is listed once (that value).
+  Live ranges are inclusive schedule positions, nested computations included.
+  """
   ranges = [(m.group(1), int(m.group(2)), int(m.group(3)))
-            for m in map(_RANGE.match, lines) if m]
-  sizes = {name: _type_bytes(t) for name, (_, t) in values.items()}
-  events = collections.defaultdict(int)
+            for m in map(_RANGE.match, text.splitlines()) if m]
+  ranges = [r for r in ranges if r[0] in values and values[r[0]].size]
+  starts, ends = collections.defaultdict(list), collections.defaultdict(list)
   for name, start, end in ranges:
-    events[start] += sizes.get(name, 0)
-    events[end + 1] -= sizes.get(name, 0)
-  best_t, level, best = 0, 0, -1
-  for t in sorted(events):
-    level += events[t]
+    starts[start].append(name)
+    ends[end + 1].append(name)
+  slots: dict[tuple[int, int], collections.Counter] = collections.defaultdict(
+      collections.Counter)   # (allocation, offset) -> sizes of its live values
+  level, best, best_t = 0, -1, 0
+
+  def change(name: str, delta: int) -> None:
+    nonlocal level
+    v = values[name]
+    sizes = slots[(v.allocation, v.offset)]
+    level -= max(sizes, default=0)
+    sizes[v.size] += delta
+    if not sizes[v.size]:
+      del sizes[v.size]
+    level += max(sizes, default=0)
+
+  for t in sorted(set(starts) | set(ends)):
+    for name in ends.get(t, ()):
+      change(name, -1)
+    for name in starts.get(t, ()):
+      change(name, +1)
     if level > best:
-      best_t, best = t, level
-  return [(n, sizes.get(n, 0)) for n, s, e in ranges if s <= best_t <= e and sizes.get(n)]
-
-
-def _type_bytes(text: str) -> int:
-  shape, dtype = _parse_type(text)
-  if shape is None:
-    return 0
-  itemsize = {"bool": 1, "bfloat16": 2, "int4": 1, "uint4": 1}.get(dtype)
-  return math.prod(shape) * (itemsize or np.dtype(dtype).itemsize)
+      best, best_t = level, t
+  chosen: dict[tuple[int, int], tuple[str, int, int]] = {}
+  for name, start, end in ranges:
+    if start <= best_t <= end:
+      v = values[name]
+      key, mine = (v.allocation, v.offset), (name, v.size, start)
+      held = chosen.get(key)
+      # the largest value of a slot; among equals the one defined first (the original)
+      if held is None or (v.size, -start) > (held[1], -held[2]):
+        chosen[key] = mine
+  return [(name, size) for name, size, _ in chosen.values()]
 
 
 # ----------------------------------------------------------------------------- HLO text

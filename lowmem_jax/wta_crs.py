@@ -36,29 +36,24 @@ Preset ``wta-crs``.
 
 Measured (CPU, jax 0.10.2, bf16 compute, fp32 parameters: the config's): MiniLM (6
 layers, D 384, F 1536) minilm-text, batch 16 x 64, LoRA r8 on query, key, value, out,
-fc1, fc2. MiB: ``peak``: :func:`lowmem_jax.memory.peak_buffers`; ``live``: the most
-distinct bytes live at any point of the same schedule; ``temp``: the compiled temp
-allocation (arguments, ~90 MiB, besides). ``peak`` is at XLA's "peak" moment, which
-sizes a scan's stacked residuals (its while loop's tuple elements) at 8 bytes each and
-counts a buffer updated in place twice: with Mesa, whose codes are all stacked
-residuals, it misses the backward's peak (mesa8: 136.0 there, 171.1 at most). By ``live``
-and ``temp`` each combination keeps no more than either of its parts:
+fc1, fc2; the whole train step (``python -m train.bench --config-name minilm-text --set
+trainable=lora --set lora_targets=query,key,value,out,fc1,fc2 --set lora_rank=8
+--compile-only --live``). MiB: ``peak``: the most distinct bytes live at any point of the
+step's schedule (:func:`lowmem_jax.memory.peak_buffers`, arguments included); ``temp``:
+the compiled temp allocation. Each combination keeps no more than either of its parts:
 
-=====================================  =====  =====  =====  ============
-policy                                  peak   live   temp   live vs LoRA
-=====================================  =====  =====  =====  ============
-baseline                                277.1  278.6  191.4  1
-wta-crs, a sample per linear (before)   246.6
-wta-crs, shared, ``out`` sampled too    240.3
-wta-crs                                 237.2  238.7  148.7  0.86
-lowmembp                                234.4  235.9  148.7  0.85
-lowmembp+wta-crs                        203.5  205.0  114.8  0.74
-mesa8                                   136.0  171.1   83.9  0.61
-mesa8+wta-crs, fp32 rows kept (before)  177.1
-mesa8+wta-crs                           151.2  169.9   79.7  0.61
-lowmem                                  160.6  162.1   74.9  0.58
-lowmem+wta-crs                          159.4  160.9   70.8  0.58
-=====================================  =====  =====  =====  ============
+=================  =====  =====  ============
+policy              peak   temp  peak vs LoRA
+=================  =====  =====  ============
+baseline           278.6  191.4  1
+wta-crs            238.7  148.7  0.86
+lowmembp           235.9  148.7  0.85
+lowmembp+wta-crs   205.0  114.8  0.74
+mesa8              171.1   83.9  0.61
+mesa8+wta-crs      169.9   79.7  0.61
+lowmem             162.1   74.9  0.58
+lowmem+wta-crs     160.9   70.8  0.58
+=================  =====  =====  ============
 
 Per token per layer, what is kept (D = 384, F = 1536; post-LN BERT): attention q, k, v,
 o (4D, whatever the policy); the two LayerNorms' inputs (2D; MS norms: their outputs);

@@ -57,7 +57,8 @@ def test_bench_end_to_end(tmp_path, capsys):
 def test_compile_only_runs_nothing(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(bench, "_Runner", _NoSteps)
   out = tmp_path / "compiled.json"
-  result = bench.main([*TINY, "--policies", "lowmem", "--compile-only", "--json", str(out)])
+  result = bench.main([*TINY, "--policies", "lowmem", "--compile-only", "--live",
+                       "--json", str(out)])
   data = json.loads(out.read_text())
   assert data == json.loads(json.dumps(result)) and data["timed_steps"] == 0
   rows = {r["policy"]: r for r in data["rows"]}
@@ -65,9 +66,15 @@ def test_compile_only_runs_nothing(tmp_path, capsys, monkeypatch):
   assert rows["lowmem"]["canonical_policy"] == "lowmem"
   for r in rows.values():
     assert r["compiled"]["temp"] > 0 and r["step_ms"] is None and r["throughput"] is None
-  assert "compiled only" in capsys.readouterr().out
-  with pytest.raises(SystemExit):
-    bench.main([*TINY, "--compile-only", "--peak"])
+    # the distinct bytes live at the peak fit in what the executable allocates
+    assert r["argument_mib"] < r["live_mib"] <= r["total_mib"], r
+    assert len(r["live_by_source"]) == 5
+  assert rows["baseline"]["live_ratio"] == 1.0
+  text = capsys.readouterr().out
+  assert "compiled only" in text and "live MiB" in text
+  for bad in (["--compile-only", "--peak"], ["--live"]):
+    with pytest.raises(SystemExit):
+      bench.main([*TINY, *bad])
 
 
 class _NoSteps(bench._Runner):

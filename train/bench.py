@@ -5,6 +5,7 @@
     python -m train.bench --config-name minilm-text --set batch_size=32 --png bench.png
     python -m train.bench --peak                            # GPU: allocator peak per policy
     python -m train.bench --compile-only --policies baseline,lowmem,remat   # nothing runs
+    python -m train.bench --compile-only --live   # + the most bytes live (buffer assignment)
     python -m train.bench --synthetic 64 --set model=llama-7b --set task=lm \
         --set model.num_layers=4 --set max_len=1024 --set batch_size=4   # no data files
 
@@ -56,7 +57,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lowmem_jax.memory import MiB, split_policies, format_table, write_json
+from lowmem_jax.memory import MiB, format_table, peak_buffers, split_policies, write_json
 from lowmem_jax.policy import MemoryPolicy
 from train.batches import batch_items
 from train.bench_peers import merge_peers, ran_on_gpu, run_peers
@@ -251,25 +252,41 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
           "rows": rows}
 
 
-def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0) -> dict:
+def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
+                 live: bool = False) -> dict:
   """Compiled memory of each policy's train step, nothing run (``--compile-only``): the
   JSON result, rows without step times. One trainer at a time, so host memory holds one
-  model."""
+  model. ``live``: also the most distinct bytes live at any point of the step's schedule
+  (:func:`lowmem_jax.memory.peak_buffers`, one more compile per policy), with the five
+  source lines holding the most of them."""
   train_set = train_dataset(cfg, synthetic)
-  memory = {}
+  memory, peaks = {}, {}
   for spec in specs:
     runner = _make_runner(cfg, spec, train_set)
-    memory[spec] = runner.trainer.compiled_memory(runner.batch)
-    del runner
-    print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
-          f"{memory[spec].total / MiB:.1f} MiB", flush=True)
-  base = memory[next(s for s in specs if _is_baseline(s))]
+    trainer = runner.trainer
+    memory[spec] = trainer.compiled_memory(runner.batch)
+    line = (f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
+            f"{memory[spec].total / MiB:.1f} MiB")
+    if live:
+      peaks[spec] = peak_buffers(trainer.train_step, trainer.state, trainer.first_bad,
+                                 runner.batch)
+      line += f", live at the peak {peaks[spec].peak_bytes / MiB:.1f} MiB"
+    del runner, trainer
+    print(line, flush=True)
+  base_spec = next(s for s in specs if _is_baseline(s))
+  base = memory[base_spec]
   rows = [{"policy": spec, "canonical_policy": MemoryPolicy.parse(spec).spec,
            "compiled": mem.as_dict(), "temp_mib": mem.temp / MiB,
            "temp_ratio": mem.temp / max(base.temp, 1), "argument_mib": mem.argument / MiB,
            "total_mib": mem.total / MiB, "total_ratio": mem.total / max(base.total, 1),
            "step_ms": None, "speed_ratio": None, "throughput": None}
           for spec, mem in memory.items()]
+  for row in rows if live else ():
+    peak = peaks[row["policy"]]
+    row.update(live_mib=peak.peak_bytes / MiB,
+               live_ratio=peak.peak_bytes / max(peaks[base_spec].peak_bytes, 1),
+               live_by_source=[{"source": s, "mib": n / MiB, "buffers": c}
+                               for s, n, c in peak.by_source()[:5]])
   unit = "tokens/s" if cfg.task == "lm" else "examples/s"
   return {**_device_info(), "config": cfg.to_json(), "policies": list(specs),
           "baseline": specs[0], "timed_steps": 0, "warmup_steps": 0, "synthetic": synthetic,
@@ -284,21 +301,25 @@ def table(result: dict) -> str:
   """Our policies' rows, then the peers' (``--peers``; no compiled memory: ``-``)."""
   peers = result.get("peers", [])
   peak = any("peak_mib" in r for r in result["rows"] + peers)
-  headers = ["policy", "temp MiB", "ratio", "total MiB", "ratio", "step ms",
-             "speed vs base", result["throughput_unit"]]
+  live = any("live_mib" in r for r in result["rows"])
+  headers = ["policy", "temp MiB", "ratio", "total MiB", "ratio"]
+  headers += ["live MiB", "ratio"] if live else []
+  headers += ["step ms", "speed vs base", result["throughput_unit"]]
   if peak:
     headers += ["peak MiB", "ratio"]
   rows = []
   for r in result["rows"]:
     row = [r["policy"], f"{r['temp_mib']:.1f}", f"{r['temp_ratio']:.3f}",
-           f"{r['total_mib']:.1f}", f"{r['total_ratio']:.3f}", _fmt(r["step_ms"], ".2f"),
-           _fmt(r["speed_ratio"], ".3f"), _fmt(r["throughput"], ".0f")]
+           f"{r['total_mib']:.1f}", f"{r['total_ratio']:.3f}"]
+    row += [f"{r['live_mib']:.1f}", f"{r['live_ratio']:.3f}"] if live else []
+    row += [_fmt(r["step_ms"], ".2f"), _fmt(r["speed_ratio"], ".3f"),
+            _fmt(r["throughput"], ".0f")]
     if peak:
       row += ([f"{r['peak_mib']:.1f}", f"{r['peak_ratio']:.3f}"] if "peak_mib" in r
               else ["-", "-"])
     rows.append(row)
   for r in peers:
-    row = [r["policy"], "-", "-", "-", "-"]
+    row = [r["policy"], "-", "-", "-", "-"] + (["-", "-"] if live else [])
     row += (["failed", "-", "-"] if "step_ms" not in r else
             [f"{r['step_ms']:.2f}", f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"])
     if peak:
@@ -376,6 +397,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   ap.add_argument("--compile-only", action="store_true",
                   help="compiled memory of each policy's step only: nothing runs (no "
                        "timing, peak or peers)")
+  ap.add_argument("--live", action="store_true",
+                  help="with --compile-only: also the most distinct bytes live at any point "
+                       "of each step's schedule, read off XLA's buffer assignment")
   ap.add_argument("--peak-child", metavar="FILE", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
@@ -390,10 +414,12 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     _peak_child(cfg, specs[-1], args.warmup + args.steps, args.peak_child, args.synthetic)
     return None
 
+  if args.live and not args.compile_only:
+    ap.error("--live goes with --compile-only")
   if args.compile_only:
     if args.peak or args.peers or args.png:
       ap.error("--compile-only runs nothing: it takes no --peak, --peers or --png")
-    result = compile_only(cfg, specs, args.synthetic)
+    result = compile_only(cfg, specs, args.synthetic, live=args.live)
     print(f"\n{cfg.pretrained or cfg.model} ({cfg.task}), batch {cfg.batch_size}, "
           f"{cfg.dtype}; {result['device_kind']} ({result['backend']}), jax "
           f"{result['jax_version']}; compiled only")
