@@ -37,7 +37,8 @@ from lowmem_jax.memory import format_table, write_json
 from train import bench
 from train.config import apply_overrides, load_config
 
-COMPARED = ("baseline", "lowmembp", "mesa8", "wta-crs", "lowmembp+mesa8", "offload", "lowmem")
+# lowmem is lowmembp+mesa8 (the same policy: one row)
+COMPARED = ("baseline", "lowmembp", "mesa8", "wta-crs", "offload", "lowmem")
 # LoRA: under wta-crs the adapters' A (the trained linear of each target) is sampled
 LORA_COMPARED = ("baseline", "wta-crs", "lowmembp", "lowmembp+wta-crs")
 DEFAULT_SEEDS = (1, 2, 3)
