@@ -255,6 +255,9 @@ def build_llama(args, device):
     torch.set_default_dtype(default)
   if args.base_dtype == "nf4":
     _quantize_nf4(model, device)
+    # what from_pretrained(quantization_config=...) sets: peft then wraps the layers in its
+    # QLoRA bnb.Linear4bit, not its generic Linear
+    model.is_loaded_in_4bit = True
   model.train()
   if args.checkpointing:
     kwargs = {"use_reentrant": False}

@@ -250,6 +250,9 @@ def run_table(rows) -> str:
 
 # ----------------------------------------------------------------------------- CLI
 def _can_run() -> bool:
+  """Whether the device reports a peak (a GPU). This starts the backend in this process:
+  without preallocation, so the children measured after it get the whole GPU."""
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   stats = jax.devices()[0].memory_stats()
   return bool(stats) and "peak_bytes_in_use" in stats
 

@@ -169,10 +169,17 @@ def run_bench(models: dict, lengths, dtype, smoke: bool,
         lowered[i] = _compile(row, dtype)
       except Exception as e:
         failed(row, e)
-  with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:  # all done before timing
-    futures = {i: pool.submit(low.compile) for i, (low, _) in lowered.items()}
+  # all compiled before any timing, within the budget: a program still compiling at the
+  # deadline is skipped (its thread is left to finish; the rows already timed are kept)
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=8)
+  futures = {i: pool.submit(low.compile) for i, (low, _) in lowered.items()}
+  concurrent.futures.wait(futures.values(), timeout=max(deadline - time.perf_counter(), 0))
+  pool.shutdown(wait=False, cancel_futures=True)
   for i, future in futures.items():
     row = rows[i]
+    if not future.done() or future.cancelled():
+      row.update(status="skipped", reason=f"time budget {budget_s:.0f} s spent compiling")
+      continue
     if out_of_time(row):
       continue
     try:

@@ -4,7 +4,7 @@
     python -m lowmem_jax.gpu_check --out DIR --docs        # also docs/gpu/<device>-<date>.*
     python -m lowmem_jax.gpu_check --smoke --out DIR       # tiny shapes, one test: any backend
     python -m lowmem_jax.gpu_check --stages env,kernel-bench --out DIR
-    python -m lowmem_jax.gpu_check --stages env,bench-remat,reversible-depth --out DIR2 --docs
+    python -m lowmem_jax.gpu_check --call 2 --out DIR2 --docs  # the second call's stages
 
 Each stage is a subprocess with its own timeout, run one after another (they share the
 GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
@@ -21,14 +21,18 @@ offload, ``--peak``),
 reversible and pareprop, a fresh process each, and PaReprop's speed with XLA's latency
 hiding scheduler and on a second stream) and ``tests`` (the suite in pytest-xdist
 workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its JUnit XML). A stage
-that fails or times out is recorded and the next one runs. All stages share a budget
-(``--budget``, default 510 s on a GPU): a stage's timeout is its own, cut so the stages
-after it keep their expected times; ``tests`` runs last and gets what is left. One call
-runs :data:`DEFAULT_STAGES`; ``bench-remat`` and ``reversible-depth`` make the second call
-(:data:`SECOND_CALL`, the second command above): together they would not fit in one.
+that fails or times out is recorded and the next one runs; a bench keeps the policies
+that ran when one fails, and its peers' and peaks' figures when its timed run is cut. All
+stages share a budget (``--budget``, default 420 s on a GPU, so three calls fit 30
+minutes of device time): a stage's timeout is its own, cut so the stages after it keep
+their expected times; ``tests`` runs last and gets what is left. All stages share one
+persistent compilation cache (``DIR/xla-cache``): a bench's timed process loads what its
+``--peak`` subprocesses compiled. One call runs :data:`DEFAULT_STAGES`; ``bench-remat``,
+``kernel-bench``, ``attention-bench`` and ``reversible-depth`` make the second call
+(:data:`SECOND_CALL`, ``--call 2``): together they would not fit in one.
 ``llama-fit`` (``benchmarks.llama_fit``: LLaMA-7B LoRA on bf16 and nf4 bases, the largest
 batch per policy found by compiling and confirmed by running, beside HF + peft) is a third
-call of its own (:data:`THIRD_CALL`: ``--stages env,llama-fit``). On the
+call of its own (:data:`THIRD_CALL`: ``--call 3``). On the
 GPU machines, which hold no ``.git``, pass ``--commit <hash>`` to record the commit.
 """
 
@@ -53,15 +57,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "train", "bench-vit", "bench-llama", "bench-remat", "kernel-bench",
           "attention-bench", "reversible-depth", "llama-fit", "tests")
-# what one call runs (under 9 minutes); the rest is a second call (SECOND_CALL) and a
+# what one call runs (GPU_BUDGET_S); the rest is a second call (SECOND_CALL) and a
 # third (THIRD_CALL: LLaMA-7B's largest batches, a call of its own)
-SECOND_CALL = ("env", "bench-remat", "reversible-depth")
+SECOND_CALL = ("env", "bench-remat", "reversible-depth", "kernel-bench", "attention-bench")
 THIRD_CALL = ("env", "llama-fit")
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in SECOND_CALL[1:] + THIRD_CALL[1:])
+CALLS = {1: DEFAULT_STAGES, 2: SECOND_CALL, 3: THIRD_CALL}  # --call N
 LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
 PEERS_S = (120, 55)  # --peers (+ the --peak it implies on a GPU): (timeout, reserve) per bench
+XLA_CACHE = "xla-cache"  # under --out: the stages' shared persistent compilation cache
 KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
-GPU_BUDGET_S = 510  # all stages on an H100: the command stays under 9 minutes
+# all stages of one call on an H100: three calls (~7.5 min each with the kill grace), the
+# machine's start and the idle between calls fit a session's 30 minutes of device time
+GPU_BUDGET_S = 420
 SMOKE_BUDGET_S = 1800  # a loaded CPU: slow, and --smoke only checks the check
 SMOKE_TIMEOUT_FACTOR = 3
 # llama-fit: (stage timeout, --budget-s: no new row after it). Estimate, unmeasured: on an
@@ -71,7 +79,7 @@ SMOKE_TIMEOUT_FACTOR = 3
 # tokens/step: ~60 s); the peer ~1-2 minutes. So one call gets the bf16 rows of baseline,
 # lowmem and perhaps lowmembp; the rest (remat, nf4, the peer) need more calls:
 # `python -m benchmarks.llama_fit --policies ... --bases ... --json F` (see its docstring).
-LLAMA_FIT_S = (480, 300)
+LLAMA_FIT_S = (400, 200)
 
 
 @dataclasses.dataclass
@@ -185,7 +193,8 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
   reversible += (["--smoke", "--variants", "lhs"] if smoke else
                  ["--variants", "lhs,stream", "--steps", "5", "--rounds", "3", "--warmup", "1"])
   stages.append(Stage("reversible-depth", reversible, 200, 60,
-                      json_file="reversible-depth.json"))
+                      json_file="reversible-depth.json",
+                      env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
 
   # LLaMA-7B LoRA (32 layers, bf16 and nf4 bases): the largest batch per policy by
   # compiling, confirmed by running, and the HF + peft peer's (THIRD_CALL); rows are written
@@ -196,8 +205,10 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
                       json_file="llama-fit.json"))
 
   junit = out / "tests-junit.xml"
-  cmd = _py("-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", "--junitxml", str(junit),
-            "-o", "junit_family=xunit1")
+  # -o addopts=: the project's "-n auto --maxprocesses 8" would cap --workers at 8, and
+  # stop pytest outright where pytest-xdist is missing; -n is added below when it is there
+  cmd = _py("-m", "pytest", "-q", "-o", "addopts=", "-p", "no:cacheprovider", "-rfE",
+            "--junitxml", str(junit), "-o", "junit_family=xunit1")
   workers = min(workers, 2) if smoke else workers
   if workers > 0 and find_spec("xdist") is not None:
     cmd += ["-n", str(workers)]
@@ -252,7 +263,9 @@ def run_stage(stage: Stage, out: Path, timeout_s: float) -> dict:
     rec.update(status="skipped", note="the budget is spent", stdout=None, stderr=None)
     return rec
   (out / "logs").mkdir(parents=True, exist_ok=True)
-  env = dict(os.environ, **stage.env)
+  # one persistent compilation cache for every stage: train.bench's parent then loads the
+  # executables its --peak subprocesses compiled, instead of compiling each policy again
+  env = {"JAX_COMPILATION_CACHE_DIR": str(out / XLA_CACHE), **os.environ, **stage.env}
   env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
   start = time.perf_counter()
   with open(out / rec["stdout"], "w") as so, open(out / rec["stderr"], "w") as se:
@@ -469,6 +482,14 @@ def _bench_figure(rec: dict) -> str | None:
     cells.append(cell + (f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""))
   if result.get("peers_note"):
     cells.append(f"no peers: {result['peers_note']}")
+  if result.get("partial"):  # cut short after the peaks: what the subprocesses measured
+    cells += [f"{k} peak {v:.0f} MiB" for k, v in result.get("peaks_mib", {}).items()]
+    cells += [f"{p['name']} " + ("failed" if "error" in p else
+                                 f"{p['step_ms']:.1f} ms, peak {p['peak_mib'] or 0:.0f} MiB")
+              for p in (result.get("peers_raw") or {}).get("peers", [])]
+    cells.append("(partial: the timed run did not finish)")
+  for spec, error in {**result.get("failed", {}), **result.get("peak_errors", {})}.items():
+    cells.append(f"{spec} failed: {error[:120]}")
   return f"{rec['name']}: " + "; ".join(cells) if cells else None
 
 
@@ -482,7 +503,8 @@ def _kernel_figure(rec: dict) -> str | None:
           " **ABOVE PEAK: calls dropped, timings not trustworthy**"
           if copy.get("above_peak") else "")
   return (f"kernel-bench: measured copy {copy['Bps'] / 1e9:.0f} GB/s{pct}{flag}; "
-          + ", ".join(f"{r['kernel']} {r['pallas_GBps']:.0f} GB/s "
+          + ", ".join(f"{r['kernel']} failed" if "error" in r else
+                      f"{r['kernel']} {r['pallas_GBps']:.0f} GB/s "
                       f"({r['speedup_vs_xla']:.2f}x XLA)" for r in kernels["rows"]))
 
 
@@ -601,6 +623,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                   help="also write the report as DIR/<device>-<date>.md and .json "
                        "(DIR default: docs/gpu), for committing")
   ap.add_argument("--stages", help=f"comma-separated subset of: {','.join(STAGES)}")
+  ap.add_argument("--call", type=int, choices=sorted(CALLS),
+                  help="the stages of the first (the default), second or third call")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes and one test: checks the check on any backend (CPU)")
   ap.add_argument("--budget", type=float,
@@ -627,7 +651,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   out.mkdir(parents=True, exist_ok=True)
   stages = build_stages(out, smoke=args.smoke, peak=args.peak, workers=args.workers,
                         tests=shlex.split(args.tests) if args.tests else None)
-  chosen = DEFAULT_STAGES
+  if args.stages and args.call:
+    ap.error("--stages and --call both choose the stages: give one")
+  chosen = CALLS[args.call or 1]
   if args.stages:
     chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = sorted(set(chosen) - set(STAGES))

@@ -75,6 +75,11 @@ def time_interleaved(fns: dict[str, Callable], args: dict[str, tuple], rounds: i
 
 
 # ----------------------------------------------------------------------------- device timing
+# XLA:GPU may unroll a loop of up to 64 trips, and then the check cannot see the loop: a
+# GPU timing loop runs at least this many calls (XLA:CPU keeps any loop)
+MIN_LOOP_TRIPS = 65
+
+
 def looped(fn: Callable, iters: int):
   """``jit`` of a program that calls ``fn(*args)`` ``iters`` times and returns the last
   outputs.
@@ -263,11 +268,17 @@ def bench_kernels(n, hidden, dtype, rounds, interpret, target_s=0.025, min_iters
   print(copy_line(copy, device.device_kind), flush=True)  # before any kernel's GB/s
   peak, rows = copy["peak_Bps"], []
   for name, pallas_fn, xla_fn, args, nbytes in kernel_cases(n, hidden, dtype, interpret):
-    out_p, out_x = jax.jit(pallas_fn)(*args), jax.jit(xla_fn)(*args)
-    errs = [_max_err(a, b) for a, b in zip(jax.tree.leaves(out_p), jax.tree.leaves(out_x),
-                                           strict=True)]
-    t = device_seconds({"pallas": pallas_fn, "xla": xla_fn}, {"pallas": args, "xla": args},
-                       target_s=target_s, rounds=rounds, **iters)
+    try:  # a kernel that fails to compile or run is a row with its error, not the end
+      out_p, out_x = jax.jit(pallas_fn)(*args), jax.jit(xla_fn)(*args)
+      errs = [_max_err(a, b) for a, b in zip(jax.tree.leaves(out_p), jax.tree.leaves(out_x),
+                                             strict=True)]
+      t = device_seconds({"pallas": pallas_fn, "xla": xla_fn}, {"pallas": args, "xla": args},
+                         target_s=target_s, rounds=rounds, **iters)
+    except Exception as e:  # noqa: BLE001 - reported in the row, and the bench goes on
+      error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
+      print(f"{name}: failed: {error}", flush=True)
+      rows.append({"kernel": name, "error": error})
+      continue
     tp, tx = t["pallas"]["seconds"], t["xla"]["seconds"]
     rows.append({
         "kernel": name, "max_abs_err_vs_xla": max(errs), "bytes": nbytes,
@@ -296,6 +307,9 @@ def kernel_table(kernels: dict) -> str:
   rows = [("copy (XLA a+1)", "-", "-", f"{copy['seconds'] * 1e6:.1f}", "-",
            f"{copy['Bps'] / 1e9:.0f}", pct(copy["pct_peak"]), "100", "-", flag)]
   for r in kernels["rows"]:
+    if "error" in r:
+      rows.append((r["kernel"], "-", "-", "-", "-", "-", "-", "-", "-", "failed"))
+      continue
     note = ("LOW copy" if r["copy_low"] else "loop?" if not r["loop_intact"]
             else "above peak" if r["above_peak"] else "ok")
     rows.append((r["kernel"], f"{r['max_abs_err_vs_xla']:.2e}", f"{r['pallas_us']:.1f}",
@@ -363,13 +377,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
   args = ap.parse_args(argv)
   dtype = jnp.dtype(args.dtype)
   cfg = block_stack.StackConfig(num_layers=args.layers)
-  # >= 65 calls: XLA:GPU may unroll loops of up to 64 trips (then the check cannot see
-  # the loop); a ~50 us kernel gets ~500 calls from --target-ms anyway
-  seq, batch, min_iters, max_iters = 197, args.batch, 65, 100_000
+  # a ~50 us kernel gets ~500 calls from --target-ms anyway
+  seq, batch, min_iters, max_iters = 197, args.batch, MIN_LOOP_TRIPS, 100_000
   policies = ["baseline", "lowmembp+kernels=xla", "lowmembp+kernels=pallas"]
   if args.interpret:
     args.elements, args.hidden, args.rounds, args.step_rounds = 4096, 64, 2, 2
-    args.target_ms, min_iters, max_iters = 1.0, 2, 3
+    args.target_ms = 1.0
+    min_iters = 2 if jax.default_backend() == "cpu" else MIN_LOOP_TRIPS
+    max_iters = min_iters + 1
     cfg = block_stack.StackConfig(num_layers=1, dim=32, num_heads=4, mlp_dim=64)
     seq, batch = 8, 2
     policies = ["baseline", "lowmembp+kernels=xla", "lowmembp+kernels=pallas_interpret"]
@@ -383,6 +398,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
   print(kernel_table(kernels), flush=True)
   result = {"jax_version": jax.__version__, "backend": jax.default_backend(),
             "interpret": args.interpret, "kernels": kernels, "block_step": []}
+  write_json(args.json, result, announce=False)  # kept should the block step be cut short
   if not args.no_step:
     step = bench_block_step(cfg, batch, seq, dtype, args.step_rounds, policies)
     print(f"\ntrain step, {cfg.kind} block stack: {cfg.num_layers} layers, D={cfg.dim}, "

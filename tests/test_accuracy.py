@@ -32,8 +32,8 @@ def fakes(monkeypatch):
   def run(cfg, specs, steps, warmup):
     benched.append((cfg, list(specs)))
     return {"device_kind": "cpu", "backend": "cpu", "jax_version": "0",
-            "rows": [{"temp_mib": 10.0 + i, "temp_ratio": 1.0 + i / 10, "step_ms": 5.0,
-                      "speed_ratio": 1.0} for i in range(len(specs))]}
+            "rows": [{"policy": spec, "temp_mib": 10.0 + i, "temp_ratio": 1.0 + i / 10,
+                      "step_ms": 5.0, "speed_ratio": 1.0} for i, spec in enumerate(specs)]}
 
   monkeypatch.setattr(loop, "train", train)
   monkeypatch.setattr(bench, "run", run)

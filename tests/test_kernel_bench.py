@@ -23,11 +23,12 @@ def test_loop_runs_the_op_every_iteration():
   """The compiled loop keeps the op in its body with the asked trip count: XLA neither
   hoists it out nor folds the calls into one."""
   x = jnp.ones((256, 128), jnp.bfloat16)
-  hlo = kernel_bench.looped(lambda a: jnp.sin(a) * 2, 7).lower(x).compile().as_text()
-  assert kernel_bench.loop_intact(hlo, 7)
-  assert not kernel_bench.loop_intact(hlo, 8)
+  n = kernel_bench.MIN_LOOP_TRIPS  # fewer trips XLA:GPU may unroll
+  hlo = kernel_bench.looped(lambda a: jnp.sin(a) * 2, n).lower(x).compile().as_text()
+  assert kernel_bench.loop_intact(hlo, n)
+  assert not kernel_bench.loop_intact(hlo, n + 1)
   body = hlo.split("while(")[1]
-  assert '"known_trip_count":{"n":"7"}' in body
+  assert f'"known_trip_count":{{"n":"{n}"}}' in body
 
 
 def test_loop_check_catches_a_hoisted_op():
@@ -77,19 +78,22 @@ def test_loop_check_sees_kernels_in_command_buffers():
 
 def test_device_seconds_reports_iters_and_loop():
   x = jnp.ones((64, 64), jnp.float32)
+  n = kernel_bench.MIN_LOOP_TRIPS
   t = kernel_bench.device_seconds({"neg": jnp.negative}, {"neg": (x,)}, target_s=1e-4,
-                                  rounds=2, max_iters=4)
+                                  rounds=2, min_iters=n, max_iters=n + 2)
   assert set(t["neg"]) == {"seconds", "iters", "loop_intact"}
-  assert 2 <= t["neg"]["iters"] <= 4 and t["neg"]["loop_intact"]
+  assert n <= t["neg"]["iters"] <= n + 2 and t["neg"]["loop_intact"]
   assert t["neg"]["seconds"] > 0
 
 
 def test_copy_counts_bytes_read_and_written():
-  copy = kernel_bench.measure_copy(1000, jnp.bfloat16, target_s=1e-4, rounds=2)
+  n = kernel_bench.MIN_LOOP_TRIPS
+  copy = kernel_bench.measure_copy(1000, jnp.bfloat16, target_s=1e-4, rounds=2,
+                                   device=_Device("cpu"), min_iters=n, max_iters=n + 2)
   assert copy["bytes"] == 2 * 1000 * 2
   assert copy["Bps"] == pytest.approx(copy["bytes"] / copy["seconds"])
   assert copy["loop_intact"]
-  assert copy["peak_Bps"] is None and copy["low"] is None  # CPU: no known peak, no flag
+  assert copy["peak_Bps"] is None and copy["low"] is None  # no known peak, no flag
 
 
 class _Device:
@@ -137,3 +141,23 @@ def test_kernel_bench_smoke(tmp_path, capsys):
   text = capsys.readouterr().out
   assert text.index("measured copy") < text.index("pallas GB/s")  # copy checked first
   assert "speed vs baseline" in text
+
+
+def test_a_kernel_that_fails_is_a_row_and_the_bench_goes_on(monkeypatch):
+  x = jnp.ones((64, 64), jnp.float32)
+
+  def broken(a):
+    raise NotImplementedError("no Triton lowering for this\nmore")
+
+  monkeypatch.setattr(kernel_bench, "kernel_cases", lambda *a: [
+      ("broken", broken, jnp.negative, (x,), 2 * x.nbytes),
+      ("neg", jnp.negative, jnp.negative, (x,), 2 * x.nbytes)])
+  n = kernel_bench.MIN_LOOP_TRIPS
+  kernels = kernel_bench.bench_kernels(64, 64, jnp.float32, 2, False, target_s=1e-4,
+                                       min_iters=n, max_iters=n + 1)
+  broken_row, neg = kernels["rows"]
+  assert broken_row == {"kernel": "broken",
+                        "error": "NotImplementedError: no Triton lowering for this"}
+  assert neg["kernel"] == "neg" and neg["max_abs_err_vs_xla"] == 0 and neg["loop_intact"]
+  table = kernel_bench.kernel_table(kernels)
+  assert "broken" in table and "failed" in table

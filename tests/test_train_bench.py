@@ -181,3 +181,42 @@ def test_png_with_matplotlib(tmp_path):
   assert bench.plot(_result(), str(path))
   assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   assert bench.plot(_result(peak=True), str(path))
+
+
+def test_a_policy_that_fails_is_reported_and_the_others_still_run(monkeypatch, capsys):
+  """One policy's failure (here its build; on a GPU, say, a host offload XLA refuses) is a
+  reported row, not the end of the bench; the baseline's is fatal (every ratio needs it)."""
+  make = bench._make_runner
+
+  def failing(cfg, spec, train_set):
+    if spec == "lowmembp":
+      raise ValueError("lowmembp: cannot build here\nsecond line")
+    return make(cfg, spec, train_set)
+
+  monkeypatch.setattr(bench, "_make_runner", failing)
+  cfg = bench.load_config("digits-vit", None, TINY_OVERRIDES)
+  result = bench.run(cfg, ["baseline", "lowmembp"], steps=1, warmup=1)
+  assert [r["policy"] for r in result["rows"]] == ["baseline"]
+  assert result["policies"] == ["baseline"]
+  assert result["failed"] == {"lowmembp": "ValueError: lowmembp: cannot build here"}
+  assert "failed [lowmembp]: ValueError" in capsys.readouterr().out
+  monkeypatch.setattr(bench, "_make_runner", lambda *a: (_ for _ in ()).throw(
+      ValueError("baseline broke")))
+  with pytest.raises(ValueError, match="baseline broke"):
+    bench.run(cfg, ["baseline", "lowmembp"], steps=1, warmup=1)
+
+
+def test_peaks_go_on_past_a_failed_subprocess(monkeypatch):
+  """--peak: one policy's subprocess failing records its error; the others' peaks stay."""
+  def fake_run(cmd, **kwargs):
+    spec, out = cmd[cmd.index("--policies") + 1], cmd[cmd.index("--peak-child") + 1]
+    if spec == "offload":
+      return bench.subprocess.CompletedProcess(cmd, 1, "", "Traceback\nXlaRuntimeError: no\n")
+    open(out, "w").write(json.dumps({"policy": spec, "peak_bytes_in_use": 2**20 * 7,
+                                     "backend": "gpu"}))
+    return bench.subprocess.CompletedProcess(cmd, 0, "", "")
+
+  monkeypatch.setattr(bench.subprocess, "run", fake_run)
+  peaks, errors = bench.measure_peaks([], ["baseline", "offload", "remat"], 3)
+  assert peaks == {"baseline": 7 * 2**20, "remat": 7 * 2**20}
+  assert errors == {"offload": "XlaRuntimeError: no"}

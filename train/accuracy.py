@@ -120,7 +120,12 @@ def run_one(name: str, overrides: Sequence[str], bench_steps: int, warmup: int,
                  "eval_accuracy_vs_base": spread([r["eval_accuracy"] - b["eval_accuracy"]
                                                   for r, b in zip(runs, base)])})
   speed = bench.run(cfg.replace(seed=seeds[0]), list(policies), bench_steps, warmup)
-  for row, b in zip(rows, speed["rows"]):
+  bench_rows = {b["policy"]: b for b in speed["rows"]}
+  for row in rows:
+    if row["policy"] not in bench_rows:  # trained, yet its bench step failed: say so
+      raise RuntimeError(f"train.bench failed on policy {row['policy']!r}: "
+                         f"{speed.get('failed', {}).get(row['policy'])}")
+    b = bench_rows[row["policy"]]
     row.update(temp_mib=b["temp_mib"], temp_ratio=b["temp_ratio"], step_ms=b["step_ms"],
                speed_ratio=b["speed_ratio"])
   return {"run": name, "config": RUNS[name].config, "overrides": [*RUNS[name].overrides,

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -175,13 +176,15 @@ def _peak_child(cfg: TrainConfig, spec: str, steps: int, out: str,
                                    **_device_info()}))
 
 
-def measure_peaks(argv_base: list[str], specs: Sequence[str], steps: int) -> dict | None:
-  """``{spec: peak_bytes_in_use}``, each from its own subprocess; None where the backend
-  reports no ``memory_stats()`` (CPU)."""
+def measure_peaks(argv_base: list[str], specs: Sequence[str],
+                  steps: int) -> tuple[dict, dict] | None:
+  """``({spec: peak_bytes_in_use}, {spec: error})``, each policy from its own subprocess:
+  a policy whose subprocess fails gets its error (the last line of its stderr) and the
+  others still run. None where the backend reports no ``memory_stats()`` (CPU)."""
   env = dict(os.environ)
   root = str(Path(__file__).resolve().parents[1])
   env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-  peaks = {}
+  peaks, errors = {}, {}
   with tempfile.TemporaryDirectory() as tmp:
     for i, spec in enumerate(specs):
       out = os.path.join(tmp, f"peak{i}.json")
@@ -189,8 +192,11 @@ def measure_peaks(argv_base: list[str], specs: Sequence[str], steps: int) -> dic
              "--steps", str(steps), "--peak-child", out]
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       if proc.returncode != 0:
-        raise RuntimeError(f"--peak: the subprocess for policy {spec!r} failed "
-                           f"(exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        errors[spec] = last[:500]
+        print(f"peak [{spec}]: the subprocess failed (exit {proc.returncode}); its stderr "
+              f"ends:\n{proc.stderr[-2000:]}", flush=True)
+        continue
       result = json.loads(Path(out).read_text())
       if result["peak_bytes_in_use"] is None:
         print(f"note: --peak skipped: backend {result['backend']!r} reports no "
@@ -198,7 +204,7 @@ def measure_peaks(argv_base: list[str], specs: Sequence[str], steps: int) -> dic
         return None
       peaks[spec] = result["peak_bytes_in_use"]
       print(f"peak [{spec}]: {peaks[spec] / MiB:.1f} MiB", flush=True)
-  return peaks
+  return peaks, errors
 
 
 # ----------------------------------------------------------------------------- the bench
@@ -210,20 +216,33 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
+  import jax
+
   train_set = train_dataset(cfg, synthetic)
-  runners, memory = {}, {}
+  base = next(s for s in specs if _is_baseline(s))
+  runners, memory, failed = {}, {}, {}
   for spec in specs:
-    runner = _make_runner(cfg, spec, train_set)
-    memory[spec] = runner.trainer.compiled_memory(runner.batch)
+    try:  # built, compiled and one step run: a policy that cannot is reported, not fatal
+      runner = _make_runner(cfg, spec, train_set)
+      memory[spec] = runner.trainer.compiled_memory(runner.batch)
+      jax.block_until_ready(runner())
+    except Exception as e:  # noqa: BLE001 - any failure of one policy, the baseline's fatal
+      if spec == base:
+        raise
+      failed[spec] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500]}"
+      print(f"failed [{spec}]: {failed[spec]}", flush=True)
+      memory.pop(spec, None)
+      continue
     runners[spec] = runner
     print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
           f"{memory[spec].total / MiB:.1f} MiB", flush=True)
-  items = batch_items(runners[specs[0]].batch, cfg.task)
+  specs = [s for s in specs if s in runners]
+  items = batch_items(runners[base].batch, cfg.task)
   unit = "tokens/s" if cfg.task == "lm" else "examples/s"
+  # the step run above was each policy's first warmup step
   seconds = time_interleaved(runners, {spec: () for spec in specs}, rounds=steps,
-                             warmup=warmup)
+                             warmup=warmup - 1)
 
-  base = next(s for s in specs if _is_baseline(s))
   bmem, btime = memory[base], seconds[base]
   rows = []
   for spec in specs:
@@ -241,15 +260,17 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
         "final_loss": float(r.metrics["loss"]),
         "finite": r.trainer.first_bad_step() is None,  # every step run
     }
-    if peaks:
+    if peaks and spec in peaks:
       row["peak_bytes_in_use"] = peaks[spec]
       row["peak_mib"] = peaks[spec] / MiB
-      row["peak_ratio"] = peaks[spec] / max(peaks[base], 1)
+      if base in peaks:
+        row["peak_ratio"] = peaks[spec] / max(peaks[base], 1)
     rows.append(row)
-  return {**_device_info(), "config": cfg.to_json(), "policies": list(specs),
-          "baseline": base, "timed_steps": steps, "warmup_steps": warmup,
-          "items_per_step": items, "throughput_unit": unit, "synthetic": synthetic,
-          "rows": rows}
+  result = {**_device_info(), "config": cfg.to_json(), "policies": list(specs),
+            "baseline": base, "timed_steps": steps, "warmup_steps": warmup,
+            "items_per_step": items, "throughput_unit": unit, "synthetic": synthetic,
+            "rows": rows}
+  return {**result, "failed": failed} if failed else result
 
 
 def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
@@ -315,7 +336,7 @@ def table(result: dict) -> str:
     row += [_fmt(r["step_ms"], ".2f"), _fmt(r["speed_ratio"], ".3f"),
             _fmt(r["throughput"], ".0f")]
     if peak:
-      row += ([f"{r['peak_mib']:.1f}", f"{r['peak_ratio']:.3f}"] if "peak_mib" in r
+      row += ([f"{r['peak_mib']:.1f}", _fmt(r.get("peak_ratio"), ".3f")] if "peak_mib" in r
               else ["-", "-"])
     rows.append(row)
   for r in peers:
@@ -350,7 +371,7 @@ def plot(result: dict, path: str) -> bool:
   panels = ((ax_mem, [r[mem_key] for r in rows], mem_label, "tab:blue"),
             (ax_speed, [r["throughput"] for r in rows],
              f"throughput ({result['throughput_unit']})", "tab:orange"))
-  ratios = ([r["peak_ratio"] if peak else r["total_ratio"] for r in rows],
+  ratios = ([r.get("peak_ratio", math.nan) if peak else r["total_ratio"] for r in rows],
             [r["speed_ratio"] for r in rows])
   for (ax, values, label, color), ratio in zip(panels, ratios):
     bars = ax.bar(x, values, color=color, label="total" if ax is ax_mem else None)
@@ -436,9 +457,18 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     base_argv += ["--config", args.config] if args.config else []
     for item in args.set:
       base_argv += ["--set", item]
-    peaks = measure_peaks(base_argv, specs, min(args.steps, 3))
+    peaks, peak_errors = measure_peaks(base_argv, specs, min(args.steps, 3)) or (None, {})
+    # what is measured so far, kept should the timed run below be cut short
+    write_json(args.json, {"partial": "peers and peaks only: the timed run did not finish",
+                           "config": cfg.to_json(), "policies": list(specs),
+                           "peaks_mib": {k: v / MiB for k, v in (peaks or {}).items()},
+                           "peak_errors": peak_errors, "peers_raw": peers})
+  else:
+    peak_errors = {}
 
   result = run(cfg, specs, args.steps, args.warmup, peaks, args.synthetic)
+  if peak_errors:
+    result["peak_errors"] = peak_errors
   if peers is not None:
     result = merge_peers(result, peers)
   model = cfg.pretrained or cfg.model
@@ -447,6 +477,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         f"({result['backend']}), jax {result['jax_version']}; median of {args.steps} "
         f"interleaved steps after {args.warmup} warmup")
   print(table(result))
+  for spec, error in {**result.get("failed", {}), **result.get("peak_errors", {})}.items():
+    print(f"{spec}: failed: {error}")
   for r in result.get("peers", []):
     if "peak_minus_resident_mib" in r:
       print(f"{r['policy']}: resident {r['resident_mib']:.1f} MiB before the step, peak - "

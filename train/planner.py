@@ -111,14 +111,15 @@ def device_family(table: dict, device=None) -> str | None:
   return next((f for f in table if f != "cpu" and f in kind), None)
 
 
-def resolve_budget(value) -> int:
-  """``memory_budget`` in bytes; ``"auto"``: the device's ``bytes_limit`` less
-  :data:`AUTO_MARGIN`. ValueError where the device reports no limit (the CPU: host memory
-  is shared with everything else on the machine, so give an explicit size there)."""
+def resolve_budget(value, device=None) -> int:
+  """``memory_budget`` in bytes; ``"auto"``: the ``bytes_limit`` of ``device`` (default:
+  the first) less :data:`AUTO_MARGIN`. ValueError where the device reports no limit (the
+  CPU: host memory is shared with everything else on the machine, so give an explicit size
+  there)."""
   size = parse_budget(value)
   if size != "auto":
     return size
-  device = jax.devices()[0]
+  device = jax.devices()[0] if device is None else device
   stats = device.memory_stats() or {}
   if "bytes_limit" not in stats:
     raise ValueError(f"memory_budget='auto' needs a device that reports its memory limit "
