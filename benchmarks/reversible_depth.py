@@ -250,9 +250,6 @@ def run_table(rows) -> str:
 
 # ----------------------------------------------------------------------------- CLI
 def _can_run() -> bool:
-  """Whether the device reports a peak (a GPU). This starts the backend in this process:
-  without preallocation, so the children measured after it get the whole GPU."""
-  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   stats = jax.devices()[0].memory_stats()
   return bool(stats) and "peak_bytes_in_use" in stats
 
@@ -288,6 +285,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   if args.child:  # one real-step case, in its own process
     Path(args.child_out).write_text(json.dumps(run_case(json.loads(args.child))))
     return None
+  # this process starts the backend too (the device's name, the compile-only rows): without
+  # preallocating, so the children measured after it get the whole GPU
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
   cfg = dict(SMOKE if args.smoke else FULL, dtype=args.dtype)
   if args.depths:

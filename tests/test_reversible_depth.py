@@ -1,0 +1,38 @@
+"""benchmarks.reversible_depth: compiled memory against depth, and the real-step cases run
+in fresh processes (on the CPU here: no peak; the GPU check runs the same code)."""
+
+import json
+
+import jax.numpy as jnp
+import pytest
+
+from benchmarks import reversible_depth as rd
+
+TINY = rd.SMOKE["overrides"]
+
+
+def test_reversible_temp_is_flat_in_depth():
+  rows = [rd.compile_row("revvit-tiny", "reversible", layers, 2, jnp.bfloat16, TINY)
+          for layers in (2, 4)]
+  growth = rd.depth_growth(rows)["reversible"]
+  assert growth["layers"] == [2, 4]
+  assert growth["temp_growth_per_layer"] == 0  # rebuilt in backward, not kept
+  # the parameters (arguments) and their gradients (outputs) grow with depth
+  assert growth["argument_output_growth_per_layer"] > 0
+
+
+@pytest.mark.slow
+def test_cli_runs_each_case_in_a_fresh_process(tmp_path, monkeypatch):
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # what main sets, undone
+  out = tmp_path / "rd.json"
+  result = rd.main(["--smoke", "--run", "--policies", "reversible,baseline", "--depths", "2",
+                    "--variants", "lhs", "--no-compile-rows", "--steps", "1", "--rounds", "1",
+                    "--warmup", "1", "--json", str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(result))
+  rows = {r["case"]: r for r in result["run_rows"]}
+  assert list(rows) == ["reversible", "baseline", "pareprop[lhs]"]  # the claim first
+  for r in rows.values():  # run_case's figures, from each fresh process
+    assert "error" not in r and r["finite"] and r["step_ms"] > 0, r
+    assert r["compiled"]["temp"] > 0 and r["param_bytes"] > 0
+  assert rows["reversible"]["speed_vs_reversible"] == 1.0
+  assert "latency_hiding_scheduler" in rows["pareprop[lhs]"]["xla_flags"]
