@@ -10,7 +10,8 @@ Each stage is a subprocess with its own timeout, run one after another (they sha
 GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
 ``python -m train``), ``bench-vit`` and ``bench-llama`` (``train.bench`` on ViT-B/16 at
 224 px, batch 64, LoRA r=8 on query/value; and 4 layers of LLaMA-7B widths, batch 4 x
-1024, LoRA r=8 on all 7 linears; random data; with ``--peers``: timm / HF Llama + peft on
+1024, LoRA r=8 on all 7 linears, WTA-CRS among its policies; random data; with
+``--peers``: timm / HF Llama + peft on
 the same shapes, with and without checkpointing, which on a GPU implies ``--peak``),
 ``kernel-bench``, ``attention-bench``
 (recorded as missing until that module exists), ``bench-remat`` (ViT-B LoRA as in
@@ -100,6 +101,8 @@ class Stage:
 # the lean exact baseline, plain Flax autodiff (what a user would write), LowMemoryBP, the
 # combined preset and full remat, beside the peers
 BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "remat")
+# LLaMA widths: WTA-CRS under LoRA in plain's place (ViT-B's WTA-CRS row is bench-remat's)
+LLAMA_POLICIES = ("baseline", "lowmembp", "lowmem", "wta-crs", "remat")
 # the combined preset, Mesa alone (is lowmem <= mesa8; mesa8's activation memory and speed
 # against the baseline) and WTA-CRS under LoRA against JAX's own remat and offload
 # policies (ViT-B LoRA, --peak)
@@ -166,6 +169,7 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
   stages.append(Stage("bench-vit", _bench_cmd(out, "bench-vit", vit, n, steps, warmup, peak,
                                               policies),
                       120 + extra_timeout, 60 + extra_reserve, json_file="bench-vit.json"))
+  policies = ("baseline", "lowmembp") if smoke else LLAMA_POLICIES
   stages.append(Stage("bench-llama", _bench_cmd(out, "bench-llama", llama, min(n, 32), steps,
                                                 warmup, peak, policies),
                       150 + extra_timeout, 70 + extra_reserve, json_file="bench-llama.json"))

@@ -102,6 +102,9 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   assert "model=vit-b16" in vit and "batch_size=64" in vit and "lora_targets=query,value" in vit
   assert "--peers" in stages["bench-vit"].cmd and "--peers" in stages["bench-llama"].cmd
   assert "--peak" not in stages["bench-vit"].cmd  # only when asked for (or implied by GPU peers)
+  from train.bench import parse_policies
+  llama_cmd = stages["bench-llama"].cmd
+  assert "wta-crs" in parse_policies(llama_cmd[llama_cmd.index("--policies") + 1])
   for item in ("model=llama-7b", "model.num_layers=4", "max_len=1024", "batch_size=4",
                "lora_rank=8", "lora_targets=query,key,value,out,gate,up,down"):
     assert item in llama
@@ -115,7 +118,6 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   assert "--smoke" in smoke["reversible-depth"].cmd
   remat = stages["bench-remat"].cmd
   assert "--peak" in remat and "--peers" not in remat
-  from train.bench import parse_policies
   assert parse_policies(remat[remat.index("--policies") + 1]) == list(gpu_check.REMAT_POLICIES)
   budget = gpu_check.GPU_BUDGET_S  # three calls of it fit 30 minutes of device time
   assert 3 * (budget + gpu_check.KILL_GRACE_S + 30) + 120 <= 30 * 60
