@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import attention as attn
-from lowmem_jax.memory import format_table, write_json
+from lowmem_jax.memory import error_line, format_table, write_json
 
 LENGTHS = (17, 197, 577, 1024, 2048)
 IMPLEMENTATIONS = ("cudnn", "cudnn_padded", "flash", "xla")
@@ -76,11 +76,6 @@ def _inputs(model: dict, n: int, dtype):
   v = jax.random.normal(keys[2], (b, n, kh, d), dtype)
   cotangent = jax.random.normal(keys[3], q.shape, dtype)
   return q, k, v, cotangent
-
-
-def _first_line(e: BaseException) -> str:
-  text = f"{type(e).__name__}: {e}".strip()
-  return text.splitlines()[0][:300]
 
 
 def _seconds(run, count: int, repeats: int) -> float:
@@ -150,9 +145,9 @@ def run_bench(models: dict, lengths, dtype, smoke: bool,
 
   def failed(row, e):  # a refusal or a crash is a result
     if row["status"] == "refused":
-      row["jax_unchecked"] = f"raises {_first_line(e)}"
+      row["jax_unchecked"] = f"raises {error_line(e)}"
     else:
-      row.update(status="error", reason=_first_line(e))
+      row.update(status="error", reason=error_line(e))
 
   def out_of_time(row):
     if time.perf_counter() < deadline:

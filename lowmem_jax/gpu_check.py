@@ -488,9 +488,9 @@ def _bench_figure(rec: dict) -> str | None:
     cells.append(f"no peers: {result['peers_note']}")
   if result.get("partial"):  # cut short after the peaks: what the subprocesses measured
     cells += [f"{k} peak {v:.0f} MiB" for k, v in result.get("peaks_mib", {}).items()]
-    cells += [f"{p['name']} " + ("failed" if "error" in p else
-                                 f"{p['step_ms']:.1f} ms, peak {p['peak_mib'] or 0:.0f} MiB")
-              for p in (result.get("peers_raw") or {}).get("peers", [])]
+    for p in (result.get("peers_raw") or {}).get("peers", []):
+      cell = f"{p['name']} " + ("failed" if "error" in p else f"{p['step_ms']:.1f} ms")
+      cells.append(cell + (f", peak {p['peak_mib']:.0f} MiB" if p.get("peak_mib") else ""))
     cells.append("(partial: the timed run did not finish)")
   for spec, error in {**result.get("failed", {}), **result.get("peak_errors", {})}.items():
     cells.append(f"{spec} failed: {error[:120]}")

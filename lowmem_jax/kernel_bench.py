@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 
 from lowmem_jax import activations, block_stack, norms, packing
-from lowmem_jax.memory import format_table, write_json
+from lowmem_jax.memory import error_line, format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
 
 # HBM bandwidth from the spec sheets, bytes/s, by a substring of jax's device_kind;
@@ -275,9 +275,8 @@ def bench_kernels(n, hidden, dtype, rounds, interpret, target_s=0.025, min_iters
       t = device_seconds({"pallas": pallas_fn, "xla": xla_fn}, {"pallas": args, "xla": args},
                          target_s=target_s, rounds=rounds, **iters)
     except Exception as e:  # noqa: BLE001 - reported in the row, and the bench goes on
-      error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:300]}"
-      print(f"{name}: failed: {error}", flush=True)
-      rows.append({"kernel": name, "error": error})
+      rows.append({"kernel": name, "error": error_line(e)})
+      print(f"{name}: failed: {rows[-1]['error']}", flush=True)
       continue
     tp, tx = t["pallas"]["seconds"], t["xla"]["seconds"]
     rows.append({
@@ -334,7 +333,7 @@ def bench_block_step(cfg, batch, seq, dtype, rounds, policies):
       jax.block_until_ready(fn(params, x))
       fns[spec], args[spec] = fn, (params, x)
     except Exception as e:  # noqa: BLE001  (report the rest; a crash names its policy)
-      errors[spec] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+      errors[spec] = error_line(e)
       print(f"block step [{spec}] failed: {errors[spec]}", file=sys.stderr, flush=True)
   t = time_interleaved(fns, args, rounds) if fns else {}
   base = t.get(policies[0])

@@ -153,6 +153,11 @@ def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> st
                    + [line(r) for r in cells[1:]])
 
 
+def error_line(e: BaseException, limit: int = 300) -> str:
+  """A benchmark row's error: the exception's type and the first line of its message."""
+  return f"{type(e).__name__}: {e}".strip().splitlines()[0][:limit]
+
+
 def write_json(path: str | None, result: dict, *, announce: bool = True) -> None:
   """Writes a benchmark's figures as JSON (no-op without a path), atomically (a file
   rewritten as a sweep goes is never left half-written), and says where (``announce``)."""

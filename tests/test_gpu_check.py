@@ -293,10 +293,12 @@ def test_a_cut_or_partly_failed_bench_still_shows_what_it_measured():
   partial = {"partial": "peers and peaks only", "peaks_mib": {"baseline": 6733.0},
              "peak_errors": {"offload": "XlaRuntimeError: host offload"},
              "peers_raw": {"peers": [{"name": "torch+peft", "step_ms": 28.4, "peak_mib": 3653.0},
-                                     {"name": "torch+peft+ckpt", "error": "OOM"}]}}
+                                     {"name": "torch+peft+ckpt", "error": "OOM"},
+                                     {"name": "cpu-peer", "step_ms": 9.0, "peak_mib": None}]}}
   line = gpu_check._bench_figure({"name": "bench-remat", "json": partial})
   assert line == ("bench-remat: baseline peak 6733 MiB; torch+peft 28.4 ms, peak 3653 MiB; "
-                  "torch+peft+ckpt failed; (partial: the timed run did not finish); "
+                  "torch+peft+ckpt failed; cpu-peer 9.0 ms; "
+                  "(partial: the timed run did not finish); "
                   "offload failed: XlaRuntimeError: host offload")
   done = {"rows": [{"policy": "baseline", "step_ms": 28.1, "temp_mib": 6000.0}],
           "failed": {"offload": "ValueError: no pinned host"}}

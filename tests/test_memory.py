@@ -101,3 +101,9 @@ def test_report_cli_rejects_unknown_policy():
   with pytest.raises(ValueError, match="unknown preset"):
     memory.main(["--policies", "nope", "--layers", "1", "--dim", "8", "--heads", "2",
                  "--mlp-dim", "16", "--seq", "4", "--batch", "1"])
+
+
+def test_error_line_is_the_type_and_first_line_even_without_a_message():
+  assert memory.error_line(ValueError("bad shape\nTraceback detail")) == "ValueError: bad shape"
+  assert memory.error_line(RuntimeError()) == "RuntimeError:"
+  assert memory.error_line(ValueError("x" * 900), 500) == "ValueError: " + "x" * 488

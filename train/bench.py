@@ -58,7 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from lowmem_jax.memory import MiB, format_table, peak_buffers, split_policies, write_json
+from lowmem_jax.memory import (MiB, error_line, format_table, peak_buffers, split_policies,
+                               write_json)
 from lowmem_jax.policy import MemoryPolicy
 from train.batches import batch_items
 from train.bench_peers import merge_peers, ran_on_gpu, run_peers
@@ -224,16 +225,15 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
   for spec in specs:
     try:  # built, compiled and one step run: a policy that cannot is reported, not fatal
       runner = _make_runner(cfg, spec, train_set)
-      memory[spec] = runner.trainer.compiled_memory(runner.batch)
+      mem = runner.trainer.compiled_memory(runner.batch)
       jax.block_until_ready(runner())
     except Exception as e:  # noqa: BLE001 - any failure of one policy, the baseline's fatal
       if spec == base:
         raise
-      failed[spec] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500]}"
+      failed[spec] = error_line(e, 500)
       print(f"failed [{spec}]: {failed[spec]}", flush=True)
-      memory.pop(spec, None)
       continue
-    runners[spec] = runner
+    runners[spec], memory[spec] = runner, mem
     print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
           f"{memory[spec].total / MiB:.1f} MiB", flush=True)
   specs = [s for s in specs if s in runners]
@@ -450,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
   # the peers and the peaks run before this process allocates on the device (XLA preallocates)
   peers = run_peers(cfg, args.steps, args.warmup) if args.peers else None
-  peaks = None
+  peaks, peak_errors = None, {}
   if args.peak or (peers is not None and ran_on_gpu(peers)):
     base_argv = ["--config-name", args.config_name, "--warmup", str(args.warmup),
                  "--synthetic", str(args.synthetic)]
@@ -463,8 +463,6 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                            "config": cfg.to_json(), "policies": list(specs),
                            "peaks_mib": {k: v / MiB for k, v in (peaks or {}).items()},
                            "peak_errors": peak_errors, "peers_raw": peers})
-  else:
-    peak_errors = {}
 
   result = run(cfg, specs, args.steps, args.warmup, peaks, args.synthetic)
   if peak_errors:
