@@ -33,6 +33,10 @@ length; then the peer at each base and length. Each row:
    peft LoRA on the same seven linears, its largest batch found by running (out of memory
    caught), then timed. nf4 needs bitsandbytes: without it the row says it is missing.
 
+``--target h100`` (:mod:`lowmem_jax.gpu_target`): step 1 only, compiled for that GPU on any
+machine (XLA:GPU's executable, no device): the largest batch by XLA:GPU's compiled memory,
+to be confirmed by running on the GPU itself.
+
 The JSON is rewritten after every row (a cut run keeps the finished ones); rows left out
 by ``--budget-s`` (no new row starts after it) are listed under ``not_run``. The child
 processes get ``XLA_PYTHON_CLIENT_MEM_FRACTION=--mem-fraction`` (default 0.95: the peer's
@@ -141,7 +145,11 @@ def resident_trainer(abstract):
 
 def _device_info() -> dict:
   import jax
+
+  from lowmem_jax import gpu_target
   from train.bench import _device_info as info
+  if gpu_target.active() is not None:
+    return {**info(), "bytes_limit": gpu_target.bytes_limit()}
   stats = jax.devices()[0].memory_stats() or {}
   return {**info(), "bytes_limit": stats.get("bytes_limit")}
 
@@ -154,7 +162,15 @@ def out_of_memory(error: BaseException) -> bool:
 
 # ----------------------------------------------------------------------------- children
 def search_child(spec: dict) -> dict:
-  """Step 1 of a row (in its own process): the largest batch whose compiled peak fits."""
+  """Step 1 of a row (in its own process): the largest batch whose compiled peak fits; for
+  ``spec["target"]``'s GPU when set (:mod:`lowmem_jax.gpu_target`)."""
+  from lowmem_jax import gpu_target
+
+  with gpu_target.compiling_for(spec.get("target")):
+    return _search(spec)
+
+
+def _search(spec: dict) -> dict:
   from train.planner import fmt_bytes, predict_peak, resolve_budget
 
   budget = resolve_budget(spec["memory_budget"])
@@ -258,6 +274,9 @@ def our_row(spec: dict, mem_fraction: float) -> dict:
   if found["max_batch"] == 0:
     return {**row, "max_batch_run": 0,
             "note": f"batch 1 is predicted at {found['tried'][0][1]} bytes, over the budget"}
+  if spec.get("target"):
+    return {**row, "compile_target": spec["target"],
+            "note": "compiled for a GPU not attached (--target): nothing run"}
   runs: dict[int, dict] = {}
 
   def runs_at(batch: int) -> bool:
@@ -340,6 +359,8 @@ def _run_cell(row: dict) -> str:
     return f"missing: {row['missing']}"
   if row["kind"] == "peer" and row.get("capped"):
     return f"{row['max_batch_run']}+"
+  if row.get("compile_target"):
+    return f"not run ({row['compile_target']} compile)"
   return _num(row.get("max_batch_run"), "d")
 
 
@@ -350,6 +371,9 @@ def summary(row: dict) -> str:
   if "missing" in row:
     return f"missing: {row['missing']}"
   aot = f"{row['max_batch_aot']} by compiling, " if "max_batch_aot" in row else ""
+  if row.get("compile_target"):
+    return (f"batch {row['max_batch_aot']} by compiling for {row['compile_target']} "
+            f"(predicted peak {_bytes(row['predicted_peak_aot'])}), not run")
   return (f"batch {aot}{row.get('max_batch_run')} by running, "
           f"{_num(row.get('tokens_per_s'), '.0f')} tokens/s")
 
@@ -361,8 +385,9 @@ def table(result: dict) -> str:
     aot = r.get("max_batch_aot")
     rows.append([r["policy"], r["base_dtype"], r["seq"],
                  "-" if aot is None else f"{aot}{'+' if r.get('capped') else ''}",
-                 _run_cell(r), _num(r.get("tokens_per_step"), "d"),
-                 _bytes(r.get("predicted_peak")), _bytes(r.get("real_peak")),
+                 _run_cell(r), _num(r.get("tokens_per_step", r.get("tokens_per_step_aot")), "d"),
+                 _bytes(r.get("predicted_peak", r.get("predicted_peak_aot"))),
+                 _bytes(r.get("real_peak")),
                  _num(r.get("error_pct"), "+.1f"), _num(r.get("tokens_per_s"), ".0f"),
                  _num(r.get("tokens_per_step_vs_peer"), ".2f"),
                  _num(r.get("tokens_per_s_vs_peer"), ".2f")])
@@ -375,9 +400,11 @@ def row_specs(args) -> list[dict]:
   """Every row, in run order: ours (base, policy, length), then the peer's (base, length)."""
   common = {"model": args.model, "layers": args.layers, "memory_budget": args.memory_budget,
             "cap": args.cap, "warmup": args.warmup, "steps": args.steps}
+  if args.target:
+    common["target"] = args.target
   specs = [{**common, "kind": "ours", "base_dtype": b, "policy": p, "seq": s}
            for b in args.bases for p in args.policies for s in args.seq]
-  if args.peer:
+  if args.peer and not args.target:
     specs += [{**common, "kind": "peer", "base_dtype": b, "seq": s}
               for b in args.bases for s in args.seq]
   return specs
@@ -410,6 +437,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="no new row starts after this many seconds (default: none)")
   ap.add_argument("--no-peer", dest="peer", action="store_false",
                   help="leave out the HF transformers + peft rows")
+  ap.add_argument("--target", metavar="GPU",
+                  help="only the fit (AOT), compiled for this GPU instead of the local "
+                       "device (lowmem_jax.gpu_target: h100; no GPU needed): no run, no "
+                       "peer; 'auto' budget: its memory x --mem-fraction less 10%%")
   ap.add_argument("--mem-fraction", type=float, default=0.95,
                   help="XLA_PYTHON_CLIENT_MEM_FRACTION of the child processes "
                        "(default %(default)s)")
@@ -434,6 +465,9 @@ def parse_args(argv=None) -> argparse.Namespace:
       raise ValueError(f"--bases and --seq need at least one value each, lengths >= 1; got "
                        f"{args.bases} and {args.seq}")
     parse_budget(args.memory_budget)
+    if args.target:
+      from lowmem_jax.gpu_target import resolve
+      resolve(args.target)
     from train.model import model_config
     for base in args.bases:  # TrainConfig names a bad base dtype
       cfg = row_config({"model": args.model, "layers": args.layers, "seq": args.seq[0],
@@ -463,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             "layers": args.layers, "lora": {"rank": 8, "targets": LLAMA_LORA_TARGETS},
             "dtype": "bfloat16", "memory_budget": args.memory_budget, "cap": args.cap,
             "mem_fraction": args.mem_fraction, "warmup_steps": args.warmup,
-            "timed_steps": args.steps, "smoke": args.smoke,
+            "timed_steps": args.steps, "smoke": args.smoke, "compile_target": args.target,
             "budget_s": None if math.isinf(args.budget_s) else args.budget_s,
             "rows": [], "not_run": []}
   start = time.perf_counter()

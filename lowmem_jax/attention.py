@@ -34,6 +34,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lowmem_jax import gpu_target
+
 IMPLEMENTATIONS = ("auto", "flash", "cudnn", "cudnn_padded", "xla")
 DEFAULT_BLOCK_K = 512
 
@@ -230,7 +232,11 @@ def _gpu_facts(backend: str) -> tuple[int | None, tuple[int, int] | None]:
 
 
 def _platform() -> tuple[str, int | None, tuple[int, int] | None]:
-  """(backend, cuDNN version, compute capability) that the dispatch decides for."""
+  """(backend, cuDNN version, compute capability) that the dispatch decides for: the
+  compile target's (:mod:`lowmem_jax.gpu_target`), else the local backend's."""
+  target = gpu_target.platform()
+  if target is not None:
+    return target
   backend = jax.default_backend()
   return (backend, *_gpu_facts(backend))
 

@@ -38,6 +38,8 @@ from collections.abc import Callable, Sequence
 import jax
 import numpy as np
 
+from lowmem_jax import gpu_target
+
 # HLO element types -> numpy dtype names
 _DTYPES = {"f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float16",
            "s64": "int64", "s32": "int32", "s16": "int16", "s8": "int8", "u64": "uint64",
@@ -118,13 +120,14 @@ def peak_buffers(fn: Callable, *args, top: int = 20, keep_dump: str | None = Non
   """The buffers live at the peak of ``jax.jit(fn)(*args, **kwargs)``'s executable.
 
   ``fn`` may be jitted already (its own donation and static arguments apply). Arguments
-  may be arrays or ``jax.ShapeDtypeStruct``: nothing runs. ``top``: how many buffers and
+  may be arrays or ``jax.ShapeDtypeStruct``: nothing runs. Under
+  :func:`lowmem_jax.gpu_target.compiling_for` the executable is XLA:GPU's for that target. ``top``: how many buffers and
   source lines :meth:`PeakBuffers.table` shows (all are kept). ``keep_dump``: write the XLA dump
   there and keep it (default: a temporary folder, removed). The persistent compilation
   cache is bypassed for this compile (a cached executable writes no dump).
   """
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
-  lowered = jitted.lower(*args, **kwargs)
+  lowered = jitted.lower(*gpu_target.place(args), **gpu_target.place(kwargs))
   with tempfile.TemporaryDirectory(prefix="lowmem-xla-dump-") as tmp:
     where = keep_dump or tmp
     with no_persistent_cache():

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import jax
 
-from lowmem_jax import methods
+from lowmem_jax import gpu_target, methods
 # Re-exported: the names blocks tag, the remat policy names, the linears WTA-CRS may sample.
 from lowmem_jax.remat import CHECKPOINT_NAMES, REMAT_POLICY_NAMES  # noqa: F401
 from lowmem_jax.wta_crs import LINEAR_NAMES  # noqa: F401
@@ -181,8 +181,9 @@ class _PolicyMethods:
 
   # -------------------------------------------------------------------------- shortcuts
   def kernel_implementation(self) -> str:
-    """"xla", "pallas" or "pallas_interpret": ``kernels`` resolved on this backend."""
-    backend = jax.default_backend()
+    """"xla", "pallas" or "pallas_interpret": ``kernels`` resolved on this backend (the
+    compile target's, :mod:`lowmem_jax.gpu_target`)."""
+    backend = gpu_target.backend()
     if self.kernels == "auto":
       return "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
     if self.kernels == "pallas" and backend != "gpu":

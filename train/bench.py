@@ -155,6 +155,12 @@ def _make_runner(cfg: TrainConfig, spec: str, train_set):
 
 def _device_info() -> dict:
   import jax
+
+  from lowmem_jax import gpu_target
+  target = gpu_target.active()
+  if target is not None:  # compiled for a GPU that is not here: nothing ran
+    return {"device_kind": target.device_kind, "backend": "gpu", "device_count": 1,
+            "jax_version": jax.__version__, "compile_target": target.name}
   device = jax.devices()[0]
   return {"device_kind": device.device_kind, "backend": jax.default_backend(),
           "device_count": jax.device_count(), "jax_version": jax.__version__}
@@ -421,6 +427,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   ap.add_argument("--live", action="store_true",
                   help="with --compile-only: also the most distinct bytes live at any point "
                        "of each step's schedule, read off XLA's buffer assignment")
+  ap.add_argument("--target", metavar="GPU",
+                  help="with --compile-only: compile for this GPU instead of the local "
+                       "backend (lowmem_jax.gpu_target: h100; no GPU needed)")
   ap.add_argument("--peak-child", metavar="FILE", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.steps < 1 or args.warmup < 1:
@@ -435,15 +444,18 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     _peak_child(cfg, specs[-1], args.warmup + args.steps, args.peak_child, args.synthetic)
     return None
 
-  if args.live and not args.compile_only:
-    ap.error("--live goes with --compile-only")
+  if (args.live or args.target) and not args.compile_only:
+    ap.error("--live and --target go with --compile-only")
   if args.compile_only:
     if args.peak or args.peers or args.png:
       ap.error("--compile-only runs nothing: it takes no --peak, --peers or --png")
-    result = compile_only(cfg, specs, args.synthetic, live=args.live)
+    from lowmem_jax import gpu_target
+    with gpu_target.compiling_for(args.target):
+      result = compile_only(cfg, specs, args.synthetic, live=args.live)
+    where = ("deviceless compile for it, nothing run" if args.target else "compiled only")
     print(f"\n{cfg.pretrained or cfg.model} ({cfg.task}), batch {cfg.batch_size}, "
           f"{cfg.dtype}; {result['device_kind']} ({result['backend']}), jax "
-          f"{result['jax_version']}; compiled only")
+          f"{result['jax_version']}; {where}")
     print(table(result))
     write_json(args.json, result)
     return result
@@ -493,9 +505,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
 
 def cli() -> None:
   """Entry point: a clear one-line error for bad configs, policies and data."""
+  from lowmem_jax.gpu_target import TargetUnavailable
   try:
     main(sys.argv[1:])
-  except (ValueError, FileNotFoundError) as e:
+  except (ValueError, FileNotFoundError, TargetUnavailable) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
 

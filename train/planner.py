@@ -43,6 +43,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from lowmem_jax import gpu_target
 from lowmem_jax.memory import MiB, compiled_memory, format_table
 from lowmem_jax.policy import MemoryPolicy
 from train.config import TrainConfig, parse_budget
@@ -104,6 +105,10 @@ def device_family(table: dict, device=None) -> str | None:
   """The speed table's family of ``device`` (default: the first): ``cpu`` for the CPU, else
   the family whose name is in the device kind (``h100`` in "NVIDIA H100 80GB HBM3"); None
   when none is."""
+  target = gpu_target.active() if device is None else None
+  if target is not None:
+    kind = target.device_kind.lower()
+    return next((f for f in table if f != "cpu" and f in kind), None)
   device = jax.devices()[0] if device is None else device
   if device.platform == "cpu":
     return "cpu" if "cpu" in table else None
@@ -113,12 +118,15 @@ def device_family(table: dict, device=None) -> str | None:
 
 def resolve_budget(value, device=None) -> int:
   """``memory_budget`` in bytes; ``"auto"``: the ``bytes_limit`` of ``device`` (default:
-  the first) less :data:`AUTO_MARGIN`. ValueError where the device reports no limit (the
+  the compile target's, :func:`lowmem_jax.gpu_target.bytes_limit`, else the first device's)
+  less :data:`AUTO_MARGIN`. ValueError where the device reports no limit (the
   CPU: host memory is shared with everything else on the machine, so give an explicit size
   there)."""
   size = parse_budget(value)
   if size != "auto":
     return size
+  if device is None and gpu_target.active() is not None:
+    return int(gpu_target.bytes_limit() * (1 - AUTO_MARGIN))
   device = jax.devices()[0] if device is None else device
   stats = device.memory_stats() or {}
   if "bytes_limit" not in stats:
@@ -273,7 +281,7 @@ def predict_peak(cfg: TrainConfig, batch_shapes: dict) -> int:
   """Predicted peak bytes of ``cfg``'s train step on ``batch_shapes`` (module docstring):
   compiled ahead of time, nothing run."""
   lowered = abstract_trainer(cfg).lower(batch_shapes)
-  options = PLAN_COMPILER_OPTIONS.get(jax.default_backend(), {})
+  options = PLAN_COMPILER_OPTIONS.get(gpu_target.backend(), {})
   return compiled_memory(lowered.compile(compiler_options=options)).total
 
 

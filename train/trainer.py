@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from lowmem_jax import gpu_target
 from lowmem_jax.memory import StepMemory, compiled_memory
 from models import sites
 from train import sharding
@@ -176,8 +177,9 @@ class Trainer:
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
   def lower(self, batch):
-    """The train step lowered for this state and ``batch`` (for its text or compiled form)."""
-    return self.train_step.lower(self.state, self.first_bad, batch)
+    """The train step lowered for this state and ``batch`` (for its text or compiled form);
+    for the compile target's device under :func:`lowmem_jax.gpu_target.compiling_for`."""
+    return self.train_step.lower(*gpu_target.place((self.state, self.first_bad, batch)))
 
   def compiled_memory(self, batch) -> StepMemory:
     """Compiled memory of this very train step (temp, arguments, total...)."""

@@ -1,0 +1,158 @@
+"""Compiling for a GPU that is not attached (lowmem_jax.gpu_target): what the dispatch
+decides for under a target (no plugin needed: the target is set by hand), and, where jax's
+CUDA plugin is installed, real deviceless compiles in fresh processes: XLA:GPU's executable
+(cuBLAS calls, cuDNN attention) and its compiled memory, through train.bench and
+benchmarks.llama_fit."""
+
+import json
+import os
+import subprocess
+import sys
+from importlib import util
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lowmem_jax import attention, gpu_target
+from lowmem_jax.policy import MemoryPolicy
+from train import planner
+
+ROOT = Path(__file__).resolve().parents[1]
+H100 = gpu_target.TARGETS["h100"]
+needs_plugin = pytest.mark.skipif(
+    util.find_spec("jax_plugins") is None
+    or util.find_spec("jax_plugins.xla_cuda12") is None,
+    reason="jax's CUDA plugin is not installed (pip install jax-cuda12-plugin==<jax version>)")
+
+
+@pytest.fixture
+def as_h100(monkeypatch):
+  """The H100 target active, without compiling anything (no plugin needed)."""
+  monkeypatch.setattr(gpu_target, "_active", H100)
+  return H100
+
+
+def test_unknown_target_names_the_known_ones():
+  with pytest.raises(ValueError, match=r"'a100'.*known: h100"):
+    gpu_target.resolve("a100")
+
+
+def test_config_text_states_the_device():
+  text = H100.config_text()
+  assert "cuda_compute_capability { major: 9 minor: 0 }" in text
+  assert f"device_memory_size: {H100.memory_bytes}" in text
+  assert "dnn_version_info { major: 9 minor: 8 patch: 0 }" in text
+  assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in text
+
+
+def test_no_target_changes_nothing():
+  tree = {"x": jnp.ones((2, 3)), "n": 3}
+  with gpu_target.compiling_for(None) as target:
+    assert target is None and gpu_target.active() is None
+    assert gpu_target.place(tree) is tree
+    assert gpu_target.platform() is None
+    assert gpu_target.bytes_limit() is None
+
+
+def test_dispatch_decides_for_the_target(as_h100):
+  assert gpu_target.backend() == "gpu"
+  assert attention._platform() == ("gpu", H100.cudnn_version, H100.compute_capability)
+  # ViT-B's 197 tokens: cuDNN refuses an odd length, the dispatch pads or goes flash;
+  # on the CPU the same call is always flash (no cuDNN)
+  q = (64, 197, 12, 64)
+  on_target = attention.choose_implementation(q, q, jnp.bfloat16, backend="gpu",
+                                              cudnn_version=H100.cudnn_version,
+                                              compute_capability=H100.compute_capability)
+  assert on_target.implementation in ("cudnn_padded", "flash"), on_target
+  # the Pallas kernels compile for GPU only: under the target they are allowed
+  assert MemoryPolicy.parse("lowmembp+kernels=pallas").kernel_implementation() == "pallas"
+
+
+def test_without_target_the_dispatch_is_local():
+  local = jax.default_backend()
+  assert gpu_target.backend() == local and attention._platform()[0] == local
+  if local != "gpu":
+    with pytest.raises(ValueError, match="compile for GPU only"):
+      MemoryPolicy.parse("lowmembp+kernels=pallas").kernel_implementation()
+
+
+def test_planner_budget_and_family_follow_the_target(as_h100, monkeypatch):
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+  assert gpu_target.bytes_limit() == H100.memory_bytes // 2
+  assert planner.resolve_budget("auto") == int(H100.memory_bytes * 0.5 * (1 - planner.AUTO_MARGIN))
+  assert planner.resolve_budget("1GiB") == 2 ** 30
+  assert planner.device_family({"cpu": {}, "h100": {}}) == "h100"
+
+
+def test_missing_plugin_is_a_clear_error(monkeypatch):
+  if util.find_spec("jax_plugins") is not None and util.find_spec(
+      "jax_plugins.xla_cuda12") is not None:
+    pytest.skip("the plugin is installed here")
+  gpu_target.device.cache_clear()
+  with pytest.raises(gpu_target.TargetUnavailable, match="pip install .jax-cuda12-plugin=="):
+    with gpu_target.compiling_for("h100"):
+      pass
+  assert gpu_target.active() is None
+
+
+def _run(args, tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  env.pop("JAX_PLATFORMS", None)  # the module itself keeps jax on the CPU
+  return subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, text=True,
+                        capture_output=True, timeout=600)
+
+
+@needs_plugin
+def test_deviceless_compile_is_xla_gpu(tmp_path):
+  """A step compiled under the target is XLA:GPU's (cuBLAS GEMMs, cuDNN flash attention),
+  on its simulated device; outside it, the local backend's."""
+  script = tmp_path / "probe.py"
+  script.write_text(
+      "import json, jax, jax.numpy as jnp\n"
+      "from lowmem_jax import gpu_target\n"
+      "def f(w, q):\n"
+      "  o = jax.nn.dot_product_attention(q, q, q, implementation='cudnn')\n"
+      "  return jnp.sum((o.reshape(-1, 64) @ w).astype(jnp.float32) ** 2)\n"
+      "args = (jax.ShapeDtypeStruct((64, 64), jnp.bfloat16),\n"
+      "        jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16))\n"
+      "g = jax.jit(jax.grad(f))\n"
+      "with gpu_target.compiling_for('h100'):\n"
+      "  c = g.lower(*gpu_target.place(args)).compile()\n"
+      "text = c.as_text()\n"
+      "print(json.dumps({'cublas': '__cublas' in text, 'cudnn': '__cudnn$fmha' in text,\n"
+      "  'temp': c.memory_analysis().temp_size_in_bytes,\n"
+      "  'device': str(c.input_shardings[0][0].device_set.pop().device_kind),\n"
+      "  'local': jax.default_backend()}))\n")
+  proc = _run([str(script)], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  got = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert got["cublas"] and got["cudnn"], got
+  assert got["device"] == H100.device_kind and got["local"] == "cpu"
+  assert got["temp"] > 0
+
+
+@needs_plugin
+@pytest.mark.slow
+def test_bench_and_llama_fit_compile_for_the_target(tmp_path):
+  out = tmp_path / "bench.json"
+  proc = _run(["-m", "train.bench", "--compile-only", "--target", "h100", "--synthetic", "8",
+               "--set", "model=vit-tiny", "--set", "batch_size=4",
+               "--policies", "baseline,lowmembp", "--json", str(out)], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  bench = json.loads(out.read_text())
+  assert bench["device_kind"] == H100.device_kind and bench["compile_target"] == "h100"
+  assert [r["policy"] for r in bench["rows"]] == ["baseline", "lowmembp"]
+  assert all(r["compiled"]["temp"] > 0 for r in bench["rows"])
+
+  out = tmp_path / "fit.json"
+  proc = _run(["-m", "benchmarks.llama_fit", "--smoke", "--target", "h100",
+               "--memory-budget", "64MiB", "--json", str(out)], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  fit = json.loads(out.read_text())
+  assert fit["compile_target"] == "h100"
+  (row,) = fit["rows"]  # no peer row: nothing runs under a target
+  assert row["kind"] == "ours" and row["compile_target"] == "h100", row
+  assert row["max_batch_aot"] >= 1 and row["predicted_peak_aot"] <= 64 * 2 ** 20
+  assert "max_batch_run" not in row
