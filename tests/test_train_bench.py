@@ -77,6 +77,25 @@ def test_compile_only_runs_nothing(tmp_path, capsys, monkeypatch):
       bench.main([*TINY, *bad])
 
 
+def test_compile_only_reports_a_failing_policy(monkeypatch, capsys):
+  """One policy that cannot compile is a ``failed`` entry; the others' rows stand. The
+  baseline's failure ends the run."""
+  make = bench._make_runner
+
+  def failing(cfg, spec, train_set):
+    if spec == "lowmembp":
+      raise RuntimeError("no such device memory space\nsecond line")
+    return make(cfg, spec, train_set)
+  monkeypatch.setattr(bench, "_make_runner", failing)
+  result = bench.main([*TINY, "--policies", "lowmembp", "--compile-only"])
+  assert [r["policy"] for r in result["rows"]] == ["baseline"]
+  assert result["failed"] == {"lowmembp": "RuntimeError: no such device memory space"}
+  assert "lowmembp: failed: RuntimeError" in capsys.readouterr().out
+  monkeypatch.setattr(bench, "_make_runner", lambda *a: 1 / 0)
+  with pytest.raises(ZeroDivisionError):
+    bench.main([*TINY, "--policies", "lowmembp", "--compile-only"])
+
+
 class _NoSteps(bench._Runner):
   def __call__(self):
     raise AssertionError("--compile-only ran a step")

@@ -287,20 +287,27 @@ def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
   (:func:`lowmem_jax.memory.peak_buffers`, one more compile per policy), with the five
   source lines holding the most of them."""
   train_set = train_dataset(cfg, synthetic)
-  memory, peaks = {}, {}
-  for spec in specs:
-    runner = _make_runner(cfg, spec, train_set)
-    trainer = runner.trainer
-    memory[spec] = trainer.compiled_memory(runner.batch)
-    line = (f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
-            f"{memory[spec].total / MiB:.1f} MiB")
-    if live:
-      peaks[spec] = peak_buffers(trainer.train_step, trainer.state, trainer.first_bad,
-                                 runner.batch)
-      line += f", live at the peak {peaks[spec].peak_bytes / MiB:.1f} MiB"
-    del runner, trainer
-    print(line, flush=True)
   base_spec = next(s for s in specs if _is_baseline(s))
+  memory, peaks, failed = {}, {}, {}
+  for spec in specs:
+    try:  # a policy that cannot build or compile is reported, not fatal (the baseline is)
+      runner = _make_runner(cfg, spec, train_set)
+      trainer = runner.trainer
+      memory[spec] = trainer.compiled_memory(runner.batch)
+      line = (f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
+              f"{memory[spec].total / MiB:.1f} MiB")
+      if live:
+        peaks[spec] = peak_buffers(trainer.train_step, trainer.state, trainer.first_bad,
+                                   runner.batch)
+        line += f", live at the peak {peaks[spec].peak_bytes / MiB:.1f} MiB"
+      del runner, trainer
+    except Exception as e:  # noqa: BLE001 - any failure of one policy, the baseline's fatal
+      if spec == base_spec:
+        raise
+      memory.pop(spec, None)
+      failed[spec] = error_line(e, 500)
+      line = f"failed [{spec}]: {failed[spec]}"
+    print(line, flush=True)
   base = memory[base_spec]
   rows = [{"policy": spec, "canonical_policy": MemoryPolicy.parse(spec).spec,
            "compiled": mem.as_dict(), "temp_mib": mem.temp / MiB,
@@ -315,9 +322,10 @@ def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
                live_by_source=[{"source": s, "mib": n / MiB, "buffers": c}
                                for s, n, c in peak.by_source()[:5]])
   unit = "tokens/s" if cfg.task == "lm" else "examples/s"
-  return {**_device_info(), "config": cfg.to_json(), "policies": list(specs),
-          "baseline": specs[0], "timed_steps": 0, "warmup_steps": 0, "synthetic": synthetic,
-          "throughput_unit": unit, "rows": rows}
+  result = {**_device_info(), "config": cfg.to_json(), "policies": list(memory),
+            "baseline": specs[0], "timed_steps": 0, "warmup_steps": 0,
+            "synthetic": synthetic, "throughput_unit": unit, "rows": rows}
+  return {**result, "failed": failed} if failed else result
 
 
 def _fmt(value, spec: str) -> str:
@@ -457,6 +465,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
           f"{cfg.dtype}; {result['device_kind']} ({result['backend']}), jax "
           f"{result['jax_version']}; {where}")
     print(table(result))
+    for spec, error in result.get("failed", {}).items():
+      print(f"{spec}: failed: {error}")
     write_json(args.json, result)
     return result
 
