@@ -9,7 +9,8 @@ reads three files XLA writes after buffer assignment (CPU and GPU alike):
 * ``*after_optimizations.txt``: the optimized HLO, whose op metadata names the JAX op and the
   Python source line of every instruction.
 
-The peak is the moment of the schedule with the most distinct bytes live: values that
+The peak is the moment of the schedule with the most distinct *device* bytes live (values
+in another memory space, offload's pinned host memory, are not counted): values that
 share bytes (a loop's state and its in-place update, a bitcast, a donated argument and
 the output written into it) are counted once, each at its own size from the buffer
 assignment. XLA's own "Live ranges at T (peak)" list is not used: it sizes values by
@@ -194,13 +195,15 @@ def _parse_type(text: str | None):
 
 
 _ALLOCATION = re.compile(r"^allocation (\d+): size \d+, (.*)$")
+_COLOR = re.compile(r"\bcolor (\d+)")  # a memory space other than 0: host (offload), not device
 _VALUE = re.compile(r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 
 
 @dataclasses.dataclass(frozen=True)
 class _Value:
   """Where one HLO value lives: its allocation, offset and size in it."""
-  kind: str           # the allocation's: "argument", "output", "temp", "constant"
+  kind: str           # the allocation's: "argument", "output", "temp", "constant", or
+                      # "host" (another memory space: pinned host memory, offload's)
   type_text: str      # "f32[6,512,32]{2,1,0}"
   allocation: int
   offset: int
@@ -214,7 +217,9 @@ def _buffer_values(text: str) -> dict[str, _Value]:
     m = _ALLOCATION.match(line)
     if m:
       allocation, what = int(m.group(1)), m.group(2)
-      kind = ("argument" if what.startswith("parameter") else
+      color = _COLOR.search(what)
+      kind = ("host" if color and color.group(1) != "0" else
+              "argument" if what.startswith("parameter") else
               "output" if what.startswith("output") else
               "constant" if what.startswith("constant") else "temp")
       continue
@@ -240,7 +245,8 @@ def _peak_live(text: str, values: dict[str, _Value]) -> list[tuple[str, int]]:
   """
   ranges = [(m.group(1), int(m.group(2)), int(m.group(3)))
             for m in map(_RANGE.match, text.splitlines()) if m]
-  ranges = [r for r in ranges if r[0] in values and values[r[0]].size]
+  ranges = [r for r in ranges
+            if r[0] in values and values[r[0]].size and values[r[0]].kind != "host"]
   starts, ends = collections.defaultdict(list), collections.defaultdict(list)
   for name, start, end in ranges:
     starts[start].append(name)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import jax
 
+from lowmem_jax import gpu_target
 from lowmem_jax.baseline import Block
 from lowmem_jax.methods import Method
 from lowmem_jax.remat import CHECKPOINT_NAMES
@@ -32,6 +33,8 @@ def checkpoint_policy():
 
 
 def _check_device():
+  if gpu_target.active() is not None:  # a CUDA GPU has pinned host memory; a simulated
+    return                             # one lists no memories
   device = jax.devices()[0]
   kinds = [m.kind for m in device.addressable_memories()]
   if DESTINATION not in kinds:

@@ -139,6 +139,22 @@ def test_values_sharing_bytes_are_counted_once():
                                                                 ("small{}", 4)]
 
 
+def test_host_memory_is_not_device_memory():
+  """Offload's pinned host buffers (an allocation of another memory space, ``color 5``)
+  are left out of the device peak."""
+  text = ("allocation 0: size 64, parameter 0, shape |f32[16]| at ShapeIndex {}:\n"
+          " value: <1 p @0> (size=64,offset=0): f32[16]{0}\n"
+          "allocation 1: size 4096, color 5, preallocated-temp:\n"
+          " value: <2 off @5> (size=4096,offset=0): bf16[2048]{0:S(5)}\n"
+          "allocation 2: size 128, preallocated-temp:\n"
+          " value: <3 t @0> (size=128,offset=0): f32[32]{0}\n")
+  values = buffer_assignment._buffer_values(text)
+  assert {k: v.kind for k, v in values.items()} == {"p{}": "argument", "off{}": "host",
+                                                    "t{}": "temp"}
+  ranges = _ranges(p=(0, 4), off=(0, 4), t=(1, 2))
+  assert sorted(buffer_assignment._peak_live(ranges, values)) == [("p{}", 64), ("t{}", 128)]
+
+
 def test_a_folder_without_a_dump_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="no \\*after_optimizations-buffer-assignment"):
     buffer_assignment.read_dump(str(tmp_path))
