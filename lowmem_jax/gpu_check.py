@@ -105,9 +105,11 @@ BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "remat")
 LLAMA_POLICIES = ("baseline", "lowmembp", "lowmem", "wta-crs", "remat")
 # the combined preset, Mesa alone (is lowmem <= mesa8; mesa8's activation memory and speed
 # against the baseline) and WTA-CRS under LoRA against JAX's own remat and offload
-# policies (ViT-B LoRA, --peak)
+# policies (ViT-B LoRA, --peak); lowmem+offload: compiled for the H100 it is the one
+# combination under timm+peft+checkpointing's 1279 MiB (docs/h100_compiled.md), its speed
+# is the question
 REMAT_POLICIES = ("baseline", "lowmem", "mesa8", "wta-crs", "remat", "remat:dots_saveable",
-                  "remat:save=qkv_proj,attn_out", "offload")
+                  "remat:save=qkv_proj,attn_out", "offload", "lowmem+offload")
 
 
 def _py(*args: str) -> list[str]:
