@@ -77,16 +77,22 @@ def test_compile_only_runs_nothing(tmp_path, capsys, monkeypatch):
       bench.main([*TINY, *bad])
 
 
+def _failing_for(failing_spec: str, error: Exception):
+  """``train.bench._make_runner`` that raises ``error`` for ``failing_spec`` only."""
+  make = bench._make_runner
+
+  def runner(cfg, spec, train_set):
+    if spec == failing_spec:
+      raise error
+    return make(cfg, spec, train_set)
+  return runner
+
+
 def test_compile_only_reports_a_failing_policy(monkeypatch, capsys):
   """One policy that cannot compile is a ``failed`` entry; the others' rows stand. The
   baseline's failure ends the run."""
-  make = bench._make_runner
-
-  def failing(cfg, spec, train_set):
-    if spec == "lowmembp":
-      raise RuntimeError("no such device memory space\nsecond line")
-    return make(cfg, spec, train_set)
-  monkeypatch.setattr(bench, "_make_runner", failing)
+  monkeypatch.setattr(bench, "_make_runner", _failing_for(
+      "lowmembp", RuntimeError("no such device memory space\nsecond line")))
   result = bench.main([*TINY, "--policies", "lowmembp", "--compile-only"])
   assert [r["policy"] for r in result["rows"]] == ["baseline"]
   assert result["failed"] == {"lowmembp": "RuntimeError: no such device memory space"}
@@ -205,14 +211,8 @@ def test_png_with_matplotlib(tmp_path):
 def test_a_policy_that_fails_is_reported_and_the_others_still_run(monkeypatch, capsys):
   """One policy's failure (here its build; on a GPU, say, a host offload XLA refuses) is a
   reported row, not the end of the bench; the baseline's is fatal (every ratio needs it)."""
-  make = bench._make_runner
-
-  def failing(cfg, spec, train_set):
-    if spec == "lowmembp":
-      raise ValueError("lowmembp: cannot build here\nsecond line")
-    return make(cfg, spec, train_set)
-
-  monkeypatch.setattr(bench, "_make_runner", failing)
+  monkeypatch.setattr(bench, "_make_runner", _failing_for(
+      "lowmembp", ValueError("lowmembp: cannot build here\nsecond line")))
   cfg = bench.load_config("digits-vit", None, TINY_OVERRIDES)
   result = bench.run(cfg, ["baseline", "lowmembp"], steps=1, warmup=1)
   assert [r["policy"] for r in result["rows"]] == ["baseline"]
