@@ -42,7 +42,7 @@ class Target:
   name: str
   device_kind: str
   compute_capability: tuple[int, int]
-  cudnn_version: int          # 9.8.0 -> 90800: what jax 0.11's CUDA 12 wheels load
+  cudnn_version: int          # 9.8.0 -> 90800 (assumed: the GPU image's is unrecorded)
   cuda_runtime: tuple[int, int, int]
   memory_bytes: int           # what the device reports as its memory
   core_count: int
@@ -85,8 +85,8 @@ device_description_str: "{self.device_kind}"
 
 
 # NVIDIA's published H100 SXM5 80GB figures (132 SMs, 3.35 TB/s, 50 MiB L2, 1.98 GHz boost,
-# 227 KiB opt-in shared memory per block); memory_bytes as the H100 of
-# ../shared/gpu/h100-2026-11-22.md reports it (79.1 GiB).
+# 227 KiB opt-in shared memory per block); memory_bytes (79.1 GiB) as a public XLA target
+# config of an "NVIDIA H100 80GB HBM3" gives it, not read off our H100.
 TARGETS: dict[str, Target] = {
     "h100": Target(name="h100", device_kind="NVIDIA H100 80GB HBM3",
                    compute_capability=(9, 0), cudnn_version=90800,
@@ -111,11 +111,6 @@ def resolve(name: str) -> Target:
   return TARGETS[name]
 
 
-def _backends_initialised() -> bool:
-  from jax._src import xla_bridge
-  return bool(getattr(xla_bridge, "_backends", None))
-
-
 @functools.lru_cache(maxsize=None)
 def device(name: str):
   """The simulated device of target ``name`` (a one-device CUDA topology, no GPU needed).
@@ -135,7 +130,8 @@ def device(name: str):
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_gpu_enable_triton_gemm" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " " + DEVICELESS_XLA_FLAGS).strip()
-  if not _backends_initialised() and not jax.config.jax_platforms:
+  from jax._src import xla_bridge
+  if not xla_bridge.backends_are_initialized() and not jax.config.jax_platforms:
     # without a GPU the plugin fails to initialise as a backend, and then offers no
     # topology; the CPU as the only backend leaves it loaded as a compiler
     jax.config.update("jax_platforms", "cpu")

@@ -21,9 +21,10 @@ from train import planner
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = gpu_target.TARGETS["h100"]
+PLUGIN = (util.find_spec("jax_plugins") is not None
+          and util.find_spec("jax_plugins.xla_cuda12") is not None)
 needs_plugin = pytest.mark.skipif(
-    util.find_spec("jax_plugins") is None
-    or util.find_spec("jax_plugins.xla_cuda12") is None,
+    not PLUGIN,
     reason="jax's CUDA plugin is not installed (pip install jax-cuda12-plugin==<jax version>)")
 
 
@@ -87,8 +88,7 @@ def test_planner_budget_and_family_follow_the_target(as_h100, monkeypatch):
 
 
 def test_missing_plugin_is_a_clear_error(monkeypatch):
-  if util.find_spec("jax_plugins") is not None and util.find_spec(
-      "jax_plugins.xla_cuda12") is not None:
+  if PLUGIN:
     pytest.skip("the plugin is installed here")
   gpu_target.device.cache_clear()
   with pytest.raises(gpu_target.TargetUnavailable, match="pip install .jax-cuda12-plugin=="):

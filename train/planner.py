@@ -108,11 +108,11 @@ def device_family(table: dict, device=None) -> str | None:
   target = gpu_target.active() if device is None else None
   if target is not None:
     kind = target.device_kind.lower()
-    return next((f for f in table if f != "cpu" and f in kind), None)
-  device = jax.devices()[0] if device is None else device
-  if device.platform == "cpu":
-    return "cpu" if "cpu" in table else None
-  kind = device.device_kind.lower()
+  else:
+    device = jax.devices()[0] if device is None else device
+    if device.platform == "cpu":
+      return "cpu" if "cpu" in table else None
+    kind = device.device_kind.lower()
   return next((f for f in table if f != "cpu" and f in kind), None)
 
 
