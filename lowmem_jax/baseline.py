@@ -134,10 +134,12 @@ class Norm(Strategy):
   """``fn(x, *affine, eps, name=name)`` over the last axis. ``has_affine``: whether the
   norm holds its scale (and bias); without, the model merges them into the linears that
   read the output. ``affine``: ``(scale, bias or None)`` for "layer", ``(scale,)`` for
-  "rms", ``()`` without affine."""
+  "rms", ``()`` without affine. ``keeps_output``: its backward reads its output, which it
+  keeps (MS norms): a reader of the output keeps it at no further cost."""
   kind: str
   fn: Callable
   has_affine: bool = True
+  keeps_output: bool = False
 
   def __call__(self, x, affine=(), *, eps: float, name: str | None = None):
     return self.fn(x, *affine, eps, name=name)
@@ -174,7 +176,7 @@ class Block(Strategy):
 
 
 # ----------------------------------------------------------------------------- hooks
-def _shared(policy, inner, *, groups: int = 1, axis: int = -1):
+def _shared(policy, inner, *, groups: int = 1, axis: int = -1, norm=None):
   return Shared()
 
 

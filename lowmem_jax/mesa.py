@@ -180,7 +180,7 @@ def _coder(policy, groups: int = 1, axis: int = -1) -> Coder:
   return Coder(groups, axis, policy.kernel_implementation())
 
 
-def _shared(policy, inner, *, groups: int = 1, axis: int = -1):
+def _shared(policy, inner, *, groups: int = 1, axis: int = -1, norm=None):
   return inner if policy.quant == "none" else CodedShared(_coder(policy, groups, axis))
 
 

@@ -31,8 +31,10 @@ import importlib
 from collections.abc import Callable, Mapping, Sequence
 
 # The kinds of site a strategy is asked for, and what a model passes for each:
-#   shared(groups=1, axis=-1)              an activation read by one or more linears:
-#                                          ``x -> kept x`` (made once for all readers)
+#   shared(groups=1, axis=-1, norm=None)   an activation read by one or more linears:
+#                                          ``x -> kept x`` (made once for all readers;
+#                                          ``norm``: it stands where that norm's output
+#                                          would, and is carried in the same form)
 #   linear(name, frozen)                   ``(dense, x, kernel, bias, *, contract) -> y``
 #   activation(kind, gated)                ``h -> act(h)``, or ``(g, u) -> act(g) * u``
 #   norm(kind)                             ``(x, affine, *, eps, name) -> y``

@@ -20,7 +20,7 @@ def _norm(policy, inner, *, kind: str):
   if policy.norm != "ms":
     return inner
   fn = norms.ms_norm_fn(kind, policy.kernel_implementation())
-  return dataclasses.replace(inner, fn=fn, has_affine=False)
+  return dataclasses.replace(inner, fn=fn, has_affine=False, keeps_output=True)
 
 
 METHOD = Method(

@@ -149,10 +149,12 @@ class _PolicyMethods:
         chosen = hook(self, chosen, **kwargs)
     return chosen
 
-  def shared_strategy(self, groups: int = 1, axis: int = -1):
+  def shared_strategy(self, groups: int = 1, axis: int = -1, *, norm: str | None = None):
     """``x -> kept x`` for an activation that one or more linears read: what they keep
-    of it, made once for all (``groups`` along ``axis``: how a method may split it)."""
-    return self.strategy("shared", groups=groups, axis=axis)
+    of it, made once for all (``groups`` along ``axis``: how a method may split it).
+    ``norm``: the activation stands where the output of a norm of that kind would (the
+    embeddings entering a post-LN stack), and is carried as that norm's output is."""
+    return self.strategy("shared", groups=groups, axis=axis, norm=norm)
 
   def linear_strategy(self, name: str | None = None, *, frozen: bool = False):
     """``(dense, x, kernel, bias, *, contract) -> y`` for the linear called ``name``

@@ -348,14 +348,25 @@ class SampledTensor:
   per-example cache behind them receives the sum over the readers. ``lean`` (static):
   how ops that read it without sampling keep it (``lowmem_jax.wta_crs``): the value
   under ``keep_inputs`` (True) or plain autodiff (False), as they would keep a plain one.
+  ``rows``, ``idx`` and ``scale`` None (:meth:`whole`): not sampled, because its producer
+  keeps it whole anyway (an MS norm its output): its readers' ``dW`` are exact from it.
   A pytree (arrays as leaves), so it may be a scan carry (a block stack's).
   """
   value: jax.Array
-  rows: jax.Array
-  idx: jax.Array
-  scale: jax.Array
+  rows: jax.Array | None
+  idx: jax.Array | None
+  scale: jax.Array | None
   weights: jax.Array | None = None
   lean: bool = True
+
+  @classmethod
+  def whole(cls, x, lean: bool = True) -> "SampledTensor":
+    """``x`` carried unsampled: its readers keep it whole (what its producer keeps)."""
+    return cls(x, None, None, None, None, lean)
+
+  @property
+  def is_whole(self) -> bool:
+    return self.rows is None
 
 
 jax.tree_util.register_dataclass(SampledTensor,
@@ -382,6 +393,9 @@ def sampled_linear(x, kernel, bias, sample: SampledTensor):
   every linear reading it, and ``rows`` saved as the one buffer they share (its own
   dtype; cast in backward). ``contract_ndim`` is 1."""
   _check_linear(x, kernel, bias, 1, "sampled_linear")
+  if sample.is_whole:
+    raise ValueError("sampled_linear: the sample is whole (SampledTensor.whole): read it "
+                     "with the exact linear")
   if x.shape != sample.value.shape:
     raise ValueError(f"sampled_linear: x{list(x.shape)} is not the sampled value "
                      f"{list(sample.value.shape)}")

@@ -14,7 +14,14 @@ a :class:`~lowmem_jax.sampling.KeyState` (its key and call count, and the gradie
 cache when the trainer attaches one: the readers' squared output-gradient norms summed,
 the optimal ``p_i ~ ||x_i|| sqrt(sum_r ||g_ri||^2)`` for one shared sample).
 
-A frozen kernel (LoRA's base) has no weight gradient to estimate, so it is never sampled;
+Under MS norms (``lowmembp+wta-crs``) a norm keeps its output for its own backward, so
+its readers' ``dW`` are exact from that buffer at no cost: the norm carries its output
+whole (:class:`WholeNorm`), unsampled; only the other activations are sampled (the MLP's
+hidden state). Sampling it anyway kept more than ``lowmembp`` alone on XLA:GPU (ViT-B
+LoRA: the rows beside the kept output, and the sampled backward's transients).
+
+A frozen kernel (LoRA's base, and every linear that does not train: ``train.model``
+freezes them) has no weight gradient to estimate, so it is never sampled;
 it reads the carried value keeping nothing of it (:func:`read_sampled`). Under LoRA the
 trained linear reading the layer input is the adapter's ``A`` (:mod:`models.lora` gives
 it the base's site), so ``dA`` is the one sampled, with ``A``'s output cotangent
@@ -48,7 +55,7 @@ policy              peak   temp  peak vs LoRA
 baseline           278.6  191.4  1
 wta-crs            238.7  148.7  0.86
 lowmembp           235.9  148.7  0.85
-lowmembp+wta-crs   205.0  114.8  0.74
+lowmembp+wta-crs   210.7  120.5  0.76
 mesa8              171.1   83.9  0.61
 mesa8+wta-crs      169.9   79.7  0.61
 lowmem             162.1   74.9  0.58
@@ -64,7 +71,10 @@ rows of ``o`` would add 0.3D to what attention keeps: ``out`` is not sampled by
 default). So WTA-CRS alone removes at most the readers' 2D + F of 8D + 2F (37% of the
 activation memory; 26% at k = 0.3 rows), and less of the peak, which also holds the
 parameters and backward's transients: 30% below LoRA's peak is out of its reach on
-post-LN BERT. With lowmembp the GELU keeps a 2-bit code (F/16): 6.6D + 0.36F.
+post-LN BERT. With lowmembp the GELU keeps a 2-bit code (F/16) and the MS norms keep their
+outputs, which q, k, v and fc1 read whole (:class:`WholeNorm`): 6D + 0.36F. (Sampling
+those outputs too measured 205.0 MiB here on the CPU, 5.7 less, but on XLA:GPU for ViT-B
+LoRA it kept 188 MiB more than lowmembp alone: ``docs/h100_compiled.md``.)
 """
 
 from __future__ import annotations
@@ -119,13 +129,8 @@ class SampledShared(Strategy):
     return sample, {"sampler": state}
 
 
-@dataclasses.dataclass(frozen=True)
-class SampledNorm(Strategy):
-  """``inner``'s norm returning its output carried with one sample of its rows (what
-  the sampled linears reading it keep), so that every block input, a norm's output or
-  the embeddings', arrives in one form (a block stack's scan carry)."""
-  inner: Norm
-  sampler: Sampler
+class _NormWrapper(Strategy):
+  """What a strategy wrapping a norm (``inner``) says of it, as the norm does."""
 
   @property
   def fn(self):
@@ -139,6 +144,30 @@ class SampledNorm(Strategy):
   def has_affine(self) -> bool:
     return self.inner.has_affine
 
+  @property
+  def keeps_output(self) -> bool:
+    return self.inner.keeps_output
+
+
+@dataclasses.dataclass(frozen=True)
+class WholeShared(Strategy):
+  """An activation standing where an MS norm's output would (the embeddings entering a
+  post-LN stack of them), carried whole as :class:`WholeNorm` carries that output: its
+  readers keep it whole, one buffer for all, and their ``dW`` are exact."""
+  lean: bool
+
+  def __call__(self, x):
+    return x if value_of(x) is not x else SampledTensor.whole(x, self.lean)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledNorm(_NormWrapper):
+  """``inner``'s norm returning its output carried with one sample of its rows (what
+  the sampled linears reading it keep), so that every block input, a norm's output or
+  the embeddings', arrives in one form (a block stack's scan carry)."""
+  inner: Norm
+  sampler: Sampler
+
   def init_state(self):
     return {"sampler": sampling.KeyState.create()}
 
@@ -149,6 +178,21 @@ class SampledNorm(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
+class WholeNorm(_NormWrapper):
+  """``inner``'s norm, which keeps its output for its own backward (an MS norm,
+  ``keeps_output``), returning it carried whole
+  (:meth:`~lowmem_jax.sampling.SampledTensor.whole`): its sampled readers' ``dW`` are
+  exact from the buffer the norm keeps anyway; a sample's rows would only add memory
+  and noise. Carried, not plain, so that sampled readers know not to sample it and
+  every block input arrives in one form (a block stack's scan carry)."""
+  inner: Norm
+  lean: bool
+
+  def __call__(self, x, affine=(), *, eps: float, name=None):
+    return SampledTensor.whole(self.inner(x, affine, eps=eps, name=name), self.lean)
+
+
+@dataclasses.dataclass(frozen=True)
 class SampledLinear(Strategy):
   """``dense``'s function with a WTA-CRS weight gradient. Reading a
   :class:`~lowmem_jax.sampling.SampledTensor`, it keeps the rows carried (shared with
@@ -156,7 +200,8 @@ class SampledLinear(Strategy):
   :class:`~lowmem_jax.quant.QTensor`, it draws ``k`` rows of the value with its own key
   and keeps the code (the buffer the other readers keep) with its indices and scales:
   backward gathers and dequantizes those rows of the code. Reading a plain input it
-  samples ``k`` rows of the value and keeps them."""
+  samples ``k`` rows of the value and keeps them. Reading one carried whole (an MS
+  norm's output), it is the exact linear: it keeps the value, the buffer the norm keeps."""
   ratio: float
 
   def init_state(self):
@@ -166,6 +211,8 @@ class SampledLinear(Strategy):
     # dense casts to its compute dtype: the activation here, the weights inside the rule
     # (which keeps them as given, not a cast copy)
     value = value_of(x).astype(dense.dtype)
+    if isinstance(x, SampledTensor) and x.is_whole:
+      return read_sampled(dense, [x], (kernel,) if bias is None else (kernel, bias)), {}
     if isinstance(x, SampledTensor):
       if contract != 1:
         raise ValueError(f"SampledLinear: a shared sample is of rows of [..., in]; this "
@@ -230,17 +277,21 @@ def _sampler(policy) -> Sampler:
   return Sampler(policy.sample_ratio, policy.linear_strategy().lean)
 
 
-def _shared(policy, inner, *, groups: int = 1, axis: int = -1):
+def _shared(policy, inner, *, groups: int = 1, axis: int = -1, norm=None):
   # Only where the activation is kept as it is: another method's carrier (Mesa's code)
   # stays, and its sampled readers each draw a sample of the value and keep the code.
   if policy.sampled_linear == "none" or not isinstance(inner, Shared):
     return inner
+  if norm is not None and getattr(policy.norm_strategy(norm), "keeps_output", False):
+    return WholeShared(_sampler(policy).lean)  # in the form such a norm's output is
   return SampledShared(_sampler(policy))
 
 
 def _norm(policy, inner, *, kind: str):
   if policy.sampled_linear == "none" or not isinstance(inner, Norm):
     return inner
+  if inner.keeps_output:
+    return WholeNorm(inner, _sampler(policy).lean)
   return SampledNorm(inner, _sampler(policy))
 
 

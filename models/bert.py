@@ -225,7 +225,7 @@ class Bert(nnx.Module):
     self.embeddings = BertEmbeddings(cfg, dtype=dtype, rngs=rngs)
     # What layer 0's q/k/v keep of the embeddings output (Mesa: its code), made here so
     # it enters the stack in the form every layer returns its output in.
-    self.shared_embeddings = Site(self.policy.shared_strategy())
+    self.shared_embeddings = Site(self.policy.shared_strategy(norm="layer"))
     self.stack = BlockStack(lambda r: BertLayer(cfg, self.policy, dtype=dtype, rngs=r),
                             cfg.num_layers, self.policy, rngs)
     head = dict(dtype=dtype, kernel_init=nnx.initializers.normal(cfg.initializer_range),

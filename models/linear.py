@@ -42,9 +42,10 @@ class _PolicyDense:
   def store_kernel(self, format: str) -> None:
     """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``),
     once, as a :class:`FrozenKernel`; the layer then uses the frozen strategy
-    (:meth:`freeze_kernel`). ``float32`` leaves it as it is; a kernel stored in
+    (:meth:`freeze_kernel`). ``float32`` leaves it as it is, frozen; a kernel stored in
     ``format`` already (a streamed load) is only frozen."""
     if format == "float32":
+      self.freeze_kernel()
       return
     kernel = self.kernel[...]
     if isinstance(kernel, quantized_weight.QuantizedKernel):

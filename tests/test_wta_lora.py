@@ -215,6 +215,61 @@ def test_in_a_model_the_adapters_of_the_targets_are_sampled():
   assert not isinstance(block.attention.query.base.saving.strategy, SampledLinear)
 
 
+def _adapter_grads(policy, tokens, labels):
+  """The LoRA adapters' gradients of a bert-tiny (q, v, fc2 adapted) under ``policy``."""
+  model = registry.build("bert-tiny", policy, dtype=jnp.float32, max_positions=16)
+  lora.apply_lora(model, rank=4, targets=("query", "value", "fc2"), seed=1)
+  for path, b in nnx.iter_graph(model):
+    if isinstance(b, nnx.Param) and path[-1] == "lora_b":
+      b[...] = rand(b[...].shape, len(path)) * 0.5  # B != 0: A gets a gradient
+  graphdef, params, rest = nnx.split(model, lora.LoRAParam, ...)
+
+  def loss(params):
+    logits = nnx.merge(graphdef, params, rest, copy=True)(tokens)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, labels))
+
+  with jax.default_matmul_precision("highest"):
+    grads = jax.jit(jax.grad(loss))(params)
+  layer0 = lambda name: grads["stack"]["blocks"]["attention" if name != "fc2" else "mlp"][
+      name]["lora_a"][...][0]
+  return {name: layer0(name) for name in ("query", "value", "fc2")}
+
+
+def test_under_ms_norms_readers_of_a_norm_output_are_exact_and_the_rest_sampled():
+  # An MS norm keeps its output for its own backward: q and v's dA read it whole
+  # (exact, as under lowmembp alone); fc2 reads the GELU output, which is sampled.
+  tokens = jax.random.randint(jax.random.key(0), (8, 16), 0, 100)
+  labels = jnp.arange(8) % 2
+  exact = _adapter_grads("lowmembp", tokens, labels)
+  both = _adapter_grads("lowmembp+wta-crs", tokens, labels)
+  for name in ("query", "value"):
+    np.testing.assert_allclose(both[name], exact[name], rtol=1e-5,
+                               atol=1e-6 * float(jnp.abs(exact[name]).max()))
+  gap = float(jnp.abs(both["fc2"] - exact["fc2"]).max())
+  assert gap > 1e-3 * float(jnp.abs(exact["fc2"]).max()), gap  # fc2's dA is sampled
+
+
+def test_linears_that_do_not_train_are_frozen_and_never_sampled():
+  from train.config import TrainConfig
+  from train.model import build_model
+
+  def sampled(trainable):
+    cfg = TrainConfig(name="t", task="text", model="bert-tiny", policy="wta-crs",
+                      dtype="float32", trainable=trainable, lora_targets="query,value")
+    block = build_model(cfg).stack.layer(0)
+    sites = {"key": block.attention.key.saving, "fc1": block.mlp.fc1.saving,
+             "fc2": block.mlp.fc2.saving}
+    if trainable == "lora":
+      sites.update({"query": block.attention.query.base.saving,
+                    "query.A": block.attention.query.read_x})
+    return {name: isinstance(site.strategy, SampledLinear) for name, site in sites.items()}
+
+  assert sampled("lora") == {"key": False, "fc1": False, "fc2": False, "query": False,
+                             "query.A": True}
+  assert sampled("full") == {"key": True, "fc1": True, "fc2": True}
+  assert sampled("frozen:fc1") == {"key": True, "fc1": False, "fc2": True}
+
+
 LAYERS, TOKENS = 12, (16, 64)  # stacked residuals dominate the peak; no big N x N
 
 
@@ -236,7 +291,7 @@ def _lora_step_peak(policy):
   return peak_buffers(step, params, rest, tokens, labels)
 
 
-def test_lora_step_peaks_wta_crs_below_lora_and_mesa8_wta_crs_below_its_parts():
+def test_lora_step_peaks_wta_crs_below_lora_and_combinations_below_their_parts():
   base, wta = _lora_step_peak("baseline"), _lora_step_peak("wta-crs")
   # Per token per layer the adapters' A keep, for dA, the layer input (q, k, v: D), the
   # attention norm's output (fc1: D) and the GELU output (fc2: F) without sampling; one
@@ -255,3 +310,10 @@ def test_lora_step_peaks_wta_crs_below_lora_and_mesa8_wta_crs_below_its_parts():
   # Measured (CPU, jax 0.10.2): 22.2 MiB, mesa8 22.7 (wta-crs 40.8).
   mesa, both = _lora_step_peak("mesa8"), _lora_step_peak("mesa8+wta-crs")
   assert both.peak_bytes <= min(mesa.peak_bytes, wta.peak_bytes), both.table()
+  # Under MS norms the norms' outputs are kept whole (the norms keep them): only fc2's
+  # input is sampled, and the combination keeps no more than either part.
+  ms, ms_wta = _lora_step_peak("lowmembp"), _lora_step_peak("lowmembp+wta-crs")
+  assert ms_wta.peak_bytes <= min(ms.peak_bytes, wta.peak_bytes), ms_wta.table()
+  samples = sorted(b.shape for b in ms_wta.buffers
+                   if b.shape is not None and len(b.shape) == 3 and b.shape[:2] == (LAYERS, k))
+  assert samples == [(LAYERS, k, 128)], ms_wta.table()

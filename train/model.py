@@ -62,28 +62,33 @@ def base_format(cfg: TrainConfig, path: tuple, module) -> str:
   embedding's table (``models.embedding.TABLE_FORMATS``: nf4 tables in bf16): in
   ``cfg.base_dtype`` when it does not train under ``cfg.trainable`` (under LoRA: every
   base, wrapped or not, the LM head and the embedding too), else "float32"."""
-  if cfg.base_dtype == "float32" or cfg.trainable == "full":
+  if cfg.base_dtype == "float32" or _trains(cfg, path, module):
     return "float32"
-  table = isinstance(module, Embed)
-  name = "embedding" if table else "kernel"
+  return TABLE_FORMATS[cfg.base_dtype] if isinstance(module, Embed) else cfg.base_dtype
+
+
+def _trains(cfg: TrainConfig, path: tuple, module) -> bool:
+  """Whether the weight of ``module`` (a linear's kernel, an embedding's table) trains."""
+  if cfg.trainable == "full":
+    return True
+  name = "embedding" if isinstance(module, Embed) else "kernel"
   trains = nnx.filterlib.to_predicate(trainable_filter(cfg))
-  if trains(tuple(path) + (name,), getattr(module, name)):
-    return "float32"
-  return TABLE_FORMATS[cfg.base_dtype] if table else cfg.base_dtype
+  return trains(tuple(path) + (name,), getattr(module, name))
 
 
 def store_frozen_kernels(model, cfg: TrainConfig) -> None:
-  """Stores every frozen linear kernel and embedding table in its :func:`base_format`,
-  once, in place (one a streamed load stored already is only marked frozen)."""
+  """Freezes every linear whose kernel does not train under ``cfg.trainable`` (the
+  policy's strategy for a frozen linear: no weight gradient, so nothing kept for one and,
+  under WTA-CRS, no sample), and stores it and every frozen embedding table in its
+  :func:`base_format`, once, in place (one a streamed load stored already is only marked
+  frozen)."""
   for path, node in list(nnx.iter_graph(model)):
-    if isinstance(node, (Linear, LinearGeneral, Embed)):
+    if isinstance(node, Embed):
       format = base_format(cfg, tuple(path), node)
-      if format == "float32":
-        continue
-      if isinstance(node, Embed):
+      if format != "float32":
         node.store_table(format)
-      else:
-        node.store_kernel(format)
+    elif isinstance(node, (Linear, LinearGeneral)) and not _trains(cfg, tuple(path), node):
+      node.store_kernel(base_format(cfg, tuple(path), node))
 
 
 def trainable_filter(cfg: TrainConfig):
