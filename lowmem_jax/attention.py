@@ -71,13 +71,16 @@ def _validate(q, k, v, mask):
 
 
 def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str = "auto",
-              scale: float | None = None, block_k: int = DEFAULT_BLOCK_K,
+              scale: float | None = None, block_k: int | None = None,
               name: str | None = None):
   """Scaled dot-product attention; returns ``[B, N, H, D]`` in q's dtype.
 
   ``name`` tags the output with ``checkpoint_name``; in ``"flash"`` it is tagged inside
-  the rule, so the saved ``o`` and the output stay one array.
+  the rule, so the saved ``o`` and the output stay one array. ``block_k`` (``"flash"``;
+  default :data:`DEFAULT_BLOCK_K`): the most keys per block; the blocks are made equal
+  (:func:`key_block`), so ``M`` is padded by less than one block's worth of keys.
   """
+  block_k = DEFAULT_BLOCK_K if block_k is None else block_k
   _validate(q, k, v, mask)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
@@ -109,7 +112,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
   elif implementation == "cudnn_padded":
     out = _padded(q, k, v, mask, causal, scale, "cudnn")
   else:
-    return _flash(q, k, v, mask, causal, scale, min(block_k, max(k.shape[1], 1)), name)
+    return _flash(q, k, v, mask, causal, scale, key_block(k.shape[1], block_k), name)
   return out if name is None else checkpoint_name(out, name)
 
 
@@ -284,6 +287,13 @@ def _padded(q, k, v, mask, causal, scale, implementation):
 
 
 # ----------------------------------------------------------------------------- flash
+def key_block(m: int, block_k: int) -> int:
+  """The key block of ``"flash"`` for ``m`` keys: at most ``block_k``, in as few blocks as
+  that allows, of equal size (197 keys, ``block_k`` 128: two blocks of 99, one padded key)."""
+  m = max(m, 1)
+  return -(-m // -(-m // block_k))
+
+
 def _grouped(q, num_kv_heads):
   b, n, h, d = q.shape
   return q.reshape(b, n, num_kv_heads, h // num_kv_heads, d)
@@ -309,7 +319,11 @@ def _mask_blocks(mask, num_kv_heads, m, num_blocks, block):
 
 
 def _block_valid(j, block, n, m, causal, mask_j):
-  """Which (query, key) pairs of kv block ``j`` may attend: ``[.., N, block]`` bool."""
+  """Which (query, key) pairs of kv block ``j`` may attend: ``[.., N, block]`` bool, or
+  None when all may (no padded key, no causal mask, no mask): an all-true mask would be
+  constant-folded into an ``N x block`` buffer per head."""
+  if block * -(-m // block) == m and not causal and mask_j is None:
+    return None
   kpos = j * block + jnp.arange(block)
   valid = (kpos < m)[None, :]
   if causal:
@@ -344,7 +358,7 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
     j, kj, vj, mask_j = xs
     s = _scores(qg, kj, scale)
     valid = _block_valid(j, block, n, m, causal, mask_j)
-    s = jnp.where(valid, s, -jnp.inf)
+    s = s if valid is None else jnp.where(valid, s, -jnp.inf)
     new_max = jnp.maximum(row_max, s.max(-1))
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
     p = jnp.exp(s - safe_max[..., None])
@@ -395,7 +409,8 @@ def _flash_bwd(causal, scale, block, name, res, do):
     j, kj, vj, mask_j = xs
     s = _scores(qg, kj, scale)
     valid = _block_valid(j, block, n, m, causal, mask_j)
-    p = jnp.where(valid, jnp.exp(s - lse[..., None]), 0.0)
+    p = jnp.exp(s - lse[..., None])
+    p = p if valid is None else jnp.where(valid, p, 0.0)
     dv = jnp.einsum("bhgnk,bnhgd->bkhd", p.astype(do.dtype), dog,
                     preferred_element_type=jnp.float32)
     dp = jnp.einsum("bnhgd,bkhd->bhgnk", dog, vj, preferred_element_type=jnp.float32)

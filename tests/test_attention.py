@@ -5,6 +5,7 @@ logic (run through XLA on CPU); every model preset's attention at N = 17 .. 2048
 import functools
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -105,6 +106,41 @@ def test_flash_saves_no_n_by_n_array():
       assert res.total_bytes <= 2 * (b * n * h * d * 4) + b * h * n * 4, res.table()
     else:  # the check above can fail: the XLA path does keep N x N probabilities
       assert big, res.table()
+
+
+def test_key_blocks_are_equal_and_at_most_block_k():
+  assert attn.key_block(197, 512) == 197
+  assert attn.key_block(197, 128) == 99    # two blocks, one padded key (not 59)
+  assert attn.key_block(1024, 512) == 512
+  assert attn.key_block(600, 512) == 300
+  assert attn.key_block(17, 4) == 4        # five blocks of at most 4: 4 x 5 = 20 >= 17
+  assert attn.key_block(0, 512) == 1
+
+
+@pytest.mark.parametrize("causal,mask_kind,n,block_k,masked", [
+    (False, None, 40, 20, False),   # two whole blocks: nothing to mask
+    (False, None, 40, 512, False),  # one block
+    (False, None, 41, 20, True),    # three blocks of 14, one padded key
+    (True, None, 40, 20, True),
+    (False, "padding", 40, 20, True),
+])
+def test_flash_masks_scores_only_when_some_key_is_hidden(causal, mask_kind, n, block_k, masked):
+  # an all-true mask would be constant-folded into an N x block buffer per head (XLA:GPU
+  # kept 28 MiB of them at ViT-B LoRA's peak): none is built when every key is seen
+  q, k, v = _qkv(2, n, n, 2, 2, 8)
+  mask = _padding_mask(2, n) if mask_kind else None
+  jaxpr = jax.make_jaxpr(jax.grad(_loss("flash", causal, mask, block_k), argnums=(0, 1, 2)))(
+      q, k, v)
+  block = attn.key_block(n, block_k)
+
+  def selects(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "select_n" and eqn.outvars[0].aval.shape[-2:] == (n, block):
+        yield eqn
+    for sub in jax.extend.core.subjaxprs(jaxpr):
+      yield from selects(sub)
+
+  assert any(True for _ in selects(jaxpr.jaxpr)) == masked
 
 
 def test_flash_compiled_memory_below_xla():
