@@ -318,11 +318,19 @@ def _mask_blocks(mask, num_kv_heads, m, num_blocks, block):
   return jnp.moveaxis(mask, 4, 0)
 
 
+def _key_bias(nb, block, m):
+  """``f32[nb, block]``: 0 for the keys of each block, -inf for the padding past ``m``;
+  None without padding. Added to the scores: XLA:GPU constant-folded a boolean
+  padding mask into an ``N x block`` buffer per head (28 MiB at ViT-B LoRA's peak)."""
+  if nb * block == m:
+    return None
+  return jnp.where(jnp.arange(nb * block) < m, 0.0, -jnp.inf).reshape(nb, block)
+
+
 def _block_valid(j, block, n, m, causal, mask_j):
   """Which (query, key) pairs of kv block ``j`` may attend: ``[.., N, block]`` bool, or
-  None when all may (no padded key, no causal mask, no mask): an all-true mask would be
-  constant-folded into an ``N x block`` buffer per head."""
-  if block * -(-m // block) == m and not causal and mask_j is None:
+  None without a causal mask or a mask (padded keys: :func:`_key_bias`)."""
+  if not causal and mask_j is None:
     return None
   kpos = j * block + jnp.arange(block)
   valid = (kpos < m)[None, :]
@@ -355,8 +363,9 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
 
   def step(carry, xs):
     row_max, row_sum, acc = carry
-    j, kj, vj, mask_j = xs
+    j, kj, vj, mask_j, bias_j = xs
     s = _scores(qg, kj, scale)
+    s = s if bias_j is None else s + bias_j
     valid = _block_valid(j, block, n, m, causal, mask_j)
     s = s if valid is None else jnp.where(valid, s, -jnp.inf)
     new_max = jnp.maximum(row_max, s.max(-1))
@@ -372,7 +381,8 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
   init = (jnp.full((b, kh, g, n), -jnp.inf, jnp.float32),
           jnp.zeros((b, kh, g, n), jnp.float32),
           jnp.zeros((b, kh, g, n, d), jnp.float32))
-  xs = (jnp.arange(nb), _kv_blocks(k, nb, block), _kv_blocks(v, nb, block), masks)
+  xs = (jnp.arange(nb), _kv_blocks(k, nb, block), _kv_blocks(v, nb, block), masks,
+        _key_bias(nb, block, m))
   (row_max, row_sum, acc), _ = jax.lax.scan(step, init, xs)
   seen = ~(row_sum <= 0)  # a NaN row counts as seen: NaN propagates, as in softmax
   out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
@@ -406,8 +416,9 @@ def _flash_bwd(causal, scale, block, name, res, do):
   masks = _mask_blocks(mask, kh, m, nb, block)
 
   def step(dq, xs):
-    j, kj, vj, mask_j = xs
+    j, kj, vj, mask_j, bias_j = xs
     s = _scores(qg, kj, scale)
+    s = s if bias_j is None else s + bias_j
     valid = _block_valid(j, block, n, m, causal, mask_j)
     p = jnp.exp(s - lse[..., None])
     p = p if valid is None else jnp.where(valid, p, 0.0)
@@ -419,7 +430,8 @@ def _flash_bwd(causal, scale, block, name, res, do):
     dk = jnp.einsum("bhgnk,bnhgd->bkhd", ds, qg, preferred_element_type=jnp.float32)
     return dq, (dk.astype(k.dtype), dv.astype(v.dtype))
 
-  xs = (jnp.arange(nb), _kv_blocks(k, nb, block), _kv_blocks(v, nb, block), masks)
+  xs = (jnp.arange(nb), _kv_blocks(k, nb, block), _kv_blocks(v, nb, block), masks,
+        _key_bias(nb, block, m))
   dq, (dk, dv) = jax.lax.scan(step, jnp.zeros(qg.shape, jnp.float32), xs)
 
   def unblock(x):

@@ -120,13 +120,15 @@ def test_key_blocks_are_equal_and_at_most_block_k():
 @pytest.mark.parametrize("causal,mask_kind,n,block_k,masked", [
     (False, None, 40, 20, False),   # two whole blocks: nothing to mask
     (False, None, 40, 512, False),  # one block
-    (False, None, 41, 20, True),    # three blocks of 14, one padded key
+    (False, None, 41, 20, False),   # three blocks of 14, one padded key: a -inf bias
     (True, None, 40, 20, True),
     (False, "padding", 40, 20, True),
 ])
-def test_flash_masks_scores_only_when_some_key_is_hidden(causal, mask_kind, n, block_k, masked):
-  # an all-true mask would be constant-folded into an N x block buffer per head (XLA:GPU
-  # kept 28 MiB of them at ViT-B LoRA's peak): none is built when every key is seen
+def test_flash_builds_an_n_by_block_mask_only_for_causal_or_a_mask(causal, mask_kind, n,
+                                                                     block_k, masked):
+  # XLA:GPU constant-folded an all-true or padding mask into N x block buffers per head
+  # (28 MiB at ViT-B LoRA's peak): without causal or a mask none is built (padded keys
+  # get a -inf bias per key instead)
   q, k, v = _qkv(2, n, n, 2, 2, 8)
   mask = _padding_mask(2, n) if mask_kind else None
   jaxpr = jax.make_jaxpr(jax.grad(_loss("flash", causal, mask, block_k), argnums=(0, 1, 2)))(
