@@ -147,15 +147,17 @@ class Norm(Strategy):
 
 @dataclasses.dataclass(frozen=True)
 class Attention(Strategy):
-  """:func:`lowmem_jax.attention.attention` with ``implementation``; output tagged
-  ``attn_out``."""
+  """:func:`lowmem_jax.attention.attention` with ``implementation`` (and ``"flash"``'s
+  most keys per block, ``block_k``); output tagged ``attn_out``."""
   implementation: str
   causal: bool = False
+  block_k: int = attention_lib.DEFAULT_BLOCK_K
 
   @property
   def fn(self) -> Callable:
     """``fn(q, k, v, *, causal, mask, name)`` with this implementation."""
-    return functools.partial(attention_lib.attention, implementation=self.implementation)
+    return functools.partial(attention_lib.attention, implementation=self.implementation,
+                             block_k=self.block_k)
 
   def __call__(self, q, k, v, mask=None):
     return self.fn(q, k, v, causal=self.causal, mask=mask, name="attn_out")
@@ -207,11 +209,21 @@ def _norm(policy, inner, *, kind: str):
 
 
 def _attention(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False):
-  return Attention(policy.attention, causal)
+  return Attention(policy.attention, causal, policy.attention_block)
 
 
 def _block(policy, inner):
   return Block()
+
+
+def _check_block(value, extra):
+  try:
+    block = int(value)
+  except (TypeError, ValueError):
+    block = None
+  if block is None or block < 1 or str(block) != str(value).strip():
+    raise ValueError(f"MemoryPolicy: attention_block must be a positive integer, got {value!r}")
+  return block
 
 
 METHOD = Method(
@@ -220,6 +232,9 @@ METHOD = Method(
         Field("attention", "auto", "the attention implementation: "
               + " | ".join(attention_lib.IMPLEMENTATIONS) + " (lowmem_jax.attention)",
               choices=attention_lib.IMPLEMENTATIONS),
+        Field("attention_block", attention_lib.DEFAULT_BLOCK_K, "flash attention's most keys "
+              "per block (lowmem_jax.attention.key_block): smaller keeps smaller score "
+              "blocks in backward, in more steps", check=_check_block),
         Field("kernels", "auto", "which code runs our ops: " + " | ".join(KERNELS),
               choices=KERNELS),
         Field("autodiff", "lean", "lean (each op keeps only its inputs, as PyTorch does) | "

@@ -147,9 +147,9 @@ class CodedNorm(_Coded):
     return qy, {"input": in_state, "output": out_state}
 
 
-def _attend(causal, implementation, q, k, v, mask):
+def _attend(causal, implementation, block_k, q, k, v, mask):
   return attention_lib.attention(q, k, v, causal=causal, mask=mask,
-                                 implementation=implementation)
+                                 implementation=implementation, block_k=block_k)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +169,8 @@ class CodedAttention(_Coded):
     qq, updated["query"] = self.heads.code(states["query"], q)
     qk, updated["key"] = self.kv_heads.code(states["key"], k)
     qv, updated["value"] = self.kv_heads.code(states["value"], v)
-    fn = functools.partial(_attend, self.inner.causal, self.inner.implementation)
+    fn = functools.partial(_attend, self.inner.causal, self.inner.implementation,
+                           self.inner.block_k)
     o = quant.coded_vjp(fn, [qq, qk, qv], (), (mask,))
     qo, updated["output"] = self.heads.code(states["output"], checkpoint_name(o, "attn_out"))
     return qo, updated

@@ -147,9 +147,22 @@ def test_pallas_on_a_backend_without_it_is_a_clear_error():
     MemoryPolicy.parse("lowmembp+kernels=pallas").activation_fn("gelu")
 
 
-def test_attention_fn_uses_the_policy_implementation():
+def test_attention_fn_uses_the_policy_implementation_and_block():
   fn = MemoryPolicy(attention="xla").attention_fn()
-  assert fn.keywords == {"implementation": "xla"}
+  assert fn.keywords == {"implementation": "xla", "block_k": 512}
+  fn = MemoryPolicy.parse("lowmembp+attention=flash+attention_block=64").attention_fn()
+  assert fn.keywords == {"implementation": "flash", "block_k": 64}
+
+
+def test_attention_block_reaches_mesa_coded_attention():
+  strategy = MemoryPolicy.parse("lowmem+attention_block=8").attention_strategy(num_heads=2)
+  assert strategy.inner.block_k == 8
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x", "6.5"])
+def test_attention_block_must_be_a_positive_integer(value):
+  with pytest.raises(ValueError, match="attention_block must be a positive integer"):
+    MemoryPolicy.parse(f"baseline+attention_block={value}")
 
 
 def test_remat_block_saves_only_named_tensors():
