@@ -327,17 +327,14 @@ def _key_bias(nb, block, m):
   return jnp.where(jnp.arange(nb * block) < m, 0.0, -jnp.inf).reshape(nb, block)
 
 
-def _block_valid(j, block, n, m, causal, mask_j):
-  """Which (query, key) pairs of kv block ``j`` may attend: ``[.., N, block]`` bool, or
-  None without a causal mask or a mask (padded keys: :func:`_key_bias`)."""
-  if not causal and mask_j is None:
-    return None
-  kpos = j * block + jnp.arange(block)
-  valid = (kpos < m)[None, :]
+def _block_valid(j, block, n, causal, mask_j):
+  """Which (query, key) pairs of kv block ``j`` the causal mask and ``mask`` let attend:
+  ``[.., N, block]`` bool, or None without either (padded keys: :func:`_key_bias`)."""
+  valid = None
   if causal:
-    valid = valid & (kpos[None, :] <= jnp.arange(n)[:, None])
+    valid = (j * block + jnp.arange(block))[None, :] <= jnp.arange(n)[:, None]
   if mask_j is not None:
-    valid = valid & mask_j
+    valid = mask_j if valid is None else valid & mask_j
   return valid
 
 
@@ -366,7 +363,7 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
     j, kj, vj, mask_j, bias_j = xs
     s = _scores(qg, kj, scale)
     s = s if bias_j is None else s + bias_j
-    valid = _block_valid(j, block, n, m, causal, mask_j)
+    valid = _block_valid(j, block, n, causal, mask_j)
     s = s if valid is None else jnp.where(valid, s, -jnp.inf)
     new_max = jnp.maximum(row_max, s.max(-1))
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
@@ -419,7 +416,7 @@ def _flash_bwd(causal, scale, block, name, res, do):
     j, kj, vj, mask_j, bias_j = xs
     s = _scores(qg, kj, scale)
     s = s if bias_j is None else s + bias_j
-    valid = _block_valid(j, block, n, m, causal, mask_j)
+    valid = _block_valid(j, block, n, causal, mask_j)
     p = jnp.exp(s - lse[..., None])
     p = p if valid is None else jnp.where(valid, p, 0.0)
     dv = jnp.einsum("bhgnk,bnhgd->bkhd", p.astype(do.dtype), dog,
