@@ -182,6 +182,7 @@ def big_checkpoint(tmp_path_factory):
   return path, 4 * sum(int(np.prod(s)) for s in shapes.values())
 
 
+@pytest.mark.slow
 def test_streamed_load_host_peak_is_below_the_fp32_model(big_checkpoint):
   """Peak RSS growth of a streamed load with a LoRA config (VmHWM, reset before each
   load), in a fresh process with glibc's mmap threshold fixed (freed buffers go back to

@@ -82,6 +82,7 @@ def test_largest_at_most_tries_the_start_then_steps_down():
   assert largest_at_most(lambda b: b <= 48, 50)[1] == ((50, False), (49, False), (48, True))
 
 
+@pytest.mark.slow
 def test_smoke_run_end_to_end(tmp_path, capsys, monkeypatch):
   """Fresh processes compile (search) and run (confirm) one row; the peer's nf4 base needs
   bitsandbytes (missing here: the row says so). The smoke budget is an XLA:CPU figure: the

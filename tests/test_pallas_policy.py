@@ -134,6 +134,7 @@ NO_PALLAS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_xla_kernels_never_import_pallas():
   script = NO_PALLAS_SCRIPT.format(modules=KERNEL_MODULES)
   proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -54,6 +54,7 @@ def test_bench_end_to_end(tmp_path, capsys):
   assert trainer.compiled_memory(batch).as_dict() == base["compiled"]
 
 
+@pytest.mark.slow
 def test_compile_only_runs_nothing(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(bench, "_Runner", _NoSteps)
   out = tmp_path / "compiled.json"
