@@ -164,6 +164,18 @@ class Attention(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
+class KeepQKV(Strategy):
+  """The attention's projections and core as they are: what each keeps (the attention:
+  q, k, v). ``recomputes``: the model hands this strategy the projections and the
+  attention as one pure function (a strategy that recomputes them needs that); it does
+  not for this one, and runs them as modules."""
+  recomputes = False
+
+  def __call__(self, run: Callable, x, params, consts):
+    return run(x, params, consts)
+
+
+@dataclasses.dataclass(frozen=True)
 class Block(Strategy):
   """Runs a block, rematted by ``checkpoint_policy`` (a ``jax.checkpoint`` policy) or as
   it is (None). ``saves``, for memory accounting: "ops" (what the block's ops save),
@@ -212,6 +224,10 @@ def _attention(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False
   return Attention(policy.attention, causal, policy.attention_block)
 
 
+def _qkv(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False):
+  return KeepQKV()
+
+
 def _block(policy, inner):
   return Block()
 
@@ -242,5 +258,5 @@ METHOD = Method(
     ),
     presets={"baseline": {}, "plain": {"autodiff": "plain", "attention": "xla"}},
     strategies={"shared": _shared, "linear": _linear, "activation": _activation,
-                "norm": _norm, "attention": _attention, "block": _block},
+                "norm": _norm, "attention": _attention, "qkv": _qkv, "block": _block},
 )

@@ -28,7 +28,12 @@ What a block keeps under it: the 2-bit ReGELU2/ReSiLU2 codes of its activations,
 norms' outputs as 8-bit codes shared with the linears that read them, head-wise 8-bit
 codes of q, k and v for attention (the probabilities are recomputed from them), and the
 linears' inputs as 8-bit codes; frozen linears keep nothing. Gated activations stay
-exact on their (coded) inputs. Whether it meets its GPU target (peak at or below timm+peft
+exact on their (coded) inputs. ``lowmem+qkv=recompute`` (:mod:`lowmem_jax.qkv_recompute`)
+keeps no codes of q, k and v either: backward recomputes them from the norm output's
+code, three matmuls per block. Compiled for an H100 (ViT-B/16 LoRA batch 64,
+``docs/h100_compiled.md``) it is the one combination without remat under timm+peft with
+checkpointing's 1279 MiB (1205 MiB in all against ``lowmem``'s 1575); it joins the
+preset when the GPU has timed those matmuls. Whether it meets its GPU target (peak at or below timm+peft
 with gradient checkpointing, at >= 0.9x the speed of timm+peft without) is for the GPU
 check to say: its ``bench-vit`` stage runs it beside the peers, ``bench-remat`` beside
 JAX's remat and offload policies (``python -m lowmem_jax.gpu_check``).

@@ -39,8 +39,12 @@ from collections.abc import Callable, Mapping, Sequence
 #   activation(kind, gated)                ``h -> act(h)``, or ``(g, u) -> act(g) * u``
 #   norm(kind)                             ``(x, affine, *, eps, name) -> y``
 #   attention(num_heads, num_kv_heads, causal)   ``(q, k, v, mask) -> o``
+#   qkv(num_heads, num_kv_heads, causal)   ``(run, x, params, consts) -> o``: the q, k, v
+#                                          projections of ``x`` and the attention as one
+#                                          pure function ``run(x, params, consts)`` (the
+#                                          model builds it when ``strategy.recomputes``)
 #   block()                                ``fn -> fn`` run as a rematted/offloaded block
-SITES = ("shared", "linear", "activation", "norm", "attention", "block")
+SITES = ("shared", "linear", "activation", "norm", "attention", "qkv", "block")
 
 
 class Strategy:

@@ -38,6 +38,7 @@ METHOD_MODULES = (
     "lowmem_jax.mesa",
     "lowmem_jax.wta_crs",
     "lowmem_jax.reversible_bp",
+    "lowmem_jax.qkv_recompute",
     "lowmem_jax.lowmem",
 )
 METHODS = methods.load(*METHOD_MODULES)
@@ -174,6 +175,14 @@ class _PolicyMethods:
                          num_kv_heads: int | None = None, *, causal: bool = False):
     """``(q, k, v, mask) -> o`` on ``[B, N, heads, head_dim]`` projections."""
     return self.strategy("attention", num_heads=num_heads, num_kv_heads=num_kv_heads,
+                         causal=causal)
+
+  def qkv_strategy(self, num_heads: int | None = None, num_kv_heads: int | None = None,
+                   *, causal: bool = False):
+    """``(run, x, params, consts) -> o``: the attention's q, k, v projections of ``x``
+    and its core; ``recomputes`` says whether it wants them as one pure function
+    ``run(x, params, consts)`` (:class:`models.attention.SelfAttention` builds it)."""
+    return self.strategy("qkv", num_heads=num_heads, num_kv_heads=num_kv_heads,
                          causal=causal)
 
   def block_strategy(self):

@@ -5,11 +5,16 @@ contracts ``(heads, head_dim)`` directly (``LinearGeneral``), so no reshape make
 second copy of what the attention saves: the out-projection saves the very ``o`` that
 the attention saved. Grouped-query attention via ``num_kv_heads``. The block input that
 q, k and v read is one shared site (``shared_input``): what they keep of it is made once.
+
+A ``qkv`` strategy that recomputes (``qkv=recompute``, :mod:`lowmem_jax.qkv_recompute`)
+gets the projections and the attention as one pure function of ``(x, params, consts)``
+(the modules split into their parameters and the rest); its output then passes a shared
+site of its own (``shared_output``: under Mesa, the out-projection keeps its code).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 
 import jax
 from flax import nnx
@@ -17,6 +22,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.policy import MemoryPolicy
 from models.linear import LinearGeneral
+from models.rope import apply_rope
 from models.sites import Site
 
 
@@ -42,17 +48,37 @@ class SelfAttention(nnx.Module):
                              dtype=dtype, rngs=rngs, policy=policy, name="out")
     self.shared_input = Site(policy.shared_strategy())
     self.attend = Site(policy.attention_strategy(num_heads, num_kv_heads, causal=causal))
+    self.qkv = Site(policy.qkv_strategy(num_heads, num_kv_heads, causal=causal))
+    if self.qkv.strategy.recomputes:
+      self.shared_output = Site(policy.shared_strategy(num_heads, axis=2))
 
   def __call__(self, x, *, mask: jax.Array | None = None,
-               rotary: Callable[[jax.Array, jax.Array], tuple[jax.Array, jax.Array]] | None = None):
+               rope: tuple[jax.Array, jax.Array] | None = None):
     """``x: [B, N, D]`` (plain or carried); ``mask``: bool, broadcastable to
-    ``[B, H, N, N]`` (True = attend); ``rotary(q, k) -> (q, k)`` applies position
-    embeddings (RoPE) to the projections."""
+    ``[B, H, N, N]`` (True = attend); ``rope``: the ``(cos, sin)`` tables of rotary
+    position embeddings (:func:`models.rope.rope_tables`) applied to q and k."""
     x = self.shared_input(x)
-    q = checkpoint_name(self.query(x), "qkv_proj")
-    k = checkpoint_name(self.key(x), "qkv_proj")
-    v = checkpoint_name(self.value(x), "qkv_proj")
-    if rotary is not None:
-      q, k = rotary(q, k)
-    o = self.attend(q, k, v, mask)
+    parts = (self.query, self.key, self.value, self.attend)
+    if self.qkv.strategy.recomputes:
+      graphdef, params, rest = nnx.split(parts, nnx.Param, ...)
+      o = self.qkv(functools.partial(_run, graphdef), x, params, (rest, mask, rope))
+      o = self.shared_output(o)
+    else:
+      o = _attend(*parts, x, mask, rope)
     return checkpoint_name(self.out(o), "attn_proj")
+
+
+def _attend(query, key, value, attend, x, mask, rope):
+  """``attend(q, k, v, mask)`` on the projections of ``x`` (RoPE applied to q and k)."""
+  q = checkpoint_name(query(x), "qkv_proj")
+  k = checkpoint_name(key(x), "qkv_proj")
+  v = checkpoint_name(value(x), "qkv_proj")
+  if rope is not None:
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+  return attend(q, k, v, mask)
+
+
+def _run(graphdef, x, params, consts):
+  """:func:`_attend` as a pure function of the split modules (for the ``qkv`` site)."""
+  rest, mask, rope = consts
+  return _attend(*nnx.merge(graphdef, params, rest), x, mask, rope)

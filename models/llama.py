@@ -35,6 +35,7 @@ from lowmem_jax.lm_loss import DEFAULT_CHUNK, chunked_cross_entropy, logits_cros
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.quantized_weight import QuantizedKernel, frozen_dense
 from models.attention import SelfAttention
+from models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from models.config import init_model, make_config, token_ids
 from models.embedding import Embed, table_value
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
@@ -122,31 +123,6 @@ def _replace(cfg: LlamaConfig, overrides: dict) -> LlamaConfig:
   return make_config(LlamaConfig, {"cfg": dataclasses.asdict(cfg)}, "cfg", overrides)
 
 
-# ----------------------------------------------------------------------------- RoPE
-def rope_tables(seq_len: int, head_dim: int, theta: float, dtype=jnp.float32):
-  """``cos, sin`` of shape ``[1, seq_len, 1, head_dim]`` (broadcast over ``[B, T, H, D]``)
-  for positions ``0..seq_len-1``, computed in fp32 and cast to ``dtype`` (as HF does).
-  HF layout: the ``head_dim // 2`` frequencies repeated twice."""
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-  freqs = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv_freq[None, :]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)[None, :, None, :]
-  return jnp.cos(emb).astype(dtype), jnp.sin(emb).astype(dtype)
-
-
-def _rotate_half(x):
-  half = x.shape[-1] // 2
-  return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-
-
-def apply_rope(x, cos, sin):
-  """HF's ``x * cos + rotate_half(x) * sin`` on ``x: [B, T, H, D]`` (tables from
-  :func:`rope_tables`, in x's dtype).
-
-  Linear in ``x`` with constant tables: backward keeps only the tables (built once per
-  forward and shared by all layers), nothing of x's size."""
-  return x * cos + _rotate_half(x) * sin
-
-
 # ----------------------------------------------------------------------------- model
 class LlamaBlock(nnx.Module):
   """Pre-RMSNorm attention and SwiGLU MLP, each with a residual connection."""
@@ -162,8 +138,7 @@ class LlamaBlock(nnx.Module):
                         rngs=rngs)
 
   def __call__(self, x, cos, sin, mask):
-    rotary = lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
-    x = x + self.attn(self.norm1(x), mask=mask, rotary=rotary)
+    x = x + self.attn(self.norm1(x), mask=mask, rope=(cos, sin))
     return x + self.mlp(self.norm2(x))
 
 

@@ -42,8 +42,7 @@ class RevLlamaAttention(nnx.Module):
   def __call__(self, x):
     cos, sin = llama.rope_tables(x.shape[1], self.cfg.resolved_head_dim, self.cfg.rope_theta,
                                  x.dtype)
-    rotary = lambda q, k: (llama.apply_rope(q, cos, sin), llama.apply_rope(k, cos, sin))
-    return self.attn(self.norm(x), rotary=rotary)
+    return self.attn(self.norm(x), rope=(cos, sin))
 
 
 def _mlp(cfg: llama.LlamaConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs) -> PreNorm:
