@@ -122,7 +122,7 @@ NO_PALLAS_SCRIPT = textwrap.dedent("""
     assert not loaded(KERNELS), ("import models.vit", loaded(KERNELS))
     for spec in ("lowmembp+kernels=xla", "mesa8+kernels=xla"):
       model = models.vit.ViT("vit-tiny", spec, dtype=jnp.float32)
-      grads = nnx.grad(lambda m: m(jnp.ones((2, 32, 32, 3))).sum())(model)
+      grads = nnx.jit(nnx.grad(lambda m: m(jnp.ones((2, 32, 32, 3))).sum()))(model)
       jax.block_until_ready(jax.tree.leaves(nnx.state(grads)))
       assert not loaded(KERNELS), (spec, loaded(KERNELS))
     # Control: the interpret kernels do load Pallas, and the check above would see it.

@@ -212,3 +212,13 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
 
 TABLE_LOWMEMBP_FIRST = {"step_time": {"lowmembp": 1.0, "baseline": 1.5},
                         "micro_batch_penalty": 0.5}
+
+
+def test_cost_model_counts_what_each_policy_recomputes():
+  from lowmem_jax.policy import MemoryPolicy
+  t = lambda spec: planner.modelled_step_time(MemoryPolicy.parse(spec))
+  assert t("baseline") == t("lowmembp") == 1.0
+  assert t("lowmem") == pytest.approx(1.0 + planner.QUANT_COST)
+  # three of twelve forward matmuls again; nothing more under remat, which recomputes all
+  assert t("lowmem+qkv=recompute") == pytest.approx(t("lowmem") + 1 / 12)
+  assert t("remat+qkv=recompute") == t("remat") == pytest.approx(4 / 3)

@@ -56,6 +56,9 @@ def _same_params(src, dst):
 
 # ----------------------------------------------------------------------------- policy
 def test_policy_field_and_its_checks():
+  x, params, consts, _ = _rule_case()  # the default strategy runs the function as it is
+  np.testing.assert_array_equal(KeepQKV()(_project_attend, x, params, consts),
+                                _project_attend(x, params, consts))
   p = MemoryPolicy.parse("lowmem+qkv=recompute")
   assert p.qkv == "recompute" and MemoryPolicy.parse(p.spec) == p
   assert isinstance(p.qkv_strategy(4), RecomputeQKV)
@@ -127,11 +130,10 @@ def test_plain_input_backward_is_exact_and_keeps_no_projection():
 
 
 # ----------------------------------------------------------------------------- in models
-@pytest.mark.parametrize("kind", ["vit", "llama", "bert"])
-@pytest.mark.parametrize("policy", ["baseline", "lowmembp"])
-def test_exact_policies_give_the_same_loss_and_gradients_keeping_less(kind, policy):
-  keep = TINY[kind](policy)
-  recompute = _same_params(keep, TINY[kind](policy + "+qkv=recompute"))
+@pytest.mark.parametrize("kind", ["vit", "llama", "bert"])  # no mask, causal + RoPE, padding
+def test_exact_policy_gives_the_same_loss_and_gradients_keeping_less(kind):
+  keep = TINY[kind]("lowmembp")
+  recompute = _same_params(keep, TINY[kind]("lowmembp+qkv=recompute"))
   inputs = _inputs(kind)
   lk, gk, sk = _loss_grads_saved(keep, inputs)
   lr, gr, sr = _loss_grads_saved(recompute, inputs)
@@ -141,7 +143,7 @@ def test_exact_policies_give_the_same_loss_and_gradients_keeping_less(kind, poli
   assert sr < sk, (sr, sk)
 
 
-@pytest.mark.parametrize("kind", ["vit", "llama", "bert"])
+@pytest.mark.parametrize("kind", ["vit", "llama"])  # a mask under the code: the rule test
 def test_lowmem_forward_exact_gradients_close_and_less_saved(kind):
   exact = TINY[kind]("lowmembp")
   keep = _same_params(exact, TINY[kind]("lowmem"))
@@ -156,7 +158,7 @@ def test_lowmem_forward_exact_gradients_close_and_less_saved(kind):
   # 8-bit codes: within a few % of exact. q, k, v recomputed from the input's code are
   # about as far from exact as q, k, v read back from codes of their own (measured, CPU,
   # relative error of all gradients: vit 0.017 against 0.026; llama 0.0103 / 0.0096;
-  # bert 0.0026 / 0.0023).
+  # bert, not run here, 0.0026 / 0.0023).
   assert 0 < err(gr) < 0.05 and err(gr) < 1.5 * err(gk), (err(gr), err(gk))
   assert sr < sk, (sr, sk)
 
@@ -184,18 +186,20 @@ def test_lowmem_train_step_peak_drops_by_the_codes_of_q_k_v():
 def test_trains_with_lora_and_carries_the_output_code_state(tmp_path):
   from conftest import TINY_TRAIN
   from models import sites
-  from test_train import _restored
+  from test_train import _trainer
   from train import config as config_lib
-  from train.loop import train
+  from train.batches import Batches
+  from train.images import digits
   cfg = config_lib.load_config("digits-vit", None, TINY_TRAIN + [
-      f"out_dir={tmp_path}", "steps=2", "policy=lowmem+qkv=recompute", "trainable=lora",
+      f"out_dir={tmp_path}", "policy=lowmem+qkv=recompute", "trainable=lora",
       "lora_targets=query,value,out"])
-  result = train(cfg)
-  assert result["step"] == 2 and np.isfinite(result["loss"])
-  trainer = _restored(tmp_path, cfg)
+  trainer = _trainer(cfg)
+  batches = Batches(digits("train"), cfg.batch_size)
+  for _ in range(2):
+    assert np.isfinite(float(trainer.step(next(batches))["loss"]))
   model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
   attn = model.stack.layer(0).attn
   assert isinstance(attn.qkv.strategy, RecomputeQKV)
-  # o's code (read by the out-projection's LoRA A) updated once per step, in every layer
+  # o's code (read by the out-projection's LoRA A) updated once per step
   (site,) = [m for _, m in nnx.iter_graph(attn.shared_output) if isinstance(m, sites.CodeSite)]
   assert int(site.count[...]) == 2

@@ -72,9 +72,12 @@ PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0,
 # recomputing the forward adds ~1/3; recomputing part of it (a remat policy that saves some
 # tensors, or offload's transfers) ~1/6; Mesa's quantize (forward) and dequantize (backward)
 # of every saved activation ~0.2 (H100, 7d7f55d: lowmembp+mesa8 1.14-1.26x); WTA-CRS's
-# sampling and gathers ~0.1. Each extra micro-batch: +5% (weights read again, smaller matmuls).
+# sampling and gathers ~0.1; qkv=recompute's three of a block's twelve forward matmuls
+# (D^2 each per token: q, k, v, out, and the MLP's 4D-wide pair) a quarter of the forward.
+# Each extra micro-batch: +5% (weights read again, smaller matmuls).
 RECOMPUTE_FORWARD = 1 / 3
 RECOMPUTE_PART = 1 / 6
+RECOMPUTE_QKV = RECOMPUTE_FORWARD / 4
 QUANT_COST = 0.2
 SAMPLING_COST = 0.1
 MICRO_BATCH_PENALTY = 0.05
@@ -87,6 +90,8 @@ def modelled_step_time(policy: MemoryPolicy) -> float:
     t += RECOMPUTE_FORWARD  # block inputs or whole blocks recomputed in backward
   elif policy.remat is not None:
     t += RECOMPUTE_PART
+  elif policy.qkv == "recompute":  # under remat it does nothing
+    t += RECOMPUTE_QKV
   if policy.quant != "none":
     t += QUANT_COST
   if policy.sampled_linear != "none":
