@@ -82,12 +82,6 @@ def pytest_unconfigure(config):
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
-def pytest_collection_modifyitems(config, items):
-  """Slow tests first (a stable sort): xdist hands tests out in collection order, and a
-  minute-long test handed out last keeps one core busy while the others have finished."""
-  items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 @pytest.fixture(autouse=True)
 def matmul_precision(request):
   """The test's matmul precision: its ``precision`` marker, else ``highest``."""

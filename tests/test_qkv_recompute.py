@@ -14,15 +14,8 @@ from lowmem_jax.baseline import KeepQKV
 from lowmem_jax.memory import peak_buffers, saved_residuals
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.qkv_recompute import RecomputeQKV
-from models import bert, llama, vit
-
-TINY = {
-    "vit": lambda pol: vit.ViT(vit.config("vit-tiny", num_layers=2), pol, dtype=jnp.float32),
-    "llama": lambda pol: llama.Llama(llama.config("llama-tiny", num_layers=2), pol,
-                                     dtype=jnp.float32),
-    "bert": lambda pol: bert.Bert(bert.config("bert-tiny", num_layers=2), pol,
-                                  dtype=jnp.float32),
-}
+from models import vit
+from test_methods_in_models import TINY, _same_params
 
 
 def _inputs(kind):
@@ -47,11 +40,6 @@ def _loss_grads_saved(model, inputs):
   loss, params = _loss(model, inputs)
   value, grads = jax.jit(jax.value_and_grad(loss))(params)
   return value, grads, saved_residuals(loss, params).total_bytes
-
-
-def _same_params(src, dst):
-  nnx.update(dst, nnx.state(src, nnx.Param))
-  return dst
 
 
 # ----------------------------------------------------------------------------- policy
