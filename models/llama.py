@@ -35,13 +35,13 @@ from lowmem_jax.lm_loss import DEFAULT_CHUNK, chunked_cross_entropy, logits_cros
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.quantized_weight import QuantizedKernel, frozen_dense
 from models.attention import SelfAttention
-from models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from models.config import init_model, make_config, token_ids
 from models.embedding import Embed, table_value
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import GatedMlp
 from models.norm import Norm
+from models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from models.sites import as_array, seed_sites
 from models.stack import BlockStack
 
