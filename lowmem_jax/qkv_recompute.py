@@ -7,9 +7,11 @@ block input's code), the baseline the bf16 projections themselves. With
 backward keeps only what the projections' input keeps anyway (the shared code of the
 norm output under Mesa, the norm output itself otherwise; it is read by LoRA's ``A`` or
 the projections' weight gradients in any case) and the weights, and recomputes q, k and
-v (three matmuls of the block's twelve forward ones) before the attention's backward.
+v (3 D x D per token of the 12 D x D a transformer block's forward multiplies: q, k, v,
+out and the MLP's pair of 4D-wide ones) before the attention's backward.
 Nothing of q, k, v is kept between forward and backward: under ``lowmem`` on ViT-B/16
-LoRA batch 64, 333 MiB of uint8 codes fewer (H100 compile, ``docs/h100_compiled.md``).
+LoRA batch 64, 370 MiB less in all, of which the codes are 333 (H100 compile,
+``docs/h100_compiled.md``).
 
 The strategy (:class:`RecomputeQKV`) is asked for at the ``qkv`` site of
 :class:`models.attention.SelfAttention`, which then hands it the projections and the

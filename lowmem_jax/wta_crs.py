@@ -208,11 +208,11 @@ class SampledLinear(Strategy):
     return {"sampler": sampling.KeyState.create()}
 
   def apply(self, states, dense, x, kernel, bias, *, contract: int):
+    if isinstance(x, SampledTensor) and x.is_whole:
+      return read_sampled(dense, [x], (kernel,) if bias is None else (kernel, bias)), {}
     # dense casts to its compute dtype: the activation here, the weights inside the rule
     # (which keeps them as given, not a cast copy)
     value = value_of(x).astype(dense.dtype)
-    if isinstance(x, SampledTensor) and x.is_whole:
-      return read_sampled(dense, [x], (kernel,) if bias is None else (kernel, bias)), {}
     if isinstance(x, SampledTensor):
       if contract != 1:
         raise ValueError(f"SampledLinear: a shared sample is of rows of [..., in]; this "

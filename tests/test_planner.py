@@ -219,6 +219,6 @@ def test_cost_model_counts_what_each_policy_recomputes():
   t = lambda spec: planner.modelled_step_time(MemoryPolicy.parse(spec))
   assert t("baseline") == t("lowmembp") == 1.0
   assert t("lowmem") == pytest.approx(1.0 + planner.QUANT_COST)
-  # three of twelve forward matmuls again; nothing more under remat, which recomputes all
+  # a quarter of the forward's matmuls again; nothing more under remat, which recomputes all
   assert t("lowmem+qkv=recompute") == pytest.approx(t("lowmem") + 1 / 12)
   assert t("remat+qkv=recompute") == t("remat") == pytest.approx(4 / 3)

@@ -72,8 +72,9 @@ PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0,
 # recomputing the forward adds ~1/3; recomputing part of it (a remat policy that saves some
 # tensors, or offload's transfers) ~1/6; Mesa's quantize (forward) and dequantize (backward)
 # of every saved activation ~0.2 (H100, 7d7f55d: lowmembp+mesa8 1.14-1.26x); WTA-CRS's
-# sampling and gathers ~0.1; qkv=recompute's three of a block's twelve forward matmuls
-# (D^2 each per token: q, k, v, out, and the MLP's 4D-wide pair) a quarter of the forward.
+# sampling and gathers ~0.1; qkv=recompute's q, k, v again, 3 D^2 per token of the 12 D^2
+# a block's forward multiplies (q, k, v, out: D^2 each; the MLP's 4D-wide pair: 8 D^2),
+# a quarter of the forward.
 # Each extra micro-batch: +5% (weights read again, smaller matmuls).
 RECOMPUTE_FORWARD = 1 / 3
 RECOMPUTE_PART = 1 / 6
