@@ -128,9 +128,13 @@ def _reachable(hlo: str, name: str) -> str:
   return "\n".join(texts)
 
 
-# An instruction that makes an array (not the scalar loop counter): a fusion or a custom
-# call (Pallas), also inside a called computation (XLA:GPU command buffers).
-_ARRAY_OP = re.compile(r"= (\([^=]*?\)|[a-z]\w*\[\d[\d,]*\]\S*) (fusion|custom-call)\(")
+# An instruction that computes an array (not the scalar loop counter): a fusion, a custom
+# call (Pallas) or a bare op (XLA:CPU leaves single ops unfused when its fusion emitters
+# are off), also inside a called computation (XLA:GPU command buffers); not one that only
+# moves or names what the loop carries, or calls a computation (searched in its turn).
+_ARRAY_OP = re.compile(r"= (\([^=]*?\)|[a-z]\w*\[\d[\d,]*\]\S*) ([a-z][\w\-]*)\(")
+_BOOKKEEPING = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "copy",
+                "copy-start", "copy-done", "opt-barrier", "call", "while", "conditional"}
 
 
 def loop_intact(hlo: str, iters: int) -> bool:
@@ -142,7 +146,8 @@ def loop_intact(hlo: str, iters: int) -> bool:
     if trip is None or int(trip.group(1)) != iters:
       continue
     for op in _ARRAY_OP.finditer(_reachable(hlo, m.group(1))):
-      if re.search(r"\[\d", op.group(1)):  # an array shape (a tuple may hold several)
+      # an array shape (a tuple may hold several)
+      if op.group(2) not in _BOOKKEEPING and re.search(r"\[\d", op.group(1)):
         return True
   return False
 

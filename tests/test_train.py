@@ -212,6 +212,25 @@ def test_steps_between_boundaries_read_nothing_back(tmp_path, monkeypatch):
   assert set(reads) <= {0, 3, 6}, sorted(set(reads))
 
 
+def test_the_step_compiled_for_the_memory_report_is_the_step_that_runs(tmp_path):
+  """compiled_memory compiles the step (the loop prints its memory before step 1); step()
+  then runs that executable on batches of the same signature, so the jitted step never
+  compiles, with the values the jitted step gives; a batch of another shape goes to jit."""
+  from train.batches import Batches
+  from train.images import digits
+  cfg = _cfg(tmp_path, "steps=2")
+  ours, jitted = Trainer.create(cfg), Trainer.create(cfg)
+  batch = ours.put(next(Batches(digits("train"), 32)))
+  ours.compiled_memory(batch)
+  ours.step(batch)
+  jitted.step(batch)
+  assert ours.train_step._cache_size() == 0 and jitted.train_step._cache_size() == 1
+  for a, b in zip(jax.tree.leaves(ours.state), jax.tree.leaves(jitted.state)):
+    np.testing.assert_array_equal(a, b)
+  ours.step({k: v[:16] for k, v in batch.items()})
+  assert ours.train_step._cache_size() == 1 and int(ours.state["step"]) == 2
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):
   one = Trainer.create(_cfg(tmp_path / "a", "steps=1", "optimizer=sgd", "grad_clip=0.0"))
   acc = Trainer.create(_cfg(tmp_path / "b", "steps=1", "optimizer=sgd", "grad_clip=0.0",

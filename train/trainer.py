@@ -65,6 +65,9 @@ class Trainer:
   state: dict
   mesh: object = None
   first_bad: dict = dataclasses.field(default_factory=no_bad_step)
+  # (batch signature, executable) of the step compiled by compiled_memory, which step()
+  # runs on batches of that signature: the step compiles once, not twice
+  compiled_step: tuple | None = None
 
   @classmethod
   def create(cls, cfg: TrainConfig, model=None) -> "Trainer":
@@ -148,7 +151,10 @@ class Trainer:
   def step(self, batch: dict) -> dict:
     """One train step on ``batch``, dispatched only (nothing is read back): updates
     ``state`` and ``first_bad``; the step's metrics as device arrays."""
-    self.state, self.first_bad, metrics = self.train_step(self.state, self.first_bad, batch)
+    run = self.train_step
+    if self.compiled_step is not None and self.compiled_step[0] == _signature(batch):
+      run = self.compiled_step[1]
+    self.state, self.first_bad, metrics = run(self.state, self.first_bad, batch)
     return metrics
 
   def first_bad_step(self) -> dict | None:
@@ -182,8 +188,13 @@ class Trainer:
     return self.train_step.lower(*gpu_target.place((self.state, self.first_bad, batch)))
 
   def compiled_memory(self, batch) -> StepMemory:
-    """Compiled memory of this very train step (temp, arguments, total...)."""
-    return compiled_memory(self.lower(batch).compile())
+    """Compiled memory of this very train step (temp, arguments, total...). Compiled for
+    this process's devices, the executable is kept: :meth:`step` runs it on batches like
+    ``batch`` rather than compiling the same step again."""
+    compiled = self.lower(batch).compile()
+    if gpu_target.active() is None:
+      self.compiled_step = (_signature(batch), compiled)
+    return compiled_memory(compiled)
 
   def evaluate(self, batches) -> dict:
     loss = correct = count = 0.0
@@ -207,11 +218,18 @@ class Trainer:
     leaves, treedef = jax.tree.flatten(self.state)
     restored, meta = ckpt.restore({"leaves": leaves})
     self.state = jax.tree.unflatten(treedef, restored["leaves"])
+    self.compiled_step = None  # compiled for the state it replaced
     if self.mesh is not None:
       self.state = sharding.shard_state(self.state, self.mesh)
     self.first_bad = no_bad_step()
     batches.restore(meta["data"])
     return meta
+
+
+def _signature(batch: dict) -> tuple:
+  """What an executable is specialized to: each array's name, shape, dtype and sharding."""
+  return tuple((k, v.shape, v.dtype, getattr(v, "sharding", None))
+               for k, v in sorted(batch.items()))
 
 
 def _divisible(batch, mesh) -> bool:
