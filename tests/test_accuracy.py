@@ -2,6 +2,7 @@
 seeds, one bench per run, the table and the CLI's errors. Training and benching are
 replaced by fakes (no compile): what is tested is the bookkeeping."""
 
+import dataclasses
 import json
 import statistics
 
@@ -155,3 +156,24 @@ def test_resume_trains_only_what_the_file_lacks(fakes, tmp_path, monkeypatch):
   accuracy.main(["--runs", "digits-vit", "--seeds", "1,2,3", "--json", str(out), "--resume"])
   assert len(trained) - n == 3 * len(accuracy.COMPARED)  # other seeds: nothing reused
   assert [r["run"] for r in json.loads(out.read_text())["results"]] == ["digits-vit"]
+
+
+def test_resume_trains_only_a_policy_added_to_a_finished_run(fakes, tmp_path, monkeypatch):
+  """A run finished in the file, then given one more policy: resuming trains that policy
+  for each seed and nothing else, and the run's rows follow the new policy list."""
+  trained, _ = fakes
+  out = tmp_path / "acc.json"
+  argv = ["--runs", "digits-revvit", "--seeds", "1,2", "--json", str(out)]
+  accuracy.main(argv)
+  before = {r["policy"]: r for r in json.loads(out.read_text())["results"][0]["rows"]}
+  run = accuracy.RUNS["digits-revvit"]
+  monkeypatch.setitem(accuracy.RUNS, "digits-revvit", dataclasses.replace(
+      run, policies=(*run.policies, "reversible+lowmembp")))
+  n = len(trained)
+  accuracy.main(argv + ["--resume"])
+  assert [(c.policy, c.seed) for c in trained[n:]] == [("reversible+lowmembp", 1),
+                                                          ("reversible+lowmembp", 2)]
+  (res,) = json.loads(out.read_text())["results"]
+  assert [r["policy"] for r in res["rows"]] == [*run.policies, "reversible+lowmembp"]
+  for row in res["rows"][:-1]:
+    assert row["seeds"] == before[row["policy"]]["seeds"]

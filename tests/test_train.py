@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -555,7 +556,6 @@ def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
 
 
 def test_checksum_sees_one_bit():
-  import jax.numpy as jnp
   from train.checkpoint import state_checksum
   state = {"a": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3, jnp.bfloat16),
            "c": jnp.array([True, False]), "k": jax.random.key(0)}
@@ -723,3 +723,27 @@ def test_lm_loss_chunk_config():
   assert config_lib.load_config("digits-vit", None, ["lm_loss_chunk=0"]).lm_loss_chunk == 0
   with pytest.raises(ValueError, match="lm_loss_chunk must be an int >= 0"):
     config_lib.load_config("digits-vit", None, ["lm_loss_chunk=-1"])
+
+
+def test_compiled_programs_go_to_the_configured_cache_unless_one_is_set(monkeypatch, tmp_path):
+  """compile_cache: JAX's persistent compilation cache (a rerun or a resume loads the step);
+  a cache named by JAX_COMPILATION_CACHE_DIR (this test session's) wins; "" keeps none."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  from train.loop import use_compile_cache
+  session = jax.config.jax_compilation_cache_dir
+  assert session  # conftest's, from JAX_COMPILATION_CACHE_DIR
+  use_compile_cache(str(tmp_path / "ignored"))
+  assert jax.config.jax_compilation_cache_dir == session
+  monkeypatch.setenv("HOME", str(tmp_path))
+  try:
+    jax.config.update("jax_compilation_cache_dir", None)
+    use_compile_cache("")
+    assert jax.config.jax_compilation_cache_dir is None
+    use_compile_cache("~/xla")
+    assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
+    jax.jit(lambda x: x * 3.0 + 1.0)(jnp.ones(7)).block_until_ready()
+    assert any((tmp_path / "xla").iterdir())
+  finally:
+    jax.config.update("jax_compilation_cache_dir", session)
+    compilation_cache.reset_cache()

@@ -37,10 +37,13 @@ from lowmem_jax.memory import format_table, write_json
 from train import bench
 from train.config import apply_overrides, load_config
 
-# lowmem is lowmembp+mesa8 (the same policy: one row)
-COMPARED = ("baseline", "lowmembp", "mesa8", "wta-crs", "offload", "lowmem")
+# lowmem is lowmembp+mesa8 (the same policy: one row); qkv=recompute changes which codes
+# attention's backward reads (the norm output's, not q's, k's and v's)
+COMPARED = ("baseline", "lowmembp", "mesa8", "wta-crs", "offload", "lowmem",
+            "lowmem+qkv=recompute")
 # LoRA: under wta-crs the adapters' A (the trained linear of each target) is sampled
-LORA_COMPARED = ("baseline", "wta-crs", "lowmembp", "lowmembp+wta-crs")
+LORA_COMPARED = ("baseline", "wta-crs", "lowmembp", "lowmembp+wta-crs", "lowmem",
+                 "lowmem+qkv=recompute")
 DEFAULT_SEEDS = (1, 2, 3)
 
 
@@ -184,7 +187,9 @@ class Progress:
   """The sweep's JSON file: finished runs (``results``, in RUNS order) and the fine-tunes of
   the unfinished one (``partial``), rewritten after every fine-tune. With ``resume`` it
   starts from what the file holds for the same seeds and overrides (the rest is dropped),
-  so a killed sweep goes on where it stopped and runs can be added one invocation at a time."""
+  so a killed sweep goes on where it stopped and runs can be added one invocation at a time;
+  a finished run whose policies changed since is redone from its kept fine-tunes (a policy
+  added to a run trains only that policy)."""
 
   def __init__(self, path: str | None, seeds: Sequence[int], overrides: Sequence[str],
                resume: bool = False):
@@ -197,6 +202,13 @@ class Progress:
                     if self._same_run(r) and r["seeds"] == self.seeds]
     self.partial = [p for p in saved.get("partial", [])
                     if self._same_run(p) and p["seed"] in self.seeds]
+    for r in [r for r in self.results if self._policies_changed(r)]:
+      # the run's policies changed since: its fine-tunes are kept, the run is redone
+      self.results.remove(r)
+      self.partial += [{"run": r["run"], "overrides": r["overrides"], "policy": row["policy"],
+                        **{k: seed[k] for k in SEED_KEYS}}
+                       for row in r["rows"] if row["policy"] in RUNS[r["run"]].policies
+                       for seed in row["seeds"]]
     if resume:
       print(f"resuming from {path}: {len(self.results)} finished runs, "
             f"{len(self.partial)} fine-tunes", flush=True)
@@ -204,6 +216,10 @@ class Progress:
   def _same_run(self, entry: dict) -> bool:
     run = RUNS.get(entry.get("run"))
     return run is not None and entry.get("overrides") == [*run.overrides, *self.overrides]
+
+  @staticmethod
+  def _policies_changed(result: dict) -> bool:
+    return [row["policy"] for row in result["rows"]] != list(RUNS[result["run"]].policies)
 
   def result(self, name: str) -> dict | None:
     """The finished run ``name``, if saved."""

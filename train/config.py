@@ -88,6 +88,8 @@ class TrainConfig:
   compare_baseline: bool = True       # print baseline's compiled step memory beside ours
   mesh: str = ""                      # "data=8", "data=2,fsdp=4"; "" = one device
   distributed: bool = False           # jax.distributed.initialize() (multi-host)
+  compile_cache: str = "~/.cache/lowmem-jax/xla"  # JAX's persistent compilation cache, unless
+                                      # JAX_COMPILATION_CACHE_DIR names one; "": none
 
   def __post_init__(self):
     def choice(field, valid):
@@ -291,7 +293,7 @@ def add_config_arguments(parser) -> None:
 # change them without a warning.
 BOOKKEEPING = ("name", "out_dir", "resume", "overwrite", "profile_dir", "profile_start",
                "profile_stop", "memory_profile", "export_dir", "compare_baseline",
-               "distributed")
+               "distributed", "compile_cache")
 
 
 def config_diff(saved: dict, cfg: TrainConfig) -> list[str]:

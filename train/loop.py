@@ -9,6 +9,7 @@ that step's number and values, the last good state saved (see ``train.trainer``)
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -34,6 +35,7 @@ def train(cfg: TrainConfig) -> dict:
   """Runs the loop; returns the final metrics."""
   if cfg.distributed:
     jax.distributed.initialize()
+  use_compile_cache(cfg.compile_cache)
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
@@ -141,6 +143,16 @@ def train(cfg: TrainConfig) -> dict:
   result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
             **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
   return result
+
+
+def use_compile_cache(path: str) -> None:
+  """Keeps compiled programs in JAX's persistent cache at ``path`` unless one is set already
+  (``JAX_COMPILATION_CACHE_DIR``, ``jax.config``): the same command again, or a resume,
+  loads the train step (minutes to compile for a 7B model) rather than compiling it."""
+  if path and not jax.config.jax_compilation_cache_dir:
+    from jax.experimental.compilation_cache import compilation_cache
+    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+    compilation_cache.reset_cache()  # read the new folder even after an earlier compile
 
 
 def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "planner.Plan"]:

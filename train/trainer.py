@@ -81,6 +81,10 @@ class Trainer:
     mesh = sharding.make_mesh(cfg.mesh)
     if mesh is not None:
       state = sharding.shard_state(state, mesh)
+    elif not isinstance(first := jax.tree.leaves(state)[0], jax.core.Tracer):
+      # committed to its device, as a restored state is: a resume lowers the same program
+      # (so the persistent compilation cache has it)
+      state = jax.device_put(state, first.sharding)
     return cls(cfg, graphdef, tx, state, mesh)
 
   @functools.cached_property
