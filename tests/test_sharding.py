@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from conftest import with_test_xla_flags
+from conftest import TINY_TRAIN, with_test_xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,6 +39,32 @@ def test_fsdp_splits_the_largest_axis_but_never_the_layer_axis():
       assert all(x.sharding.is_fully_replicated for x in jax.tree.leaves(state))
       batch = sharding.shard_batch({"image": jnp.zeros((16, 32, 32, 3))}, data)
       assert batch["image"].addressable_shards[0].data.shape == (2, 32, 32, 3)
+      print("ok")
+  """)
+  env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),
+         "JAX_PLATFORMS": "cpu"}
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        env=env, timeout=300)
+  assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_sharded_steps_compile_once(tmp_path):
+  """The step's outputs come back with the shardings its inputs had (specs without
+  trailing Nones, first_bad replicated): the second step reuses the first one's program."""
+  code = textwrap.dedent(f"""
+      import jax
+      from train import config as config_lib
+      from train.batches import Batches
+      from train.images import digits
+      from train.trainer import Trainer
+      cfg = config_lib.load_config("digits-vit", None, {TINY_TRAIN!r} + [
+          "out_dir={tmp_path}", "mesh=data=2,fsdp=4"])
+      trainer = Trainer.create(cfg)
+      batch = trainer.put(next(Batches(digits("train"), 32)))
+      for _ in range(3):
+        trainer.step(batch)
+      assert int(trainer.state["step"]) == 3
+      assert trainer.train_step._cache_size() == 1, trainer.train_step._cache_size()
       print("ok")
   """)
   env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),

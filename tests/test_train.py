@@ -230,6 +230,9 @@ def test_the_step_compiled_for_the_memory_report_is_the_step_that_runs(tmp_path)
     np.testing.assert_array_equal(a, b)
   ours.step({k: v[:16] for k, v in batch.items()})
   assert ours.train_step._cache_size() == 1 and int(ours.state["step"]) == 2
+  # a step's outputs are placed as its inputs were (all committed): no second compile
+  jitted.step(batch)
+  assert jitted.train_step._cache_size() == 1
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path):

@@ -51,6 +51,8 @@ def param_sharding(mesh: Mesh, shape, *, stacked: bool = False) -> NamedSharding
       if shape[axis] % n == 0:
         spec[axis] = "fsdp"
         break
+  while spec and spec[-1] is None:  # P("fsdp") not P("fsdp", None): the spec a step's
+    spec.pop()                      # outputs get, so the next step's inputs match it
   return NamedSharding(mesh, P(*spec))
 
 

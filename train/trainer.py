@@ -81,11 +81,23 @@ class Trainer:
     mesh = sharding.make_mesh(cfg.mesh)
     if mesh is not None:
       state = sharding.shard_state(state, mesh)
-    elif not isinstance(first := jax.tree.leaves(state)[0], jax.core.Tracer):
-      # committed to its device, as a restored state is: a resume lowers the same program
-      # (so the persistent compilation cache has it)
-      state = jax.device_put(state, first.sharding)
-    return cls(cfg, graphdef, tx, state, mesh)
+    trainer = cls(cfg, graphdef, tx, state, mesh)
+    if mesh is None:
+      trainer.state = trainer.placed(state)
+    trainer.first_bad = trainer.placed(no_bad_step())
+    return trainer
+
+  def placed(self, tree):
+    """``tree`` committed where the state lives: replicated over the mesh, else on the
+    state's device. A restored state is committed, and the step's outputs are: with
+    every input committed from the start, the first step, the next ones and a resumed
+    run's lower one program (one compile, which the persistent cache then holds)."""
+    if self.mesh is not None:
+      return jax.device_put(tree, jax.sharding.NamedSharding(self.mesh, jax.P()))
+    first = jax.tree.leaves(self.state)[0]
+    if isinstance(first, jax.core.Tracer):  # an abstract trainer (jax.eval_shape)
+      return tree
+    return jax.device_put(tree, first.sharding)
 
   @functools.cached_property
   def train_step(self):
@@ -225,7 +237,7 @@ class Trainer:
     self.compiled_step = None  # compiled for the state it replaced
     if self.mesh is not None:
       self.state = sharding.shard_state(self.state, self.mesh)
-    self.first_bad = no_bad_step()
+    self.first_bad = self.placed(no_bad_step())
     batches.restore(meta["data"])
     return meta
 
