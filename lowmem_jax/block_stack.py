@@ -92,16 +92,26 @@ def _norm(p, which, x, cfg, policy):
   return fn(x, scale, p[which + "_bias"], eps=cfg.eps, name="norm_out")
 
 
-def block(p, x, cfg: StackConfig, policy: MemoryPolicy):
-  """One pre-LN block on ``x: [B, N, D]`` (compute dtype = x.dtype)."""
-  b, n, d = x.shape
+def _attend(h, p, cfg: StackConfig, policy: MemoryPolicy):
+  """The attention's q, k, v projections of ``h: [B, N, D]`` and its core:
+  ``o: [B, N, heads, head_dim]``."""
+  b, n, d = h.shape
   hd, kvd = cfg.head_dim, cfg.kv_heads * cfg.head_dim
-  h = _norm(p, "norm1", x, cfg, policy)
   qkv = checkpoint_name(_linear(p, "qkv", h, policy), "qkv_proj")
   q = qkv[..., :d].reshape(b, n, cfg.num_heads, hd)
   k = qkv[..., d:d + kvd].reshape(b, n, cfg.kv_heads, hd)
   v = qkv[..., d + kvd:].reshape(b, n, cfg.kv_heads, hd)
-  o = policy.attention_fn()(q, k, v, causal=cfg.kind == "llama", name="attn_out")
+  return policy.attention_fn()(q, k, v, causal=cfg.kind == "llama", name="attn_out")
+
+
+def block(p, x, cfg: StackConfig, policy: MemoryPolicy):
+  """One pre-LN block on ``x: [B, N, D]`` (compute dtype = x.dtype)."""
+  h = _norm(p, "norm1", x, cfg, policy)
+  # The ``qkv`` site gets the projections and the attention as one pure function of the
+  # norm output and their weights; under qkv=recompute its backward keeps only those.
+  qkv = policy.qkv_strategy(cfg.num_heads, cfg.kv_heads, causal=cfg.kind == "llama")
+  weights = {name: p[name] for name in ("wqkv", "bqkv") if name in p}
+  o = qkv(lambda h, w, _: _attend(h, w, cfg, policy), h, weights, None)
   # Out-projection contracts (heads, head_dim) directly, so it saves the very o the
   # attention saved (a reshape to [B, N, D] would be a second array in the jaxpr).
   x = x + checkpoint_name(_linear(p, "o", o, policy, contract=2), "attn_proj")

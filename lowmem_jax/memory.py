@@ -171,8 +171,8 @@ def write_json(path: str | None, result: dict, *, announce: bool = True) -> None
 
 
 # ----------------------------------------------------------------------------- the report
-DEFAULT_PRESETS = ("baseline", "plain", "approx-bp", "ms-bp", "lowmembp", "remat",
-                   "remat:dots_saveable", "remat:dots_with_no_batch_dims_saveable",
+DEFAULT_PRESETS = ("baseline", "plain", "approx-bp", "ms-bp", "lowmembp",
+                   "lowmembp+qkv=recompute", "remat", "remat:dots_saveable", "remat:dots_with_no_batch_dims_saveable",
                    "remat:save=qkv_proj,attn_out", "lowmembp+remat")
 
 
@@ -182,7 +182,8 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
   Norm: input + fp32 stats (with affine) or output + fp32 rstd (MS, output shared with the
   next linear). Linear: its input. GELU: its input, or the bits per element its strategy
   keeps (approx2: 2). SwiGLU: gate and up (the exact rule keeping only them, which no
-  2-bit code improves on). Attention: q, k, v, o and the fp32 log-sum-exp. A block
+  2-bit code improves on). Attention: q, k, v, o and the fp32 log-sum-exp, or only o
+  when its backward recomputes the rest from the norm output (``qkv=recompute``). A block
   that keeps only its input (full remat): that. None when a checkpoint policy decides
   (selective remat, offload), a norm or activation keeps codes (Mesa), or ops run under
   plain autodiff (``plain``): what is kept then is what the measurement shows.
@@ -200,7 +201,10 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
   kvd = cfg.kv_heads * cfg.head_dim
   stats = 8 if cfg.kind == "vit" else 4
   norm = (d * s + stats + d * s) if norm_s.has_affine else (d * s + 4)
-  attn = (d + 2 * kvd + d) * s + 4 * cfg.num_heads
+  if policy.qkv_strategy(cfg.num_heads, cfg.kv_heads).recomputes:
+    attn = d * s                           # o, the out-projection's input
+  else:
+    attn = (d + 2 * kvd + d) * s + 4 * cfg.num_heads
   bits = act_s.saved_bits
   act_in = f * s if bits is None else f * bits // 8
   if cfg.kind == "vit":

@@ -14,8 +14,9 @@ LoRA batch 64, 370 MiB less in all, of which the codes are 333 (H100 compile,
 ``docs/h100_compiled.md``).
 
 The strategy (:class:`RecomputeQKV`) is asked for at the ``qkv`` site of
-:class:`models.attention.SelfAttention`, which then hands it the projections and the
-attention as a pure function of ``(x, params, consts)``. The attention inside runs
+:class:`models.attention.SelfAttention` and of :func:`lowmem_jax.block_stack.block`,
+which then hand it the projections and the attention as a pure function of
+``(x, params, consts)``. The attention inside runs
 exact and stateless (Mesa's codes of q, k and v would have no reader). Under a block
 checkpoint policy (remat, offload) the policy decides what a block keeps: ``recompute``
 does nothing there. WTA-CRS sampling of query, key or value (state that a forward

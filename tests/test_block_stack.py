@@ -36,7 +36,7 @@ def test_exact_forward_policies_compute_the_same_function(kind):
   cfg, x = SMALL[kind], _x(SMALL[kind], 2, 11)
   ref = block_stack.apply_stack(block_stack.init_stack(jax.random.key(0), cfg), x, cfg)
   for spec in ("approx-bp", "ms-bp", "lowmembp", "remat", "lowmembp+remat",
-               "remat:save=qkv_proj,mlp_act", "attention=xla"):
+               "remat:save=qkv_proj,mlp_act", "attention=xla", "qkv=recompute"):
     params = block_stack.init_stack(jax.random.key(0), cfg, spec)
     out = jax.jit(functools.partial(block_stack.apply_stack, cfg=cfg, policy=spec))(params, x)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5, err_msg=spec)
@@ -47,7 +47,7 @@ def test_gradients(kind):
   cfg, x = SMALL[kind], _x(SMALL[kind], 2, 11)
   _, (_, (g_base, gx_base)) = _grads(cfg, "baseline", x)
   # MS norms and remat are exact in backward too.
-  for spec in ("ms-bp", "remat", "remat:dots_saveable"):
+  for spec in ("ms-bp", "remat", "remat:dots_saveable", "qkv=recompute", "ms-bp+qkv=recompute"):
     _, (_, (g, gx)) = _grads(cfg, spec, x)
     np.testing.assert_allclose(gx, gx_base, rtol=1e-4, atol=1e-5, err_msg=spec)
     for name in g:
@@ -88,15 +88,28 @@ def _bytes_per_token(cfg, spec, seq, dtype):
 
 @pytest.mark.parametrize("cfg", [VIT, LLAMA], ids=["vit", "llama"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("spec", ["lowmembp", "remat", "lowmembp+remat"])
+@pytest.mark.parametrize("spec", ["lowmembp", "remat", "lowmembp+remat",
+                                  "lowmembp+qkv=recompute"])
 def test_saved_bytes_per_token_meet_the_theory(cfg, dtype, spec):
-  """MS norms share their output with the next linear; the GELU/SiLU keeps 2 bits. The
-  theory counts our flash attention (q, k, v, o, lse), so the stack uses it on every
-  backend ("auto" may pick cuDNN on a GPU, whose residuals are its own)."""
+  """MS norms share their output with the next linear; the GELU/SiLU keeps 2 bits;
+  qkv=recompute keeps of the attention only o. The theory counts our flash attention
+  (q, k, v, o, lse), so the stack uses it on every backend ("auto" may pick cuDNN on a
+  GPU, whose residuals are its own)."""
   spec = f"{spec}+attention=flash"
   measured = _bytes_per_token(cfg, spec, 16, dtype)
   theory = theoretical_bytes_per_token(cfg, MemoryPolicy.parse(spec), jnp.dtype(dtype).itemsize)
   assert measured == theory
+
+
+@pytest.mark.parametrize("cfg", [VIT, LLAMA], ids=["vit", "llama"])
+@pytest.mark.parametrize("spec", ["baseline", "lowmembp"])
+def test_qkv_recompute_drops_exactly_q_k_v_and_the_log_sum_exp(cfg, spec):
+  """Against the same policy keeping them: q, k, v (D + 2 kv heads x head_dim wide) and
+  the fp32 log-sum-exp per head, nothing more (the norm output they are recomputed from
+  is kept anyway, by the projections' weight gradient)."""
+  keep = _bytes_per_token(cfg, f"{spec}+attention=flash", 16, jnp.bfloat16)
+  recompute = _bytes_per_token(cfg, f"{spec}+attention=flash+qkv=recompute", 16, jnp.bfloat16)
+  assert keep - recompute == (cfg.dim + 2 * cfg.kv_heads * cfg.head_dim) * 2 + 4 * cfg.num_heads
 
 
 def test_vit_b_baseline_keeps_at_most_the_theory_and_lowmembp_under_070_of_it():
@@ -116,7 +129,8 @@ def test_vit_b_baseline_keeps_at_most_the_theory_and_lowmembp_under_070_of_it():
 # bound each backend must meet. CPU (jax 0.10.2): measured vit 7.70 -> 6.39 MiB (0.830),
 # llama 7.95 -> 7.45 MiB (0.937) (against plain autodiff's baseline it was 0.662 and
 # 0.726: the lean baseline already drops part of what lowmembp drops, and on LLaMA the
-# gated SiLU stays exact, so only MS-RMSNorm saves).
+# gated SiLU stays exact, so only MS-RMSNorm saves). lowmembp+qkv=recompute: vit 5.01 MiB,
+# llama 6.63 MiB (what it drops is gone from the executable: XLA does not keep q, k, v).
 # GPU: not yet measured at these shapes; lowmembp must never cost more.
 STEP_TEMP_RATIO = {"cpu": {"vit": 0.85, "llama": 0.95}, "gpu": {"vit": 1.0, "llama": 1.0}}
 
@@ -133,7 +147,7 @@ def test_lowmembp_compiled_step_memory_below_baseline(cfg):
   ratio = STEP_TEMP_RATIO[backend][cfg.kind]
   x = _x(cfg, 4, 64, jnp.bfloat16)
   temp = {}
-  for spec in ("baseline", "lowmembp"):
+  for spec in ("baseline", "lowmembp", "lowmembp+qkv=recompute"):
     params = block_stack.init_stack(jax.random.key(0), cfg, spec)
     step = functools.partial(block_stack.sgd_step, cfg=cfg, policy=spec)
     temp[spec] = step_memory(step, params, x).temp
@@ -141,6 +155,8 @@ def test_lowmembp_compiled_step_memory_below_baseline(cfg):
     assert temp["lowmembp"] < ratio * temp["baseline"], (backend, temp)
   else:
     assert temp["lowmembp"] <= temp["baseline"], (backend, temp)
+  # what recompute drops is gone from the compiled step too
+  assert temp["lowmembp+qkv=recompute"] < temp["lowmembp"], (backend, temp)
 
 
 def test_bad_config_is_a_clear_error():
