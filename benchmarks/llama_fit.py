@@ -429,7 +429,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                   f"comma-separated (default {FULL['bases']})")
   ap.add_argument("--seq", help=f"sequence lengths, comma-separated (default {FULL['seq']})")
   ap.add_argument("--memory-budget", help="the fit's budget: bytes, a size ('70GiB') or "
-                  "auto: the device's limit less 10% (default auto)")
+                  "auto: the device's limit less 10%% (default auto)")
   ap.add_argument("--cap", type=int, help=f"largest batch tried (default {FULL['cap']})")
   ap.add_argument("--warmup", type=int, help="untimed steps per confirm run (default 1)")
   ap.add_argument("--steps", type=int, help="timed steps per confirm run (default 3)")
