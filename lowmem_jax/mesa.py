@@ -47,17 +47,21 @@ class Coder:
   def init(self) -> quant.QuantState:
     return quant.QuantState.create(self.groups)
 
-  def code(self, state: quant.QuantState, x):
-    """``(x carried with its code, updated state)``."""
+  def code(self, state: quant.QuantState, x, *, kept: bool = False):
+    """``(x carried with its code, updated state)``; ``kept``: the carrier's flag
+    (:class:`~lowmem_jax.quant.QTensor`)."""
     return quant.quantize_tensor(x, state, axis=self.axis, groups=self.groups,
-                                 implementation=self.implementation)
+                                 implementation=self.implementation, kept=kept)
 
 
 @dataclasses.dataclass(frozen=True)
 class CodedShared(Strategy):
   """An activation read by linears, carried with its code: each of them keeps the code
-  (one for all). An activation that arrives carried (coded by its producer) passes."""
+  (one for all). An activation that arrives carried (coded by its producer) passes.
+  ``kept``: it stands where an MS norm's output would (the embeddings entering a post-LN
+  stack of them) and is carried in that form, flagged as kept by its producer."""
   coder: Coder
+  kept: bool = False
 
   def init_state(self):
     return {"code": self.coder.init()}
@@ -65,7 +69,7 @@ class CodedShared(Strategy):
   def apply(self, states, x):
     if isinstance(x, quant.QTensor):
       return x, {}
-    qt, state = self.coder.code(states["code"], x)
+    qt, state = self.coder.code(states["code"], x, kept=self.kept)
     return qt, {"code": state}
 
 
@@ -182,7 +186,10 @@ def _coder(policy, groups: int = 1, axis: int = -1) -> Coder:
 
 
 def _shared(policy, inner, *, groups: int = 1, axis: int = -1, norm=None):
-  return inner if policy.quant == "none" else CodedShared(_coder(policy, groups, axis))
+  if policy.quant == "none":
+    return inner
+  kept = norm is not None and not policy.norm_strategy(norm).has_affine
+  return CodedShared(_coder(policy, groups, axis), kept)
 
 
 def _activation(policy, inner, *, kind: str, gated: bool = False):

@@ -218,7 +218,9 @@ class QTensor:
   """An activation with its 8-bit code: ops that read it save ``codes`` (not ``value``).
 
   A pytree (arrays as leaves, layout as static metadata), so it may cross ``jax.checkpoint``
-  and other transformation boundaries, e.g. between rematted layers.
+  and other transformation boundaries, e.g. between rematted layers. ``kept``: its
+  producer's backward keeps ``codes`` anyway (an MS norm's output), so a reader keeping
+  them adds nothing; otherwise only its readers keep them.
   """
   value: jax.Array
   codes: jax.Array
@@ -227,6 +229,7 @@ class QTensor:
   axis: int
   groups: int
   implementation: str = "xla"
+  kept: bool = False
 
   def dequantized(self):
     """What backward sees: the codes' values in the activation's dtype."""
@@ -235,12 +238,14 @@ class QTensor:
 
 
 jax.tree_util.register_dataclass(QTensor, data_fields=["value", "codes", "lo", "hi"],
-                                 meta_fields=["axis", "groups", "implementation"])
+                                 meta_fields=["axis", "groups", "implementation", "kept"])
 
 
 def quantize_tensor(x, state: QuantState, *, axis: int = -1, groups: int = 1,
-                    implementation: str = "xla") -> tuple[QTensor, QuantState]:
-  """Updates the site's EMA range with ``x``'s batch range and codes ``x`` with it."""
+                    implementation: str = "xla", kept: bool = False
+                    ) -> tuple[QTensor, QuantState]:
+  """Updates the site's EMA range with ``x``'s batch range and codes ``x`` with it;
+  ``kept``: the QTensor's (``x`` stands where a value its producer keeps would)."""
   if state.lo.shape != (groups,):
     raise ValueError(f"quantize_tensor: state has {state.lo.shape[0]} groups, asked "
                      f"for {groups}")
@@ -248,7 +253,7 @@ def quantize_tensor(x, state: QuantState, *, axis: int = -1, groups: int = 1,
                                    seed_of(state.step_key()), axis=axis, groups=groups,
                                    implementation=implementation)
   new_state = QuantState(lo, hi, state.count + 1, state.key)
-  return QTensor(x, codes, lo, hi, axis % x.ndim, groups, implementation), new_state
+  return QTensor(x, codes, lo, hi, axis % x.ndim, groups, implementation, kept), new_state
 
 
 # ----------------------------------------------------------------------------- coded vjp
@@ -317,7 +322,7 @@ def ms_norm_coded(kind: str, x, eps: float, state: QuantState, *, groups: int = 
   seed = seed_of(state.step_key())
   y, codes, lo, hi = _ms_coded(kind, float(eps), groups, implementation, x, state.lo,
                               state.hi, state.count, seed)
-  qt = QTensor(y, codes, lo, hi, x.ndim - 1, groups, implementation)
+  qt = QTensor(y, codes, lo, hi, x.ndim - 1, groups, implementation, kept=True)
   return qt, QuantState(lo, hi, state.count + 1, state.key)
 
 

@@ -29,16 +29,15 @@ it the base's site), so ``dA`` is the one sampled, with ``A``'s output cotangent
 
 With Mesa (``mesa8+wta-crs``) both would carry the same activation: Mesa's code stays the
 carrier, and a sampled linear reading it draws its sample of the value (its own key, as
-a linear reading a plain input) and keeps no rows at all: only the code, which the
-activation's other readers keep anyway (the frozen LoRA base, the residual path), and
-its ``k`` indices and scales. Backward gathers those ``k`` rows of the code and
-dequantizes them (:func:`code_rows`): ``dW`` is the estimator on the rows Mesa's backward
-sees, unbiased for Mesa's ``dW``. So the combination keeps Mesa's memory plus ``8k``
-bytes per reader (the weights are kept as given by every sampled linear: no cast copy).
-Keeping the sampled code rows instead (``k x in`` uint8, one sample per activation) would
-add 0.3 bytes per element wherever an unsampled reader keeps the code, as every LoRA
-base does (here 0.3 (2D + F) bytes per token per layer, about 4 MiB in all, by
-arithmetic: not built); it would only pay where no other reader keeps the code.
+a linear reading a plain input) and keeps no rows of the value, only code: all of it
+where its producer keeps it anyway (an MS norm's output, ``QTensor.kept``: q, k, v, fc1,
+gate and up under ``lowmem``), else the ``k`` sampled rows of it, gathered in forward (an
+activation coded for its readers only, which under LoRA are the frozen base, keeping
+nothing, and the sampled adapter: fc2's and down's input), with its ``k`` indices and
+scales. Backward dequantizes those rows (:func:`code_rows`, :func:`gathered_code_rows`):
+``dW`` is the estimator on the rows Mesa's backward sees, unbiased for Mesa's ``dW``. So
+the combination keeps Mesa's memory plus ``8k`` bytes per reader, less 0.7 of the codes
+only sampled readers keep (the weights are kept as given: no cast copy).
 Preset ``wta-crs``.
 
 Measured (CPU, jax 0.10.2, bf16 compute, fp32 parameters: the config's): MiniLM (6
@@ -57,9 +56,9 @@ wta-crs            238.7  148.7  0.86
 lowmembp           235.9  148.7  0.85
 lowmembp+wta-crs   210.7  120.5  0.76
 mesa8              171.1   83.9  0.61
-mesa8+wta-crs      169.9   79.7  0.61
+mesa8+wta-crs      161.8   71.6  0.58
 lowmem             162.1   74.9  0.58
-lowmem+wta-crs     160.9   70.8  0.58
+lowmem+wta-crs     154.7   64.5  0.56
 =================  =====  =====  ============
 
 Per token per layer, what is kept (D = 384, F = 1536; post-LN BERT): attention q, k, v,
@@ -223,8 +222,8 @@ class SampledLinear(Strategy):
     if isinstance(x, quant.QTensor):
       idx, scale = sampling.select(value, state.step_key(), ratio=self.ratio,
                                    row_weights=weights, contract_ndim=contract)
-      y = sampling.linear_on_sample(value, kernel, bias, (x.codes, x.lo, x.hi),
-                                    _code_rows_of(x, contract), idx, scale,
+      kept, rows_of = _kept_code(x, contract, idx)
+      y = sampling.linear_on_sample(value, kernel, bias, kept, rows_of, idx, scale,
                                     row_weights=weights, contract_ndim=contract)
     else:
       y = sampling.wta_crs_linear(value, kernel, bias, state.step_key(), ratio=self.ratio,
@@ -239,16 +238,29 @@ def code_rows(in_dims, axis, groups, implementation, dtype, code, idx):
   backward makes no ``rows x in`` array. The values are the ones Mesa's backward sees
   (:meth:`lowmem_jax.quant.QTensor.dequantized`), rows ``idx``."""
   codes, lo, hi = code
-  k = idx.shape[0]
-  rows = codes.reshape(-1, math.prod(in_dims))[idx].reshape((k,) + tuple(in_dims))
+  return gathered_code_rows(in_dims, axis, groups, implementation, dtype,
+                            (_gather(codes, in_dims, idx), lo, hi), idx)
+
+
+def gathered_code_rows(in_dims, axis, groups, implementation, dtype, code, idx):
+  """:func:`code_rows` of a code whose rows ``idx`` were gathered in forward: ``code``
+  is ``(rows [k, *in_dims], lo, hi)``."""
+  del idx
+  rows, lo, hi = code
   rows = quant.dequantize(rows, lo, hi, dtype, axis=axis, groups=groups,
                           implementation=implementation)
-  return rows.reshape(k, -1)
+  return rows.reshape(rows.shape[0], -1)
 
 
-def _code_rows_of(qt: quant.QTensor, contract: int):
-  """:func:`code_rows` for the rows of ``qt`` that a linear contracting its trailing
-  ``contract`` axes reads: the code's groups must lie inside a row."""
+def _gather(codes, in_dims, idx):
+  return codes.reshape(-1, math.prod(in_dims))[idx].reshape((idx.shape[0],) + tuple(in_dims))
+
+
+def _kept_code(qt: quant.QTensor, contract: int, idx):
+  """What a sampled linear reading ``qt`` (contracting its trailing ``contract`` axes)
+  keeps for backward, and the ``rows_of`` that rebuilds its sampled rows from it: the
+  whole code when its producer keeps it anyway (``qt.kept``: an MS norm's output), else
+  only the ``k`` sampled rows of the code, gathered in forward."""
   lead_ndim = qt.codes.ndim - contract
   if qt.groups == 1:
     axis = -1
@@ -258,8 +270,12 @@ def _code_rows_of(qt: quant.QTensor, contract: int):
     raise ValueError(f"SampledLinear: the code's {qt.groups} groups lie along axis "
                      f"{qt.axis}, across the rows of this linear's input (it contracts "
                      f"the last {contract} of {qt.codes.ndim} axes); sample another linear")
-  return functools.partial(code_rows, tuple(qt.codes.shape[lead_ndim:]), axis, qt.groups,
-                           qt.implementation, qt.value.dtype)
+  in_dims = tuple(qt.codes.shape[lead_ndim:])
+  layout = (in_dims, axis, qt.groups, qt.implementation, qt.value.dtype)
+  if qt.kept:
+    return (qt.codes, qt.lo, qt.hi), functools.partial(code_rows, *layout)
+  return ((_gather(qt.codes, in_dims, idx), qt.lo, qt.hi),
+          functools.partial(gathered_code_rows, *layout))
 
 
 def read_sampled(fn, inputs, diff_args=(), const_args=()):

@@ -1,6 +1,6 @@
 """WTA-CRS under Mesa (``mesa8+wta-crs``): a sampled linear reading Mesa's code keeps the
-code (shared with the activation's other readers), its own indices and scales, and no
-rows of its own. Exact forward, dx and dbias; dW is the estimator on the sampled rows of
+code when its producer keeps it anyway (an MS norm's output, ``QTensor.kept``), else only
+the sampled rows of the code; with its own indices and scales, and no rows of the value. Exact forward, dx and dbias; dW is the estimator on the sampled rows of
 the dequantized activation. That the combination keeps no more than either part on a
 LoRA step is checked in test_wta_lora (beside wta-crs's own peak, one compile less).
 """
@@ -23,9 +23,10 @@ from test_sampling import rand, skewed_rows
 CASES = [((2, 24, 16), 1, (12,), -1, 1), ((2, 12, 4, 8), 2, (16,), 2, 4)]
 
 
-def _coded_reader(x_shape, contract, out_dims, axis, groups):
+def _coded_reader(x_shape, contract, out_dims, axis, groups, kept=False):
   """(f(x, kernel, bias) -> y: the sampled linear on ``x`` carried with its code, as
-  Mesa's shared site carries it; code(x) -> that QTensor; x, kernel, bias)."""
+  Mesa's shared site (``kept``: an MS norm) carries it; code(x) -> that QTensor; x,
+  kernel, bias)."""
   lead = x_shape[:len(x_shape) - contract]
   x = skewed_rows(int(np.prod(lead)), int(np.prod(x_shape[len(lead):])), 1,
                   spread=5.0).reshape(x_shape)
@@ -36,7 +37,7 @@ def _coded_reader(x_shape, contract, out_dims, axis, groups):
 
   def code(x):
     return quant.quantize_tensor(x, quant.QuantState.create(groups), axis=axis,
-                                 groups=groups)[0]
+                                 groups=groups, kept=kept)[0]
 
   def f(x, kernel, bias):
     y, _ = strategy.apply(states, Dense(contract, jnp.float32), code(x), kernel, bias,
@@ -51,10 +52,11 @@ def _value_and_vjp(fn, g, *args):
   return (y,) + vjp(g)
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["rows", "code"])
 @pytest.mark.parametrize("x_shape,contract,out_dims,axis,groups", CASES)
 def test_dw_is_the_estimator_on_the_dequantized_rows(x_shape, contract, out_dims, axis,
-                                                    groups):
-  f, code, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups)
+                                                    groups, kept):
+  f, code, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups, kept)
   lead = x_shape[:len(x_shape) - contract]
   rows, k = int(np.prod(lead)), budget(int(np.prod(lead)), DEFAULT_RATIO)
   g = rand(lead + out_dims, 4)
@@ -85,15 +87,27 @@ def test_dw_is_the_estimator_on_the_dequantized_rows(x_shape, contract, out_dims
 
 
 @pytest.mark.parametrize("x_shape,contract,out_dims,axis,groups", CASES)
-def test_keeps_the_code_and_no_rows(x_shape, contract, out_dims, axis, groups):
-  f, _, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups)
+def test_keeps_the_code_its_producer_keeps_else_its_sampled_rows(x_shape, contract,
+                                                                 out_dims, axis, groups):
   k = budget(int(np.prod(x_shape[:len(x_shape) - contract])), DEFAULT_RATIO)
-  # 2x: an activation made inside (arguments are not counted as residuals)
-  res = saved_residuals(lambda x, k_, b: jnp.sum(f(2.0 * x, k_, b)), x, kernel, bias)
-  kept = {(r.shape, r.dtype) for r in res.items}
-  assert (x_shape, "uint8") in kept and ((k,), "int32") in kept, res.table()
-  # no floating array of the input's rows, neither all of them nor k
   lead, in_dims = x_shape[:len(x_shape) - contract], x_shape[len(x_shape) - contract:]
+  for kept_by_producer in (True, False):
+    f, _, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups,
+                                          kept_by_producer)
+    # 2x: an activation made inside (arguments are not counted as residuals)
+    res = saved_residuals(lambda x, k_, b: jnp.sum(f(2.0 * x, k_, b)), x, kernel, bias)
+    kept = {(r.shape, r.dtype) for r in res.items}
+    assert ((k,), "int32") in kept, res.table()
+    whole, rows = (x_shape, "uint8"), ((k,) + in_dims, "uint8")
+    if kept_by_producer:  # the buffer its producer keeps anyway: no rows beside it
+      assert whole in kept and rows not in kept, res.table()
+    else:                 # kept by its readers only: k of its rows, 0.3 of it
+      assert rows in kept and whole not in kept, res.table()
+    _assert_no_float_rows(res, x_shape, k, lead, in_dims)
+
+
+def _assert_no_float_rows(res, x_shape, k, lead, in_dims):
+  """No floating array of the input's rows, neither all of them nor k."""
   rows_shapes = {x_shape, (k,) + in_dims, (k, int(np.prod(in_dims))),
                  (int(np.prod(lead)), int(np.prod(in_dims)))}
   assert not [r for r in res.items if r.dtype != "uint8" and r.shape in rows_shapes], \
