@@ -28,16 +28,17 @@ it the base's site), so ``dA`` is the one sampled, with ``A``'s output cotangent
 ``scale * g B^T`` in place of ``g``. Heads and embeddings are never sampled.
 
 With Mesa (``mesa8+wta-crs``) both would carry the same activation: Mesa's code stays the
-carrier, and a sampled linear reading it draws its sample of the value (its own key, as
-a linear reading a plain input) and keeps no rows of the value, only code: all of it
-where its producer keeps it anyway (an MS norm's output, ``QTensor.kept``: q, k, v, fc1,
-gate and up under ``lowmem``), else the ``k`` sampled rows of it, gathered in forward (an
-activation coded for its readers only, which under LoRA are the frozen base, keeping
-nothing, and the sampled adapter: fc2's and down's input), with its ``k`` indices and
-scales. Backward dequantizes those rows (:func:`code_rows`, :func:`gathered_code_rows`):
-``dW`` is the estimator on the rows Mesa's backward sees, unbiased for Mesa's ``dW``. So
-the combination keeps Mesa's memory plus ``8k`` bytes per reader, less 0.7 of the codes
-only sampled readers keep (the weights are kept as given: no cast copy).
+carrier. Where its producer keeps the code anyway (an MS norm's output, ``QTensor.kept``:
+what q, k, v, fc1, gate and up read under ``lowmem``), a sampled linear reading it is the
+exact linear on that code, as under :class:`WholeNorm`. Elsewhere (an activation coded
+for its readers only: under LoRA the frozen base keeps nothing, so fc2's and down's
+input is kept for the adapter alone) it draws its sample of the value (its own key, as a
+linear reading a plain input) and keeps only the ``k`` sampled rows of the code, gathered
+in forward, with their indices and scales. Backward dequantizes those rows
+(:func:`code_rows`): ``dW`` is the estimator on the rows Mesa's backward sees, unbiased
+for Mesa's ``dW``. So the combination keeps Mesa's memory less 0.7 of the codes that only
+sampled readers keep, plus ``8k`` bytes per such reader (the weights are kept as given:
+no cast copy).
 Preset ``wta-crs``.
 
 Measured (CPU, jax 0.10.2, bf16 compute, fp32 parameters: the config's): MiniLM (6
@@ -58,7 +59,7 @@ lowmembp+wta-crs   210.7  120.5  0.76
 mesa8              171.1   83.9  0.61
 mesa8+wta-crs      161.8   71.6  0.58
 lowmem             162.1   74.9  0.58
-lowmem+wta-crs     154.7   64.5  0.56
+lowmem+wta-crs     155.8   65.6  0.56
 =================  =====  =====  ============
 
 Per token per layer, what is kept (D = 384, F = 1536; post-LN BERT): attention q, k, v,
@@ -84,7 +85,7 @@ import math
 
 from lowmem_jax import quant, sampling
 from lowmem_jax.baseline import Norm, Shared, keep_inputs
-from lowmem_jax.methods import Field, Method, Strategy, check_choice, value_of
+from lowmem_jax.methods import Field, Method, Strategy, check_choice, read, value_of
 from lowmem_jax.sampling import SampledTensor
 
 SAMPLED_LINEARS = ("none", "wta-crs")
@@ -197,18 +198,20 @@ class SampledLinear(Strategy):
   :class:`~lowmem_jax.sampling.SampledTensor`, it keeps the rows carried (shared with
   the other readers), their indices and scales, and the kernel. Reading Mesa's
   :class:`~lowmem_jax.quant.QTensor`, it draws ``k`` rows of the value with its own key
-  and keeps the code (the buffer the other readers keep) with its indices and scales:
-  backward gathers and dequantizes those rows of the code. Reading a plain input it
-  samples ``k`` rows of the value and keeps them. Reading one carried whole (an MS
-  norm's output), it is the exact linear: it keeps the value, the buffer the norm keeps."""
+  and keeps those rows of the code, gathered in forward, with their indices and scales:
+  backward dequantizes them. Reading a plain input it samples ``k`` rows of the value
+  and keeps them. Reading a value its producer keeps anyway (an MS norm's output:
+  carried whole, or a code with ``kept``), it is the exact linear on what the producer
+  keeps: a sample would only add memory and noise."""
   ratio: float
 
   def init_state(self):
     return {"sampler": sampling.KeyState.create()}
 
   def apply(self, states, dense, x, kernel, bias, *, contract: int):
-    if isinstance(x, SampledTensor) and x.is_whole:
-      return read_sampled(dense, [x], (kernel,) if bias is None else (kernel, bias)), {}
+    if (isinstance(x, SampledTensor) and x.is_whole) or (isinstance(x, quant.QTensor)
+                                                         and x.kept):
+      return read(dense, [x], (kernel,) if bias is None else (kernel, bias)), {}
     # dense casts to its compute dtype: the activation here, the weights inside the rule
     # (which keeps them as given, not a cast copy)
     value = value_of(x).astype(dense.dtype)
@@ -222,8 +225,8 @@ class SampledLinear(Strategy):
     if isinstance(x, quant.QTensor):
       idx, scale = sampling.select(value, state.step_key(), ratio=self.ratio,
                                    row_weights=weights, contract_ndim=contract)
-      kept, rows_of = _kept_code(x, contract, idx)
-      y = sampling.linear_on_sample(value, kernel, bias, kept, rows_of, idx, scale,
+      rows, rows_of = _sampled_code(x, contract, idx)
+      y = sampling.linear_on_sample(value, kernel, bias, rows, rows_of, idx, scale,
                                     row_weights=weights, contract_ndim=contract)
     else:
       y = sampling.wta_crs_linear(value, kernel, bias, state.step_key(), ratio=self.ratio,
@@ -232,19 +235,10 @@ class SampledLinear(Strategy):
 
 
 def code_rows(in_dims, axis, groups, implementation, dtype, code, idx):
-  """Rows ``idx`` (``[k, in]``, ``dtype``) of the values of Mesa's ``code`` (``(codes,
-  lo, hi)`` of a ``[..., *in_dims]`` tensor, ``groups`` along ``axis`` of a row
-  ``[k, *in_dims]``): only those k rows of the codes are gathered and dequantized, so
-  backward makes no ``rows x in`` array. The values are the ones Mesa's backward sees
+  """The sampled rows (``[k, in]``, ``dtype``) of an activation from ``code``: ``(rows
+  [k, *in_dims], lo, hi)``, rows ``idx`` of Mesa's codes (``groups`` along ``axis`` of a
+  row), gathered in forward. The values are the ones Mesa's backward sees
   (:meth:`lowmem_jax.quant.QTensor.dequantized`), rows ``idx``."""
-  codes, lo, hi = code
-  return gathered_code_rows(in_dims, axis, groups, implementation, dtype,
-                            (_gather(codes, in_dims, idx), lo, hi), idx)
-
-
-def gathered_code_rows(in_dims, axis, groups, implementation, dtype, code, idx):
-  """:func:`code_rows` of a code whose rows ``idx`` were gathered in forward: ``code``
-  is ``(rows [k, *in_dims], lo, hi)``."""
   del idx
   rows, lo, hi = code
   rows = quant.dequantize(rows, lo, hi, dtype, axis=axis, groups=groups,
@@ -252,15 +246,10 @@ def gathered_code_rows(in_dims, axis, groups, implementation, dtype, code, idx):
   return rows.reshape(rows.shape[0], -1)
 
 
-def _gather(codes, in_dims, idx):
-  return codes.reshape(-1, math.prod(in_dims))[idx].reshape((idx.shape[0],) + tuple(in_dims))
-
-
-def _kept_code(qt: quant.QTensor, contract: int, idx):
+def _sampled_code(qt: quant.QTensor, contract: int, idx):
   """What a sampled linear reading ``qt`` (contracting its trailing ``contract`` axes)
-  keeps for backward, and the ``rows_of`` that rebuilds its sampled rows from it: the
-  whole code when its producer keeps it anyway (``qt.kept``: an MS norm's output), else
-  only the ``k`` sampled rows of the code, gathered in forward."""
+  keeps: rows ``idx`` of the code with the ranges, and the :func:`code_rows` that
+  dequantizes them. The code's groups must lie inside a row."""
   lead_ndim = qt.codes.ndim - contract
   if qt.groups == 1:
     axis = -1
@@ -271,11 +260,10 @@ def _kept_code(qt: quant.QTensor, contract: int, idx):
                      f"{qt.axis}, across the rows of this linear's input (it contracts "
                      f"the last {contract} of {qt.codes.ndim} axes); sample another linear")
   in_dims = tuple(qt.codes.shape[lead_ndim:])
-  layout = (in_dims, axis, qt.groups, qt.implementation, qt.value.dtype)
-  if qt.kept:
-    return (qt.codes, qt.lo, qt.hi), functools.partial(code_rows, *layout)
-  return ((_gather(qt.codes, in_dims, idx), qt.lo, qt.hi),
-          functools.partial(gathered_code_rows, *layout))
+  rows = qt.codes.reshape(-1, math.prod(in_dims))[idx].reshape((idx.shape[0],) + in_dims)
+  return ((rows, qt.lo, qt.hi),
+          functools.partial(code_rows, in_dims, axis, qt.groups, qt.implementation,
+                            qt.value.dtype))
 
 
 def read_sampled(fn, inputs, diff_args=(), const_args=()):

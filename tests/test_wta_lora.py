@@ -316,11 +316,12 @@ def test_lora_step_peak_of_wta_crs_is_below_lora():
 
 @pytest.mark.slow
 def test_lora_step_peak_of_mesa8_with_wta_crs_is_below_both_parts():
-  # Under Mesa a sampled adapter keeps the code where its producer keeps it anyway (an MS
-  # norm), else only the sampled rows of the code (fc2's input: its frozen base keeps
-  # nothing), with its indices and scales: the combination keeps no more than either
-  # part. Measured (CPU, jax 0.10.2): mesa8+wta-crs 20.6 MiB, mesa8 22.7 (wta-crs 40.8);
-  # lowmem+wta-crs 18.2, lowmem 19.7 (keeping fc2's whole code they were 22.2 and 19.8).
+  # Under Mesa a sampled adapter keeps only the sampled rows of a code (fc2's input: its
+  # frozen base keeps nothing), with their indices and scales, and reads a code its
+  # producer keeps anyway (an MS norm's output, under lowmem) exactly: the combination
+  # keeps less than either part. Measured (CPU, jax 0.10.2): mesa8+wta-crs 20.6 MiB,
+  # mesa8 22.7 (wta-crs 40.8); lowmem+wta-crs 18.3, lowmem 19.7 (keeping fc2's whole
+  # code they were 22.2 and 19.8).
   wta = _lora_step_peak("wta-crs")
   for part in ("mesa8", "lowmem"):
     alone, both = _lora_step_peak(part), _lora_step_peak(part + "+wta-crs")

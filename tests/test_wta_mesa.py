@@ -1,6 +1,7 @@
-"""WTA-CRS under Mesa (``mesa8+wta-crs``): a sampled linear reading Mesa's code keeps the
-code when its producer keeps it anyway (an MS norm's output, ``QTensor.kept``), else only
-the sampled rows of the code; with its own indices and scales, and no rows of the value. Exact forward, dx and dbias; dW is the estimator on the sampled rows of
+"""WTA-CRS under Mesa (``mesa8+wta-crs``): a sampled linear reading Mesa's code keeps only
+the sampled rows of the code, its own indices and scales, and no rows of the value;
+reading a code its producer keeps anyway (an MS norm's output, ``QTensor.kept``) it is
+the exact linear on that code. Exact forward, dx and dbias; dW is the estimator on the sampled rows of
 the dequantized activation. That the combination keeps no more than either part on a
 LoRA step is checked in test_wta_lora (beside wta-crs's own peak, one compile less).
 """
@@ -52,11 +53,10 @@ def _value_and_vjp(fn, g, *args):
   return (y,) + vjp(g)
 
 
-@pytest.mark.parametrize("kept", [False, True], ids=["rows", "code"])
 @pytest.mark.parametrize("x_shape,contract,out_dims,axis,groups", CASES)
 def test_dw_is_the_estimator_on_the_dequantized_rows(x_shape, contract, out_dims, axis,
-                                                    groups, kept):
-  f, code, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups, kept)
+                                                    groups):
+  f, code, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups)
   lead = x_shape[:len(x_shape) - contract]
   rows, k = int(np.prod(lead)), budget(int(np.prod(lead)), DEFAULT_RATIO)
   g = rand(lead + out_dims, 4)
@@ -87,31 +87,48 @@ def test_dw_is_the_estimator_on_the_dequantized_rows(x_shape, contract, out_dims
 
 
 @pytest.mark.parametrize("x_shape,contract,out_dims,axis,groups", CASES)
-def test_keeps_the_code_its_producer_keeps_else_its_sampled_rows(x_shape, contract,
-                                                                 out_dims, axis, groups):
+def test_keeps_the_sampled_rows_of_the_code_and_no_rows_of_the_value(x_shape, contract,
+                                                                     out_dims, axis, groups):
+  f, _, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups)
   k = budget(int(np.prod(x_shape[:len(x_shape) - contract])), DEFAULT_RATIO)
   lead, in_dims = x_shape[:len(x_shape) - contract], x_shape[len(x_shape) - contract:]
-  for kept_by_producer in (True, False):
-    f, _, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups,
-                                          kept_by_producer)
-    # 2x: an activation made inside (arguments are not counted as residuals)
-    res = saved_residuals(lambda x, k_, b: jnp.sum(f(2.0 * x, k_, b)), x, kernel, bias)
-    kept = {(r.shape, r.dtype) for r in res.items}
-    assert ((k,), "int32") in kept, res.table()
-    whole, rows = (x_shape, "uint8"), ((k,) + in_dims, "uint8")
-    if kept_by_producer:  # the buffer its producer keeps anyway: no rows beside it
-      assert whole in kept and rows not in kept, res.table()
-    else:                 # kept by its readers only: k of its rows, 0.3 of it
-      assert rows in kept and whole not in kept, res.table()
-    _assert_no_float_rows(res, x_shape, k, lead, in_dims)
-
-
-def _assert_no_float_rows(res, x_shape, k, lead, in_dims):
-  """No floating array of the input's rows, neither all of them nor k."""
+  # 2x: an activation made inside (arguments are not counted as residuals)
+  res = saved_residuals(lambda x, k_, b: jnp.sum(f(2.0 * x, k_, b)), x, kernel, bias)
+  kept = {(r.shape, r.dtype) for r in res.items}
+  # k of the code's rows (0.3 of it), not all of it; their indices
+  assert ((k,) + in_dims, "uint8") in kept and ((k,), "int32") in kept, res.table()
+  assert (x_shape, "uint8") not in kept, res.table()
+  # no floating array of the input's rows, neither all of them nor k
   rows_shapes = {x_shape, (k,) + in_dims, (k, int(np.prod(in_dims))),
                  (int(np.prod(lead)), int(np.prod(in_dims)))}
   assert not [r for r in res.items if r.dtype != "uint8" and r.shape in rows_shapes], \
       res.table()
+
+
+@pytest.mark.parametrize("x_shape,contract,out_dims,axis,groups", CASES)
+def test_a_code_its_producer_keeps_is_read_exactly(x_shape, contract, out_dims, axis,
+                                                   groups):
+  """An MS norm keeps its output's code for its own backward: the reader's dW is Mesa's
+  exact one from it (no sample, no indices), as a plain coded linear's."""
+  f, code, x, kernel, bias = _coded_reader(x_shape, contract, out_dims, axis, groups,
+                                           kept=True)
+  lead = x_shape[:len(x_shape) - contract]
+  g = rand(lead + out_dims, 4)
+
+  @jax.jit
+  def ours_and_mesa(x, kernel, bias, g):
+    ours = _value_and_vjp(f, g, x, kernel, bias)
+    mesa = _value_and_vjp(lambda x, k, b: quant.coded_vjp(
+        lambda v, k, b: linear_reference(v, k, b, contract), [code(x)], (k, b)),
+        g, x, kernel, bias)
+    return ours, mesa
+
+  ours, mesa = ours_and_mesa(x, kernel, bias, g)
+  for a, b, name in zip(ours, mesa, ("y", "dx", "dkernel", "dbias")):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(jnp.abs(b).max()),
+                               err_msg=name)
+  res = saved_residuals(lambda x, k_, b: jnp.sum(f(2.0 * x, k_, b)), x, kernel, bias)
+  assert not [r for r in res.items if r.dtype == "int32"], res.table()  # no indices
 
 
 def test_bad_group_axis_raises():
