@@ -43,7 +43,7 @@ COMPARED = ("baseline", "lowmembp", "mesa8", "wta-crs", "offload", "lowmem",
             "lowmem+qkv=recompute")
 # LoRA: under wta-crs the adapters' A (the trained linear of each target) is sampled
 LORA_COMPARED = ("baseline", "wta-crs", "lowmembp", "lowmembp+wta-crs", "lowmem",
-                 "lowmem+qkv=recompute")
+                 "lowmem+wta-crs", "lowmem+qkv=recompute")
 DEFAULT_SEEDS = (1, 2, 3)
 
 
