@@ -91,6 +91,56 @@ def test_no_plan_fits_names_the_smallest_peak(example):
       "1.0 MiB (1000001 bytes: lowmembp, micro-batch 1 x grad_accum 32)")
 
 
+def test_a_budget_below_the_train_state_fails_before_any_compile(example, monkeypatch):
+  """The train state (parameters, optimizer state) is held by every plan: a budget below
+  the least of the policies' states is one line naming the budget and that state, from the
+  abstract trainer's shapes, with nothing lowered or compiled. Its bytes: the real state's
+  (a tiny model, built for real here), per policy."""
+  from train.trainer import Trainer
+  real = {}
+  for policy in POLICIES:
+    trainer = Trainer.create(_cfg(f"policy={policy}"))
+    real[policy] = sum(x.nbytes for x in jax.tree.leaves((trainer.state, trainer.first_bad)))
+    assert planner.state_bytes(_cfg(f"policy={policy}")) == real[policy]
+  least = min(POLICIES, key=real.get)
+  assert real[least] < max(real.values())  # baseline's norms keep a bias lowmembp drops
+
+  def refuse(*args, **kwargs):
+    raise AssertionError("the planner compiled a candidate")
+  monkeypatch.setattr(Trainer, "lower", refuse)
+  monkeypatch.setattr(jax.stages.Lowered, "compile", refuse)
+  for budget in (1024, real[least] - 1):
+    with pytest.raises(ValueError) as e:
+      planner.plan(_cfg(), example, budget, policies=POLICIES, table=TABLE, predict=refuse)
+    assert str(e.value) == (
+        f"memory_budget {planner.fmt_bytes(budget)} ({budget} bytes): no plan can fit; the "
+        f"train state alone (parameters and optimizer state, held under every plan) is "
+        f"{planner.fmt_bytes(real[least])} ({real[least]} bytes under {least}, the least of "
+        f"the policies)")
+  assert " KiB (" in str(e.value) and "0.0" not in str(e.value)  # ~74 KiB, readable
+  # at the state's bytes the search runs (made-up peaks, none fits: the usual error)
+  with pytest.raises(ValueError, match=rf"^memory_budget .* \({real[least]} bytes\): no plan "
+                                       r"fits; the smallest predicted peak is"):
+    planner.plan(_cfg(), example, real[least], policies=POLICIES, table=TABLE,
+                 predict=lambda cfg, shapes: real[least] + 1)
+
+
+def test_the_train_state_is_below_every_predicted_peak(truth):
+  """The early error's premise, on real compiled peaks: a policy's state <= its peaks."""
+  for (policy, accum), peak in truth.items():
+    assert planner.state_bytes(_cfg(f"policy={policy}", f"grad_accum={accum}")) < peak
+
+
+@pytest.mark.parametrize("n,text", [
+    (0, "0 bytes"), (1023, "1023 bytes"), (1024, "1.0 KiB"), (1536, "1.5 KiB"),
+    (102_399, "100.0 KiB"), (104_858, "0.1 MiB"), (10 ** 6, "1.0 MiB"),  # the error above
+    (16_028_640, "15.3 MiB"), (2 ** 30 - 1, "1024.0 MiB"), (2 ** 30, "1.00 GiB"),
+    (20 * 2 ** 30, "20.00 GiB")])
+def test_fmt_bytes_is_readable_at_every_scale(n, text):
+  """Never "0.0 MiB" for a non-zero size; MiB and GiB as the docs' tables print them."""
+  assert planner.fmt_bytes(n) == text
+
+
 def test_search_bisects_many_micro_batches():
   """Batch 48 (10 micro-batch sizes), four policies, made-up peaks that shrink with the
   micro-batch: brute force's choice at every budget, at most 2 + ceil(log2(10 - 1)) = 6

@@ -30,12 +30,18 @@ given that a policy's peak does not grow as its micro-batch shrinks (activations
 the micro-batch; the gradient accumulator is the same for every ``grad_accum >= 2``): the
 skips and the bisection rest on that. At most ``2 + ceil(log2(#micro-batches - 1))``
 compiles per policy; one when the fastest fits.
+
+Before any compile: every plan of a policy holds its train state (parameters, optimizer
+state; the step's donated argument and, updated, its output), whatever the micro-batch, so
+a budget below the least state of the policies fails at once (:func:`state_bytes`, from the
+abstract trainer's shapes), with no candidate compiled.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -160,7 +166,14 @@ class Candidate:
 
 
 def fmt_bytes(n: int) -> str:
-  return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / MiB:.1f} MiB"
+  """``n`` bytes, readable at any scale: GiB (2 decimals) from 1 GiB, MiB (1 decimal) from
+  0.1 MiB, KiB (1 decimal) from 1 KiB, else bytes; a size that is not zero never reads
+  "0.0"."""
+  if n >= 2**30:
+    return f"{n / 2**30:.2f} GiB"
+  if n >= MiB / 10:
+    return f"{n / MiB:.1f} MiB"
+  return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +296,22 @@ def abstract_trainer(cfg: TrainConfig) -> Trainer:
   return dataclasses.replace(made["trainer"], state=shapes, first_bad=no_bad_step())
 
 
+def state_bytes(cfg: TrainConfig) -> int:
+  """Bytes of ``cfg``'s train state per device (the parameters, the rest of the model,
+  the optimizer state, the step, the non-finite tracker), from the abstract trainer's shapes
+  and dtypes: nothing materialized or compiled. A lower bound on the predicted peak of every
+  plan of ``cfg.policy``: the state is an argument of the train step (donated) and its new
+  value an output, whatever the micro-batch. The batch is left out (``jax.jit`` drops
+  arguments the step does not read)."""
+  trainer = abstract_trainer(cfg)
+  total = 0
+  for leaf in jax.tree.leaves((trainer.state, trainer.first_bad)):
+    sharding = getattr(leaf, "sharding", None)
+    shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
+    total += -(-math.prod(shape) * jax.dtypes.itemsize_bits(leaf.dtype) // 8)
+  return total
+
+
 def predict_peak(cfg: TrainConfig, batch_shapes: dict) -> int:
   """Predicted peak bytes of ``cfg``'s train step on ``batch_shapes`` (module docstring):
   compiled ahead of time, nothing run."""
@@ -298,7 +327,9 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
   ``budget_bytes``. ``batch_example``: one global batch (arrays or ShapeDtypeStructs);
   ``table``: the speed table (default: train/speed_table.json); ``predict(cfg, shapes)``:
   a plan's peak bytes (default: :func:`predict_peak`).
-  ValueError naming the budget and the smallest predicted peak when nothing fits."""
+  ValueError naming the budget and the smallest predicted peak when nothing fits; before
+  any compile, naming the budget and the least train state of ``policies`` when that alone
+  exceeds the budget (:func:`state_bytes`)."""
   start = time.perf_counter()
   table = load_speed_table() if table is None else table
   family = device_family(table)
@@ -308,6 +339,18 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
     raise ValueError(f"planner: the batch example's leading sizes "
                      f"{sorted({s.shape[0] for s in shapes.values()})} are not "
                      f"batch_size={cfg.batch_size}")
+
+  states = {}  # policy -> its train state's bytes, until one fits the budget
+  for spec in policies:
+    states[spec] = state_bytes(cfg.replace(policy=spec))
+    if states[spec] <= budget_bytes:
+      break
+  else:
+    leanest = min(states, key=states.get)
+    raise ValueError(f"memory_budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes): no "
+                     f"plan can fit; the train state alone (parameters and optimizer state, "
+                     f"held under every plan) is {fmt_bytes(states[leanest])} "
+                     f"({states[leanest]} bytes under {leanest}, the least of the policies)")
 
   def peak_of(c: Candidate) -> int:
     return predict(cfg.replace(policy=c.policy, grad_accum=c.grad_accum), shapes)
