@@ -43,7 +43,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax.memory import MiB, compiled_memory, format_table, write_json
+from lowmem_jax.memory import MiB, compiled_memory, format_table, policy_list, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("baseline", "reversible", "pareprop")
@@ -294,7 +294,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     cfg["depths"] = tuple(int(d) for d in args.depths.split(","))
   cfg["batch"] = args.batch or cfg["batch"]
   cfg["run_batch"] = args.run_batch or cfg["run_batch"]
-  policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+  try:
+    policies = policy_list(args.policies)
+  except ValueError as e:
+    ap.error(f"--policies: {e}")
   variants = [v.strip() for v in args.variants.split(",") if v.strip()]
   unknown = sorted(set(variants) - set(VARIANTS))
   if unknown:

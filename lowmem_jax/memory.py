@@ -299,6 +299,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
   return result
 
 
+def policy_list(text: str) -> list[str]:
+  """:func:`split_policies`, each spec checked: ValueError naming an invalid one."""
+  from lowmem_jax.policy import MemoryPolicy
+  specs = split_policies(text)
+  for spec in specs:
+    try:
+      MemoryPolicy.parse(spec)
+    except ValueError as e:
+      raise ValueError(f"invalid policy {spec!r}: {e}") from None
+  return specs
+
+
 def split_policies(text: str) -> list[str]:
   """Splits a comma-separated policy list; commas inside ``remat:save=a,b`` and
   ``sample_targets=a,b`` stay put."""

@@ -11,14 +11,34 @@ from flax import nnx
 from lowmem_jax.policy import MemoryPolicy
 
 
+# The scalar types a config field may be annotated with, and the values each accepts.
+_SCALARS = {"int": int, "float": (int, float), "bool": bool, "str": str, "None": type(None)}
+
+
 def replace_fields(cfg, overrides: dict):
-  """``dataclasses.replace(cfg, **overrides)``; unknown fields name the valid ones."""
-  fields = {f.name for f in dataclasses.fields(cfg)}
-  unknown = sorted(set(overrides) - fields)
+  """``dataclasses.replace(cfg, **overrides)``; unknown fields name the valid ones, and a
+  value of the wrong type for a scalar field (``int``, ``float``, ``bool``, ``str``,
+  ``... | None``) names the field and the type it expects (an int for a float is made
+  one)."""
+  fields = {f.name: f for f in dataclasses.fields(cfg)}
+  unknown = sorted(set(overrides) - set(fields))
   if unknown:
     raise ValueError(f"unknown {type(cfg).__name__} field(s) {', '.join(unknown)}; valid: "
                      f"{', '.join(sorted(fields))}")
-  return dataclasses.replace(cfg, **overrides)
+  checked = {name: _checked(type(cfg).__name__, fields[name], value)
+             for name, value in overrides.items()}
+  return dataclasses.replace(cfg, **checked)
+
+
+def _checked(owner: str, field: dataclasses.Field, value):
+  kinds = [k.strip() for k in str(field.type).split("|")]
+  if not all(k in _SCALARS for k in kinds):
+    return value  # not a scalar field: the config's own checks apply
+  for kind in kinds:
+    if isinstance(value, _SCALARS[kind]) and not (
+        isinstance(value, bool) and kind in ("int", "float")):
+      return float(value) if kind == "float" else value
+  raise ValueError(f"{owner}: {field.name} expects {' or '.join(kinds)}, got {value!r}")
 
 
 def make_config(cls, presets: dict, name: str, overrides: dict):

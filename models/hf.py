@@ -172,6 +172,9 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
   state = hf_state(model)
   tmp = path / "model.safetensors.tmp"
   save_file(state, str(tmp), metadata={"format": "pt"})
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a model file is shared as any
   os.replace(tmp, path / "model.safetensors")
   tmp = path / "config.json.tmp"
   tmp.write_text(json.dumps(module.config_to_hf(model.cfg), indent=2))

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from lowmem_jax.memory import (MiB, format_table, peak_buffers, saved_residuals, step_memory,
-                               write_json)
+from lowmem_jax.memory import (MiB, format_table, peak_buffers, policy_list, saved_residuals,
+                               step_memory, write_json)
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
 
@@ -124,7 +124,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
   ap.add_argument("--top", type=int, default=20, help="buffers and lines --explain shows")
   args = ap.parse_args(argv)
   overrides = _overrides(args.set)
-  rows = measure(args.model, args.policies.split(","), args.batch, args.seq,
+  try:
+    policies = policy_list(args.policies)
+  except ValueError as e:
+    ap.error(f"--policies: {e}")
+  rows = measure(args.model, policies, args.batch, args.seq,
                  jnp.dtype(args.dtype), overrides)
   base = rows[0]
   print(f"{args.model} {overrides or ''} batch {args.batch}"

@@ -288,7 +288,7 @@ def test_labels_beyond_num_labels_name_the_label_and_file(tmp_path, tokenizer):
   ints = write_jsonl(tmp_path / "ints.jsonl", [{"text": "a", "label": 1},
                                                {"text": "b", "label": 2}])
   with pytest.raises(ValueError, match=r"ints.jsonl:2: label 2 is outside the model's "
-                                       r"num_labels=2 \(ids 0..1\)"):
+                                       r"num_labels=2 \(ids 0..1\); set model.num_labels=3"):
     text_classification(ints, tokenizer, max_len=8, num_labels=2)
   assert len(text_classification(ints, tokenizer, max_len=8, num_labels=3)) == 2
   strs = write_jsonl(tmp_path / "strs.jsonl", [{"text": "a", "label": "c"},

@@ -17,6 +17,8 @@ import pytest
 
 from conftest import CPU_TEST_XLA_FLAGS, TINY_TRAIN, set_args, with_test_xla_flags
 from train import config as config_lib
+from train import loop
+from train import model as model_lib
 from train.loop import train
 from train.trainer import Trainer
 
@@ -279,6 +281,42 @@ def test_config_errors():
     config_lib.load_config("imagenet")
   with pytest.raises(ValueError, match="expects a int"):
     config_lib.load_config(overrides=["batch_size=big"])
+  with pytest.raises(ValueError, match=r"trainable='frozen:\[': bad regex"):
+    config_lib.load_config(overrides=["trainable=frozen:["])
+  with pytest.raises(ValueError, match="eval_data='x.jsonl' with data=digits"):
+    config_lib.load_config(overrides=["eval_data=x.jsonl"])
+  with pytest.raises(ValueError, match="need 1 <= profile_start <= profile_stop"):
+    config_lib.load_config(overrides=["profile_dir=p", "profile_start=9"])
+
+
+@pytest.mark.parametrize("override,message", [
+    ("model.num_layers=abc", "ViTConfig: num_layers expects int, got 'abc'"),
+    ("model.num_layers=2.0", "ViTConfig: num_layers expects int, got 2.0"),
+    ("model.qkv_bias=maybe", "ViTConfig: qkv_bias expects bool, got 'maybe'"),
+    ("model.num_heads=true", "ViTConfig: num_heads expects int, got True"),
+    ("data=/nonexistent/train.jsonl", "data='/nonexistent/train.jsonl': no such file"),
+])
+def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_path):
+  out = tmp_path / "run"
+  cfg = config_lib.load_config(overrides=[override, f"out_dir={out}"])
+  with pytest.raises(ValueError, match=re.escape(message)):
+    train(cfg)
+  assert not out.exists()
+
+
+def test_model_overrides_of_the_right_type_pass_and_ints_become_floats():
+  cfg = config_lib.load_config(overrides=["model.eps=1", "model.num_layers=2"])
+  model_cfg = model_lib.model_config(cfg)
+  assert model_cfg.eps == 1.0 and isinstance(model_cfg.eps, float) and model_cfg.num_layers == 2
+
+
+def test_the_profile_window_is_the_steps_the_run_takes(capsys):
+  cfg = config_lib.load_config(overrides=["profile_dir=p", "steps=6"])
+  assert loop.profile_window(cfg, 0) == (5, 6)      # stopped at the last step
+  assert loop.profile_window(cfg.replace(steps=300), 6) == (7, 8)  # resumed inside it
+  assert loop.profile_window(cfg.replace(steps=3), 0) is None
+  assert "steps 5..8 are not among this run's steps 1..3: no trace" in capsys.readouterr().out
+  assert loop.profile_window(cfg.replace(profile_dir=None), 0) is None
 
 
 def _run(args, env_extra=None, timeout=600):
@@ -461,7 +499,7 @@ def test_resume_without_out_dir_picks_the_newest_run_or_says_there_is_none(
   assert runs.prepare(cfg).out_dir == str(Path("runs/digits-vit/20250101-000000-2"))
   out = tmp_path / "explicit"
   runs.prepare(cfg.replace(out_dir=str(out)))
-  assert f"nothing to resume in {out} (no checkpoint): starting at step 0" in \
+  assert f"run folder: {out} (nothing to resume there, no checkpoint: starting at step 0)" in \
       capsys.readouterr().out
 
 

@@ -82,6 +82,9 @@ def test_export_round_trip(hf_dir, images, tmp_path):
   hf.save_pretrained(ours, tmp_path)
   again = _ours(tmp_path, "baseline")
   np.testing.assert_allclose(again(images), ours(images), atol=1e-4, rtol=1e-4)
+  # the model file is readable as the config beside it (safetensors writes 0600)
+  mode = lambda name: (tmp_path / name).stat().st_mode & 0o777
+  assert mode("model.safetensors") == mode("config.json"), oct(mode("model.safetensors"))
 
 
 @requires_torch

@@ -30,8 +30,9 @@ class Batches:
     if n < 1:
       raise ValueError("empty dataset: nothing to batch")
     if drop_last and n < batch_size:
-      raise ValueError(f"dataset of {n} examples is smaller than one batch of {batch_size} "
-                       "(drop_last=True); use a smaller batch_size or drop_last=False")
+      raise ValueError(f"dataset of {n} examples is smaller than one batch of {batch_size}; "
+                       f"set batch_size <= {n} (Batches(..., drop_last=False) in Python "
+                       "keeps a short batch)")
     self.dataset = dataset
     self.batch_size = int(batch_size)
     self.seed = int(seed)

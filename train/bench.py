@@ -58,7 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lowmem_jax.memory import (MiB, error_line, format_table, peak_buffers, split_policies,
+from lowmem_jax.memory import (MiB, error_line, format_table, peak_buffers, policy_list,
                                write_json)
 from lowmem_jax.policy import MemoryPolicy
 from train.batches import batch_items
@@ -73,15 +73,12 @@ DEFAULT_POLICIES = ("baseline", "plain", "approx-bp", "ms-bp", "lowmembp", "rema
 def parse_policies(text: str | Sequence[str]) -> list[str]:
   """Policy specs from a comma-separated list (``remat:save=a,b`` kept whole), checked;
   ``baseline`` is put first when missing. ValueError naming an unknown or repeated one."""
-  specs = split_policies(text) if isinstance(text, str) else [s.strip() for s in text]
+  specs = policy_list(text if isinstance(text, str) else ",".join(text))
   if not specs:
     raise ValueError("no policy given: --policies expects e.g. baseline,lowmembp")
   seen: dict[MemoryPolicy, str] = {}
   for spec in specs:
-    try:
-      policy = MemoryPolicy.parse(spec)
-    except ValueError as e:
-      raise ValueError(f"invalid policy {spec!r}: {e}") from None
+    policy = MemoryPolicy.parse(spec)
     if policy in seen:
       raise ValueError(f"policy {spec!r} is listed twice (same as {seen[policy]!r})")
     seen[policy] = spec

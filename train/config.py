@@ -116,6 +116,19 @@ class TrainConfig:
     if not (self.trainable in ("full", "lora") or self.trainable.startswith("frozen:")):
       raise ValueError(f"TrainConfig: trainable={self.trainable!r}; use 'full', 'lora' or "
                        "'frozen:<regex>'")
+    if self.trainable.startswith("frozen:"):
+      try:
+        re.compile(self.trainable[len("frozen:"):])
+      except re.error as e:
+        raise ValueError(f"TrainConfig: trainable={self.trainable!r}: bad regex ({e})") from None
+    if self.data == "digits" and self.eval_data is not None:
+      raise ValueError(f"TrainConfig: eval_data={self.eval_data!r} with data=digits, which "
+                       "brings its own test split; unset eval_data, or train on an image "
+                       "folder (data=<folder>) to evaluate on another")
+    if self.profile_dir and not 1 <= self.profile_start <= self.profile_stop:
+      raise ValueError(f"TrainConfig: profile_start={self.profile_start}, profile_stop="
+                       f"{self.profile_stop}: the trace covers steps profile_start.."
+                       "profile_stop; need 1 <= profile_start <= profile_stop")
     choice("base_dtype", BASE_DTYPES)
     if self.base_dtype != "float32" and self.trainable == "full":
       raise ValueError(f"TrainConfig: base_dtype={self.base_dtype!r} needs frozen weights "

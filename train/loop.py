@@ -22,11 +22,11 @@ from models import lora, sites
 from train import planner, runs
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
-from train.config import TrainConfig, config_diff
+from train.config import PATH_FIELDS, TrainConfig, config_diff
 from train.datasets import make_datasets
 from train.memory_report import print_memory
 from train.metrics import Log, finished_result
-from train.model import build_model
+from train.model import build_model, model_config, resolve_path
 from train.optim import make_schedule
 from train.trainer import Trainer
 
@@ -39,6 +39,7 @@ def train(cfg: TrainConfig) -> dict:
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
+  check_inputs(cfg)
   # the planner's budget ("auto": the device's memory) checked before any work
   budget = None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
   # the run folder; refuses to write over a run before any work
@@ -85,15 +86,17 @@ def train(cfg: TrainConfig) -> dict:
   # resumes there
   data_after = {start: batches.state()}
   t0, t_items, last_step = time.perf_counter(), 0, start
+  trace = profile_window(cfg, start)
   for step in range(start + 1, cfg.steps + 1):
-    if cfg.profile_dir and step == cfg.profile_start:
+    if trace and step == trace[0]:
       jax.profiler.start_trace(cfg.profile_dir)
     batch = trainer.put(next(batches))
     data_after[step] = batches.state()
     metrics = trainer.step(batch)
-    if cfg.profile_dir and step == cfg.profile_stop:
+    if trace and step == trace[1]:
       jax.block_until_ready(trainer.state)
       jax.profiler.stop_trace()
+      print(f"\nprofile: steps {trace[0]}..{trace[1]} traced to {cfg.profile_dir}", flush=True)
     if step == start + 1 and plan is not None:  # the prediction against the real peak
       jax.block_until_ready(trainer.state)
       report = planner.real_peak_report(plan)
@@ -143,6 +146,34 @@ def train(cfg: TrainConfig) -> dict:
   result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
             **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
   return result
+
+
+def check_inputs(cfg: TrainConfig) -> None:
+  """What can be checked before the run folder is made: that the files and folders the
+  config names exist, and the model preset with its overrides (``model.<field>``)."""
+  for field in PATH_FIELDS:
+    value = getattr(cfg, field)
+    if value is None or value == "digits":
+      continue
+    path = resolve_path(value)  # a pkg: that is not installed is an error here
+    if not os.path.exists(path):
+      raise ValueError(f"{field}={value!r}: no such file or folder")
+  if not cfg.pretrained:
+    model_config(cfg)
+
+
+def profile_window(cfg: TrainConfig, start: int) -> tuple[int, int] | None:
+  """The steps of ``profile_start..profile_stop`` that this run takes (it starts after
+  ``start``, ends at ``steps``), or None: no ``profile_dir``, or none of them (said)."""
+  if not cfg.profile_dir:
+    return None
+  first, last = max(cfg.profile_start, start + 1), min(cfg.profile_stop, cfg.steps)
+  if first > last:
+    print(f"profile: steps {cfg.profile_start}..{cfg.profile_stop} are not among this "
+          f"run's steps {start + 1}..{cfg.steps}: no trace (set profile_start/profile_stop)",
+          flush=True)
+    return None
+  return first, last
 
 
 def use_compile_cache(path: str) -> None:

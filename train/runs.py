@@ -106,7 +106,8 @@ def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
     print(f"run folder: {folder} (overwrite=true: the previous run there was deleted)",
           flush=True)
   elif cfg.resume and not has_checkpoint(folder):
-    print(f"nothing to resume in {folder} (no checkpoint): starting at step 0", flush=True)
+    print(f"run folder: {folder} (nothing to resume there, no checkpoint: starting at step "
+          "0)", flush=True)
   else:
     print(f"run folder: {folder}", flush=True)
   folder.mkdir(parents=True, exist_ok=True)

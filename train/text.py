@@ -104,5 +104,6 @@ def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
       raise ValueError(f"{where}: label {v} out of range [0, {limit})")
     if num_labels is not None and v >= num_labels:
       raise ValueError(f"{where}: label {v} is outside the model's num_labels={num_labels} "
-                       f"(ids 0..{num_labels - 1})")
+                       f"(ids 0..{num_labels - 1}); set model.num_labels="
+                       f"{max(u for _, u in raw) + 1}")
   return np.asarray([v for _, v in raw], np.int32), label_names
