@@ -502,8 +502,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
             f"resident {r['peak_minus_resident_mib']:.1f} MiB ({r['peer']['device_name']}, "
             f"torch {r['peer']['versions']['torch']})")
   if result["backend"] == "cpu":
-    print("note: CPU timings are only indicative, and CPU compiled memory does not show "
-          "remat savings for these Python-loop models; GPU runs are the reference.")
+    print("note: CPU timings are only indicative, and XLA:CPU's buffer assignment is not "
+          "XLA:GPU's; GPU runs are the reference for memory and speed.")
   write_json(args.json, result)
   if args.png:
     plot(result, args.png)
