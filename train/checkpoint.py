@@ -10,12 +10,23 @@ missing array files, garbage metadata) or whose arrays fail the checksum is rena
 ``<step>.corrupt`` and the previous one is used, with a warning naming both steps.
 A checkpoint whose arrays have other shapes than the model's is no corruption but a
 changed config: :class:`StateMismatchError`.
+
+A failed read is quiet: orbax runs each restore on a fresh event loop and closes it as soon
+as the first array read fails, with the other reads still in flight; their TensorStore
+callbacks then hit the closed loop ("RuntimeError: Event loop is closed" tracebacks) and
+their coroutines are collected half-run ("Exception ignored in: <coroutine object
+_read_array_index_and_device_put ...>" with a spec dump), pages of stderr around the one
+warning. Restores here run under :func:`_reads_finish_before_loops_close`, so a loop
+orbax closes first lets its pending reads finish (their errors collected and dropped).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -77,6 +88,77 @@ def _short(e: BaseException) -> str:
   return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 
+# How long a closing loop waits for the reads still pending after a failed restore (they
+# end as soon as their files are read or fail); any still running then are cancelled.
+PENDING_READS_TIMEOUT_S = 120.0
+
+
+def _finish_pending_tasks(loop: asyncio.AbstractEventLoop) -> None:
+  """Runs ``loop`` until no task on it is pending (their results and errors dropped), at
+  most PENDING_READS_TIMEOUT_S; then cancels what is left."""
+  try:
+    asyncio.get_running_loop()
+    return  # inside a running loop: cannot run another here
+  except RuntimeError:
+    pass
+  deadline = time.monotonic() + PENDING_READS_TIMEOUT_S
+  while pending := asyncio.all_tasks(loop):  # again: tasks may start tasks
+    finished = asyncio.gather(*pending, return_exceptions=True)
+    try:
+      loop.run_until_complete(
+          asyncio.wait_for(finished, max(deadline - time.monotonic(), 0.0)))
+    except asyncio.TimeoutError:  # wait_for cancelled them
+      return
+
+
+class _FinishPendingOnClose(asyncio.AbstractEventLoopPolicy):
+  """``base``'s policy, except that the loops it makes finish their pending tasks when
+  closed, before closing (asyncio.run() would cancel them; a bare loop.close() leaves them
+  to run on a closed loop)."""
+
+  def __init__(self, base: asyncio.AbstractEventLoopPolicy):
+    self.base = base
+
+  def get_event_loop(self):
+    return self.base.get_event_loop()
+
+  def set_event_loop(self, loop):
+    self.base.set_event_loop(loop)
+
+  def new_event_loop(self):
+    loop = self.base.new_event_loop()
+    close = loop.close
+
+    def finish_then_close():
+      if not loop.is_closed() and not loop.is_running():
+        _finish_pending_tasks(loop)
+      close()
+
+    loop.close = finish_then_close
+    return loop
+
+  def get_child_watcher(self):
+    return self.base.get_child_watcher()
+
+  def set_child_watcher(self, watcher):
+    self.base.set_child_watcher(watcher)
+
+
+@contextlib.contextmanager
+def _reads_finish_before_loops_close():
+  """Within: event loops (orbax makes one per restore) finish their pending tasks before
+  they close. A restore whose first array read fails then waits for its other reads
+  instead of leaving them to fail noisily on a closed loop. The policy is process-wide
+  while set: a loop another thread makes meanwhile cleans up the same way on close, the
+  wait asyncio.run() would do, nothing more."""
+  base = asyncio.get_event_loop_policy()
+  asyncio.set_event_loop_policy(_FinishPendingOnClose(base))
+  try:
+    yield
+  finally:
+    asyncio.set_event_loop_policy(base)
+
+
 class Checkpoints:
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
@@ -134,16 +216,18 @@ class Checkpoints:
   def read_meta(self, step: int) -> dict:
     """The JSON metadata of ``step`` alone ({} when unreadable)."""
     try:
-      meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      with _reads_finish_before_loops_close():
+        meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
       return meta["meta"] if isinstance(meta["meta"], dict) else {}
     except Exception:  # noqa: BLE001
       return {}
 
   def _restore(self, abstract_state, step: int):
-    self._check_shapes(abstract_state, step)
-    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
-    out = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
+    with _reads_finish_before_loops_close():
+      self._check_shapes(abstract_state, step)
+      target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
+      out = self.manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
     state, meta = out["state"], out["meta"]
     if not isinstance(meta, dict) or meta.get("step") != step:
       raise ValueError(f"metadata {meta!r:.60} is not that of step {step}")
