@@ -582,8 +582,11 @@ def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, c
          "lr 0.001 -> 0.002; steps 4 -> 8" in err
   bigger = config_lib.apply_overrides(cfg, ["model.num_layers=2"])
   with pytest.raises(ValueError, match=r"does not fit this model: .*config fields that differ "
-                                       r"from the checkpoint's: model.num_layers 1 -> 2"):
+                                       r"from the checkpoint's: model.num_layers 1 -> 2") as e:
     _resume(Trainer.create(bigger), ckpt, Batches(digits("train"), 32), bigger)
+  # the first array that differs, named by its path in the state: a layer-stacked one
+  assert re.search(r"model: [\w/]+/stack/blocks/[\w/]+/(kernel|bias|scale) is float32\[1, "
+                   r"[^]]*\] in the checkpoint, float32\[2, ", str(e.value)), str(e.value)
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):

@@ -186,18 +186,19 @@ class Checkpoints:
                                                     meta=ocp.args.JsonSave(meta)), force=True)
     self.manager.wait_until_finished()
 
-  def restore(self, abstract_state, step: int | None = None):
+  def restore(self, abstract_state, step: int | None = None, *, names=None):
     """``(state, meta)`` of ``step``, shaped like ``abstract_state``; by default the newest
-    intact checkpoint (corrupt newer ones are set aside with a warning)."""
+    intact checkpoint (corrupt newer ones are set aside with a warning). ``names``: of
+    ``abstract_state``'s leaves, in order, for a mismatch's message."""
     if step is not None:
-      return self._restore(abstract_state, step)
+      return self._restore(abstract_state, step, names)
     steps = self.steps()
     if not steps:
       raise FileNotFoundError(f"no checkpoint in {self.directory} to resume from")
     bad = []
     for step in reversed(steps):
       try:
-        out = self._restore(abstract_state, step)
+        out = self._restore(abstract_state, step, names)
       except StateMismatchError:
         raise
       except Exception as e:  # noqa: BLE001 - any failure to read is a corrupt checkpoint
@@ -222,9 +223,9 @@ class Checkpoints:
     except Exception:  # noqa: BLE001
       return {}
 
-  def _restore(self, abstract_state, step: int):
+  def _restore(self, abstract_state, step: int, names=None):
     with _reads_finish_before_loops_close():
-      self._check_shapes(abstract_state, step)
+      self._check_shapes(abstract_state, step, names)
       target = jax.tree.map(ocp.utils.to_shape_dtype_struct, abstract_state)
       out = self.manager.restore(step, args=ocp.args.Composite(
           state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
@@ -235,8 +236,9 @@ class Checkpoints:
       raise ValueError("the arrays read back fail the checksum")
     return state, meta
 
-  def _check_shapes(self, abstract_state, step: int) -> None:
-    """StateMismatchError when the stored arrays' structure, shapes or dtypes differ."""
+  def _check_shapes(self, abstract_state, step: int, names=None) -> None:
+    """StateMismatchError when the stored arrays' structure, shapes or dtypes differ
+    (``names``: of ``abstract_state``'s leaves, for the message)."""
     try:
       stored = self.manager.item_metadata(step)["state"]
       stored = jax.tree.leaves(getattr(stored, "tree", stored),
@@ -251,7 +253,8 @@ class Checkpoints:
       raise StateMismatchError(step, f"{len(stored)} arrays stored, {len(wanted)} expected")
     for i, (s, w) in enumerate(zip(stored, wanted)):
       if s != w:
-        raise StateMismatchError(step, f"array {i} is {s[1]}{list(s[0])} in the checkpoint, "
+        name = names[i] if names else f"array {i}"
+        raise StateMismatchError(step, f"{name} is {s[1]}{list(s[0])} in the checkpoint, "
                                        f"{w[1]}{list(w[0])} in this run")
 
   def _set_aside(self, step: int) -> None:

@@ -232,7 +232,9 @@ class Trainer:
   def restore(self, ckpt: Checkpoints, batches) -> dict:
     """Loads the newest intact checkpoint into the state and ``batches``; its metadata."""
     leaves, treedef = jax.tree.flatten(self.state)
-    restored, meta = ckpt.restore({"leaves": leaves})
+    names = [jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+             for path, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
+    restored, meta = ckpt.restore({"leaves": leaves}, names=names)
     self.state = jax.tree.unflatten(treedef, restored["leaves"])
     self.compiled_step = None  # compiled for the state it replaced
     if self.mesh is not None:
