@@ -172,7 +172,8 @@ def write_json(path: str | None, result: dict, *, announce: bool = True) -> None
 
 # ----------------------------------------------------------------------------- the report
 DEFAULT_PRESETS = ("baseline", "plain", "approx-bp", "ms-bp", "lowmembp",
-                   "lowmembp+qkv=recompute", "remat", "remat:dots_saveable", "remat:dots_with_no_batch_dims_saveable",
+                   "lowmembp+qkv=recompute", "remat", "remat:dots_saveable",
+                   "remat:dots_with_no_batch_dims_saveable",
                    "remat:save=qkv_proj,attn_out", "lowmembp+remat")
 
 

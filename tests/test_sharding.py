@@ -41,11 +41,7 @@ def test_fsdp_splits_the_largest_axis_but_never_the_layer_axis():
       assert batch["image"].addressable_shards[0].data.shape == (2, 32, 32, 3)
       print("ok")
   """)
-  env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),
-         "JAX_PLATFORMS": "cpu"}
-  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                        env=env, timeout=300)
-  assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+  _run_on_8_cpu_devices(code)
 
 
 def test_sharded_steps_compile_once(tmp_path):
@@ -67,6 +63,11 @@ def test_sharded_steps_compile_once(tmp_path):
       assert trainer.train_step._cache_size() == 1, trainer.train_step._cache_size()
       print("ok")
   """)
+  _run_on_8_cpu_devices(code)
+
+
+def _run_on_8_cpu_devices(code: str) -> None:
+  """Runs ``code`` in a Python subprocess with 8 host CPU devices; it prints "ok"."""
   env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),
          "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

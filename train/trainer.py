@@ -231,9 +231,10 @@ class Trainer:
 
   def restore(self, ckpt: Checkpoints, batches) -> dict:
     """Loads the newest intact checkpoint into the state and ``batches``; its metadata."""
-    leaves, treedef = jax.tree.flatten(self.state)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(self.state)
+    leaves = [x for _, x in with_paths]
     names = [jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
-             for path, _ in jax.tree_util.tree_flatten_with_path(self.state)[0]]
+             for path, _ in with_paths]
     restored, meta = ckpt.restore({"leaves": leaves}, names=names)
     self.state = jax.tree.unflatten(treedef, restored["leaves"])
     self.compiled_step = None  # compiled for the state it replaced
