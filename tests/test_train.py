@@ -304,6 +304,21 @@ def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_pa
   assert not out.exists()
 
 
+def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path, monkeypatch, capsys):
+  # the labels are checked when the data loads, after the run folder is made
+  monkeypatch.chdir(tmp_path)
+  cfg = config_lib.load_config("digits-vit", None, ["model.num_labels=5", "steps=1"])
+  with pytest.raises(ValueError, match="data=digits has 10 classes"):
+    train(cfg)
+  assert "removed the empty run folder runs/digits-vit/" in capsys.readouterr().out
+  assert list((tmp_path / "runs" / "digits-vit").iterdir()) == []
+  mine = tmp_path / "mine"  # a folder the user made stays
+  mine.mkdir()
+  with pytest.raises(ValueError, match="data=digits has 10 classes"):
+    train(cfg.replace(out_dir=str(mine)))
+  assert mine.is_dir()
+
+
 def test_model_overrides_of_the_right_type_pass_and_ints_become_floats():
   cfg = config_lib.load_config(overrides=["model.eps=1", "model.num_layers=2"])
   model_cfg = model_lib.model_config(cfg)

@@ -43,7 +43,18 @@ def train(cfg: TrainConfig) -> dict:
   # the planner's budget ("auto": the device's memory) checked before any work
   budget = None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
   # the run folder; refuses to write over a run before any work
+  existed = cfg.out_dir is not None and Path(cfg.out_dir).exists()
   cfg = runs.prepare(cfg, primary=jax.process_index() == 0)
+  try:
+    return _run(cfg, budget)
+  except BaseException:
+    if not existed:  # a run that failed before writing anything leaves no folder behind
+      runs.remove_if_empty(Path(cfg.out_dir))
+    raise
+
+
+def _run(cfg: TrainConfig, budget: int | None) -> dict:
+  """The run in its prepared folder ``cfg.out_dir``: data, model, trainer, resume, steps."""
   out = Path(cfg.out_dir)
   plan = None
   if cfg.memory_budget is None:

@@ -51,6 +51,15 @@ def new_run_folder(parent: Path, now: float | None = None) -> Path:
       n += 1
 
 
+def remove_if_empty(folder: Path) -> None:
+  """Removes ``folder`` if it holds nothing (a run that failed before writing a file)."""
+  try:
+    Path(folder).rmdir()  # only an empty folder
+    print(f"removed the empty run folder {folder}", flush=True)
+  except OSError:
+    pass
+
+
 def newest_run(parent: Path) -> Path | None:
   """The newest timestamped run folder in ``parent`` that has a checkpoint."""
   if not Path(parent).is_dir():
