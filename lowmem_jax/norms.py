@@ -140,9 +140,13 @@ def ms_norm_fn(kind: str, implementation: str = "xla"):
 
   def ms_norm(x, eps: float = 1e-6, *, name: str | None = None):
     _check_input(x, f"ms_{kind}_norm")
+    if jnp.ndim(eps):  # ms_layer_norm(x, scale): the affine goes into the next linear
+      raise TypeError(f"ms_{kind}_norm(x, eps) takes no scale or bias (got an array of shape "
+                      f"{list(jnp.shape(eps))} for eps): fold the affine into the next linear "
+                      "with merge_norm_affine (policy.merges_norm_affine says when)")
     return norm(x, float(eps), name)
 
-  ms_norm.__name__ = f"ms_{kind}_norm"
+  ms_norm.__name__ = ms_norm.__qualname__ = f"ms_{kind}_norm"
   ms_norm.__doc__ = ms_norm_fn.__doc__
   return ms_norm
 

@@ -231,6 +231,16 @@ def test_scalar_input_raises_value_error(fn):
     fn(jnp.float32(1.0))
 
 
+@pytest.mark.parametrize("fn,affine", [(ms_layer_norm, 2), (ms_rms_norm, 1)])
+def test_affine_given_to_an_ms_norm_is_a_clear_error(fn, affine):
+  """An MS norm has no affine: passing one (as to the standard norm) names the fix."""
+  x, scale = jnp.ones((2, 4)), jnp.ones(4)
+  with pytest.raises(TypeError, match=r"takes no scale or bias.*merge_norm_affine"):
+    fn(x, scale)
+  with pytest.raises(TypeError, match=fn.__name__ + r"\(\) takes"):
+    fn(x, *(scale,) * affine, 1e-6)
+
+
 # ----------------------------------------------------------------------------- affine merge
 def _affine_case(d_in, out_shape, seed, rms=False, with_bias=True, with_kernel_bias=True):
   rng = np.random.default_rng(seed)
