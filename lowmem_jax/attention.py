@@ -56,6 +56,8 @@ def _validate(q, k, v, mask):
         f"attention: {h} query heads are not a multiple of {k.shape[2]} kv heads")
   if not (q.dtype == k.dtype == v.dtype):
     raise TypeError(f"attention: q, k, v dtypes differ ({q.dtype}, {k.dtype}, {v.dtype})")
+  if not jnp.issubdtype(q.dtype, jnp.floating):
+    raise TypeError(f"attention: q, k, v must be floating point, got {q.dtype}")
   if mask is not None:
     target = (b, h, q.shape[1], k.shape[1])
     if mask.dtype != jnp.bool_:

@@ -191,6 +191,8 @@ def test_under_jit_and_vmap():
     (dict(mask=jnp.ones((2, 1, 1, 7), bool)), "does not broadcast"),
     (dict(implementation="fast"), "unknown attention implementation"),
     (dict(block_k=0), "block_k"),
+    (dict(q=jnp.ones((2, 3, 4, 8), jnp.int32), k=jnp.ones((2, 5, 2, 8), jnp.int32),
+          v=jnp.ones((2, 5, 2, 8), jnp.int32)), "must be floating point, got int32"),
 ])
 def test_bad_input_is_a_clear_error(bad, match):
   args = dict(q=jnp.ones((2, 3, 4, 8)), k=jnp.ones((2, 5, 2, 8)), v=jnp.ones((2, 5, 2, 8)))
