@@ -250,6 +250,11 @@ def test_bad_inputs_raise():
     reversible_stack(F, G, params_f, params_g, x1, x2[:, :4])
   with pytest.raises(ValueError, match="same dtype"):
     reversible_stack(F, G, params_f, params_g, x1, x2.astype(jnp.bfloat16))
+  # 16-bit streams (blocks that keep their dtype): the rebuilt inputs would cancel
+  f16, g16 = (lambda p, x, k, b=b: b(p, x, k).astype(x.dtype) for b in (F, G))
+  for dtype in (jnp.bfloat16, jnp.float16):
+    with pytest.raises(TypeError, match=f"streams x1, x2 are {jnp.dtype(dtype).name}.*float32"):
+      reversible_stack(f16, g16, params_f, params_g, x1.astype(dtype), x2.astype(dtype))
   with pytest.raises(ValueError, match="unknown schedule 'fast'"):
     reversible_stack(F, G, params_f, params_g, x1, x2, schedule="fast")
   with pytest.raises(ValueError, match="scalar"):
