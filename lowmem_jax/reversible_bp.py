@@ -34,7 +34,7 @@ def _check(policy):
 def _check_model(policy, model: str, reversible: bool):
   if policy.reversible != "none" and not reversible:
     raise ValueError(f"{model}: policy {policy.spec!r} needs a reversible architecture "
-                     "(revvit-* models); standard blocks cannot be inverted")
+                     "(revvit-*, revllama-* models); standard blocks cannot be inverted")
   if reversible and _set_block_fields(policy):
     raise ValueError(f"{model}: policy {policy.spec!r} is not supported; its blocks take "
                      "norm/activation/attention choices and reversible=vanilla|pareprop")

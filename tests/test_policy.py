@@ -101,6 +101,11 @@ def test_bad_constructor_values_are_errors():
   assert MemoryPolicy(remat=["qkv_proj"]).remat == ("qkv_proj",)  # lists normalised
 
 
+def test_reversible_on_a_standard_model_names_both_reversible_families():
+  with pytest.raises(ValueError, match=r"Llama: .*revvit-\*, revllama-\*"):
+    MemoryPolicy.parse("reversible").check_architecture("Llama")
+
+
 def test_presets_are_valid_policies():
   for name, fields in PRESETS.items():
     assert MemoryPolicy.parse(name) == MemoryPolicy(**fields)
