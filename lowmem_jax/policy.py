@@ -225,8 +225,10 @@ class _PolicyMethods:
   def _stateless(self, strategy, site: str):
     if strategy.init_state():
       raise ValueError(f"MemoryPolicy {self.spec!r}: its {site} keeps state "
-                       f"({type(strategy).__name__}); run it in a model (models/), which "
-                       "holds that state, not as a plain function")
+                       f"({type(strategy).__name__}), so it has no plain function; build "
+                       "from the modules that hold it (models.norm.Norm, models.linear."
+                       "Linear, models.mlp.Mlp, models.attention.SelfAttention), then "
+                       "models.sites.seed_sites(model, rngs)")
     return strategy
 
   @property

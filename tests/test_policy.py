@@ -111,6 +111,12 @@ def test_presets_are_valid_policies():
     assert MemoryPolicy.parse(name) == MemoryPolicy(**fields)
 
 
+def test_a_stateful_plain_function_names_the_modules_to_build_from():
+  with pytest.raises(ValueError, match=r"'lowmem': its norm keeps state .*models\.norm\.Norm"
+                                       r".*models\.attention\.SelfAttention.*seed_sites"):
+    MemoryPolicy.parse("lowmem").norm_fn("layer")
+
+
 def test_activation_and_norm_choices():
   exact, approx = MemoryPolicy(), MemoryPolicy.parse("lowmembp")
   assert approx.activation_fn("gelu") is activations.regelu2
