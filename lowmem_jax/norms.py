@@ -147,7 +147,11 @@ def ms_norm_fn(kind: str, implementation: str = "xla"):
     return norm(x, float(eps), name)
 
   ms_norm.__name__ = ms_norm.__qualname__ = f"ms_{kind}_norm"
-  ms_norm.__doc__ = ms_norm_fn.__doc__
+  ms_norm.__doc__ = (
+      f"MS-{'LayerNorm' if kind == 'layer' else 'RMSNorm'} of x over the last axis, no "
+      "affine (fold it into the next linear: merge_norm_affine). Saves for backward y, the "
+      "very array the next linear saves, and fp32 rstd per row; never x or the mean. Exact "
+      f"backward. name tags y (checkpoint_name). Implementation {implementation!r}.")
   return ms_norm
 
 
