@@ -197,12 +197,17 @@ def _from_table(kind: str, length: int) -> str:
   return next(impl for limit, impl in AUTO_GPU_TABLE[kind] if limit is None or length <= limit)
 
 
-def choose_implementation(q_shape, k_shape, dtype, *, backend: str, causal: bool = False,
-                          mask_shape=None, cudnn_version: int | None = None,
+def choose_implementation(q_shape, k_shape, dtype, *, backend: str | None = None,
+                          causal: bool = False, mask_shape=None,
+                          cudnn_version: int | None = None,
                           compute_capability: tuple[int, int] | None = None) -> Choice:
   """What ``implementation="auto"`` runs: a pure function of the shapes, dtype, mask,
   backend and cuDNN/GPU version (:func:`cudnn_version`, :func:`compute_capability`
-  query them). Never ``"xla"``: every choice keeps no ``N x M`` array."""
+  query them). ``backend=None``: this process's (or the compile target's), with its
+  cuDNN version and compute capability. Never ``"xla"``: every choice keeps no ``N x M``
+  array."""
+  if backend is None:
+    backend, cudnn_version, compute_capability = _platform()
   n, m = q_shape[1], k_shape[1]
   versions = dict(backend=backend, cudnn_version=cudnn_version,
                   compute_capability=compute_capability)

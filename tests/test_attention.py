@@ -313,6 +313,14 @@ def test_padded_length():
       2, 2, 18, 18, 198, 578, 1024]
 
 
+def test_choose_implementation_defaults_to_this_backend():
+  choice = attn.choose_implementation((2, 196, 12, 64), (2, 196, 12, 64), jnp.bfloat16)
+  assert choice == attn.choose_implementation((2, 196, 12, 64), (2, 196, 12, 64),
+                                              jnp.bfloat16, backend=attn._platform()[0],
+                                              cudnn_version=attn.cudnn_version(),
+                                              compute_capability=attn.compute_capability())
+
+
 def test_runtime_queries_are_none_off_gpu():
   if jax.default_backend() == "gpu":
     pytest.skip("on GPU they return the real versions")
