@@ -77,12 +77,14 @@ class PeakBuffers:
   dump_dir: str | None = None  # where the dump was kept (None: removed)
   top: int = 20                # how many buffers and lines table() shows
 
-  def find(self, *, shape: Sequence[int] | None = None, dtype: str | None = None,
+  def find(self, *, shape: Sequence[int] | None = None, dtype=None,
            kind: str | None = None) -> list[Buffer]:
-    """The live buffers of this shape / dtype / kind (any of them left None: any)."""
+    """The live buffers of this shape / dtype ("bfloat16" or jnp.bfloat16) / kind (any of
+    them left None: any)."""
+    dtype = None if dtype is None else np.dtype(dtype).name
     return [b for b in self.buffers
             if (shape is None or b.shape == tuple(shape))
-            and (dtype is None or b.dtype == str(dtype))
+            and (dtype is None or b.dtype == dtype)
             and (kind is None or b.kind == kind)]
 
   def bytes_of(self, kind: str) -> int:

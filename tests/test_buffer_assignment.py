@@ -28,6 +28,7 @@ def test_the_peak_lists_the_kept_array_with_its_source_line():
   peak = peak_buffers(_scores_step, x, top=5)
   square = peak.find(shape=(256, 256), dtype="float32")
   assert square, peak.table()
+  assert peak.find(shape=(256, 256), dtype=jnp.float32) == square  # a dtype, not its name
   line = f"tests/test_buffer_assignment.py:{_line_of('the line that makes')}"
   assert any(b.source.startswith(line) for b in square), [b.source for b in square]
   assert peak.find(kind="argument") and peak.find(kind="argument")[0].shape == (256, 64)
