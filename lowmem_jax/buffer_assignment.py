@@ -354,9 +354,9 @@ class HloText:
     key, _, rest = line.partition(" ")
     key = int(key)
     if table == "FileNames":
-      self.files[key] = rest.strip().strip('"')
+      self.files[key] = _unescape(rest.strip().strip('"'))
     elif table == "FunctionNames":
-      self.functions[key] = rest.strip().strip('"')
+      self.functions[key] = _unescape(rest.strip().strip('"'))
     elif table == "FileLocations":
       f = dict(re.findall(r"(\w+)=(-?\d+)", rest))
       self.locations[key] = (int(f.get("file_name_id", 0)), int(f.get("function_name_id", 0)),
@@ -391,18 +391,18 @@ class HloText:
     body = re.search(r"body=%?([\w.\-]+)", rest)
     condition = re.search(r"condition=%?([\w.\-]+)", rest)
     index = re.search(r"index=(\d+)", rest)
-    op_name = re.search(r'op_name="([^"]*)"', rest)
+    op_name = _quoted("op_name", rest)
     frame = re.search(r"stack_frame_id=(\d+)", rest)
-    src_file = re.search(r'source_file="([^"]*)"', rest)
+    src_file = _quoted("source_file", rest)
     src_line = re.search(r"source_line=(\d+)", rest)
     return _Instr(name=name, opcode=opcode, operands=operands,
                   calls=calls.group(1) if calls else None,
                   body=body.group(1) if body else None,
                   condition=condition.group(1) if condition else None,
                   index=int(index.group(1)) if index else None,
-                  op_name=op_name.group(1) if op_name else "",
+                  op_name=op_name or "",
                   frame=int(frame.group(1)) if frame else None,
-                  source_file=src_file.group(1) if src_file else None,
+                  source_file=src_file,
                   source_line=int(src_line.group(1)) if src_line else None,
                   computation=computation)
 
@@ -498,6 +498,17 @@ class HloText:
     if instr.source_file:
       return f"{_short(instr.source_file)}:{instr.source_line}"
     return instr.op_name.rsplit("/", 1)[-1] or instr.name
+
+
+def _unescape(text: str) -> str:
+  """An HLO text string as written in Python (HLO writes ``p['w']`` as ``p[\\'w\\']``)."""
+  return re.sub(r"\\(.)", r"\1", text)
+
+
+def _quoted(key: str, text: str) -> str | None:
+  """The string ``key="..."`` of an HLO instruction's metadata, unescaped; None if absent."""
+  m = re.search(key + r'="((?:[^"\\]|\\.)*)"', text)
+  return None if m is None else _unescape(m.group(1))
 
 
 def _inserted(instr: _Instr) -> bool:

@@ -156,6 +156,13 @@ def test_host_memory_is_not_device_memory():
   assert sorted(buffer_assignment._peak_live(ranges, values)) == [("p{}", 64), ("t{}", 128)]
 
 
+def test_argument_sources_read_as_python():
+  """HLO escapes quotes in metadata (``p[\\'w\\']``); the tables show ``p['w']``."""
+  w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  peak = peak_buffers(lambda p: jnp.tanh(p["w"]) @ p["w"], {"w": w})
+  assert [b.source for b in peak.find(kind="argument")] == ["p['w']"], peak.table()
+
+
 def test_a_folder_without_a_dump_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="no \\*after_optimizations-buffer-assignment"):
     buffer_assignment.read_dump(str(tmp_path))
