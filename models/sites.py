@@ -75,10 +75,16 @@ _HOLDERS = {quant.QuantState: CodeSite, sampling.KeyState: KeySite}
 
 
 class Site(nnx.Module):
-  """A place in a model where a strategy of the policy acts: ``site(*args)`` runs it."""
+  """A place in a model where a strategy of the policy acts: ``site(*args)`` runs it.
+
+  ``deterministic`` (False; ``model.eval()`` sets it, ``model.train()`` clears it, as for
+  ``nnx.Dropout``): the forward leaves the site's state as it was. A forward's value never
+  depends on that state (Mesa's ranges and WTA-CRS's keys shape only what is saved for
+  backward), so an evaluation outside the train step changes nothing."""
 
   def __init__(self, strategy: methods.Strategy):
     self.strategy = strategy
+    self.deterministic = False
     states = strategy.init_state()
     self.state_names = tuple(states)
     for name, state in states.items():
@@ -89,6 +95,8 @@ class Site(nnx.Module):
       return self.strategy(*args, **kwargs)
     states = {name: getattr(self, name).read() for name in self.state_names}
     out, updated = self.strategy.apply(states, *args, **kwargs)
+    if self.deterministic:
+      return out
     for name, state in updated.items():
       getattr(self, name).write(state, states[name])
     return out

@@ -124,6 +124,22 @@ def test_sites_carry_state_and_get_distinct_keys():
   assert lo2 != lo1
 
 
+@pytest.mark.parametrize("kind", ["vit", "bert"])
+def test_eval_mode_forward_leaves_the_site_state(kind):
+  model = TINY[kind]("mesa8+wta-crs")
+  seed_sites(model, nnx.Rngs(0))
+  inputs = _inputs(kind)
+  before = jax.tree.map(np.asarray, nnx.state(model, SiteState))
+  model.eval()
+  out = model(*inputs)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(model, SiteState), before)
+  model.train()  # training forwards update it again, to the same output (to rounding: the
+  np.testing.assert_allclose(model(*inputs), out, rtol=1e-5, atol=1e-5)  # scan differs)
+  changed = jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(np.asarray(a) != b)),
+                                         nnx.state(model, SiteState), before))
+  assert any(changed)
+
+
 def test_seed_sites_draws_nothing_without_sites():
   rngs = nnx.Rngs(0)
   assert seed_sites(nnx.Linear(2, 2, rngs=nnx.Rngs(1)), rngs) == 0
