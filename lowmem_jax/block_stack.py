@@ -19,7 +19,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lowmem_jax.dense import Dense
 from lowmem_jax.policy import MemoryPolicy
 
 
@@ -76,9 +75,7 @@ def init_stack(key, cfg: StackConfig, policy: MemoryPolicy | str = "baseline"):
 
 def _linear(p, name, x, policy, contract=1):
   """The policy's linear strategy on ``x`` with weights ``w<name>`` (``b<name>``)."""
-  strategy = policy._stateless(policy.linear_strategy(name), "linear")
-  return strategy(Dense(contract, x.dtype), x, p["w" + name], p.get("b" + name),
-                  contract=contract)
+  return policy.linear_fn(name)(x, p["w" + name], p.get("b" + name), contract=contract)
 
 
 def _norm(p, which, x, cfg, policy):

@@ -23,6 +23,7 @@ from collections.abc import Callable
 import jax
 
 from lowmem_jax import gpu_target, methods
+from lowmem_jax.dense import Dense
 # Re-exported: the names blocks tag, the remat policy names, the linears WTA-CRS may sample.
 from lowmem_jax.remat import CHECKPOINT_NAMES, REMAT_POLICY_NAMES  # noqa: F401
 from lowmem_jax.wta_crs import LINEAR_NAMES  # noqa: F401
@@ -211,6 +212,16 @@ class _PolicyMethods:
     ``(g, u) -> act(g) * u`` (the strategy itself, which may keep only g and u)."""
     strategy = self._stateless(self.activation_strategy(kind, gated=gated), "activation")
     return strategy if gated else strategy.fn
+
+  def linear_fn(self, name: str | None = None) -> Callable:
+    """``linear(x, kernel, bias=None, *, contract=1)``: ``x`` contracted with ``kernel``
+    over its last ``contract`` axes, plus bias, computed in ``x``'s dtype, saved as the
+    policy says for the linear ``name`` ("fc1", ...; None: any other)."""
+    strategy = self._stateless(self.linear_strategy(name), "linear")
+
+    def linear(x, kernel, bias=None, *, contract=1):
+      return strategy(Dense(contract, x.dtype), x, kernel, bias, contract=contract)
+    return linear
 
   def norm_fn(self, kind: str) -> Callable:
     """The norm for ``kind`` in {"layer", "rms"}: ``fn(x, scale, bias, eps, *, name)`` /

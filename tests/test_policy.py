@@ -205,7 +205,8 @@ def test_plain_functions_refuse_stateful_strategies_and_theory_skips_codes():
   from lowmem_jax import block_stack, memory
   mesa = MemoryPolicy.parse("mesa8")
   for ask in (lambda: mesa.activation_fn("gelu"), lambda: mesa.norm_fn("layer"),
-              mesa.attention_fn):
+              mesa.attention_fn,
+              lambda: MemoryPolicy.parse("wta-crs").linear_fn("fc1")):
     with pytest.raises(ValueError, match="keeps state"):
       ask()
   cfg = block_stack.StackConfig()
@@ -213,3 +214,26 @@ def test_plain_functions_refuse_stateful_strategies_and_theory_skips_codes():
     assert memory.theoretical_bytes_per_token(cfg, MemoryPolicy.parse(spec), 2) is None
   assert memory.theoretical_bytes_per_token(cfg, MemoryPolicy.parse("lowmembp"), 2) == 16184
   assert MemoryPolicy.parse("lowmembp").activation_fn("gelu") is not None
+
+
+@pytest.mark.parametrize("spec", ["baseline", "lowmembp", "plain"])
+def test_linear_fn_is_the_linear_with_its_gradients(spec):
+  """x @ kernel + bias over the last ``contract`` axes, in x's dtype; exact gradients."""
+  keys = jax.random.split(jax.random.key(0), 4)
+  x = jax.random.normal(keys[0], (2, 5, 3, 4))
+  kernel, bias = jax.random.normal(keys[1], (3, 4, 6)), jax.random.normal(keys[2], (6,))
+  ct = jax.random.normal(keys[3], (2, 5, 6))
+  linear = MemoryPolicy.parse(spec).linear_fn("fc1")
+
+  def ours(x, kernel, bias):
+    return jnp.sum(linear(x, kernel, bias, contract=2) * ct)
+
+  def ref(x, kernel, bias):
+    return jnp.sum((jnp.einsum("bnij,ijo->bno", x, kernel) + bias) * ct)
+
+  assert linear(x, kernel, contract=2).dtype == jnp.float32
+  assert linear(x.astype(jnp.bfloat16), kernel, contract=2).dtype == jnp.bfloat16
+  for a, b in zip(jax.grad(ours, (0, 1, 2))(x, kernel, bias),
+                  jax.grad(ref, (0, 1, 2))(x, kernel, bias)):
+    assert jnp.allclose(a, b, rtol=1e-6, atol=1e-5)
+  assert jnp.allclose(ours(x, kernel, bias), ref(x, kernel, bias), rtol=1e-6)
