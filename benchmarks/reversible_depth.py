@@ -43,6 +43,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax import gpu_target
 from lowmem_jax.memory import MiB, compiled_memory, format_table, policy_list, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,8 @@ def compile_row(model: str, spec: str, layers: int, batch: int, dtype, overrides
   from models.step_memory import step_args
   graphdef, params, rest, inputs, targets = step_args(
       model, spec, batch, 0, dtype, dict(overrides, num_layers=layers))
-  compiled = jax.jit(grad_step).lower(graphdef, params, rest, inputs, targets).compile()
+  args = gpu_target.place((params, rest, inputs, targets))  # unchanged without a target
+  compiled = jax.jit(grad_step).lower(graphdef, *args).compile()
   return {"policy": spec, "layers": layers, "batch": batch, "param_bytes": _nbytes(params),
           "compiled": compiled_memory(compiled).as_dict()}
 
@@ -272,6 +274,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   run = ap.add_mutually_exclusive_group()
   run.add_argument("--run", action="store_true", help="real steps even without a GPU")
   run.add_argument("--compile-only", action="store_true", help="no real steps")
+  ap.add_argument("--target", metavar="GPU",
+                  help="with --compile-only: compile for this GPU instead of the local "
+                       "backend (lowmem_jax.gpu_target: h100; no GPU needed)")
   ap.add_argument("--no-compile-rows", action="store_true",
                   help="skip the compile-only rows (the real-step rows carry compiled memory)")
   ap.add_argument("--steps", type=int, default=10, help="steps per timing round")
@@ -302,11 +307,23 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   unknown = sorted(set(variants) - set(VARIANTS))
   if unknown:
     ap.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
+  if args.target and (not args.compile_only or args.no_compile_rows):
+    ap.error("--target goes with --compile-only (and the compile rows)")
   real = args.run or (not args.compile_only and _can_run())
 
-  device = jax.devices()[0]
-  result = {"device_kind": device.device_kind, "backend": jax.default_backend(),
-            "jax_version": jax.__version__, "model": cfg["model"], "depths": cfg["depths"],
+  with gpu_target.compiling_for(args.target) as target:
+    return _measure(args, cfg, policies, variants, real, target)
+
+
+def _measure(args, cfg: dict, policies, variants, real: bool, target) -> dict:
+  """The compile rows (for ``target`` when given) and the real-step rows; writes the JSON."""
+  if target is not None:  # compiled for a GPU that is not here: nothing runs
+    where = {"device_kind": target.device_kind, "backend": "gpu",
+             "compile_target": target.name}
+  else:
+    where = {"device_kind": jax.devices()[0].device_kind, "backend": jax.default_backend()}
+  result = {**where, "jax_version": jax.__version__, "model": cfg["model"],
+            "depths": cfg["depths"],
             "overrides": cfg["overrides"], "dtype": args.dtype, "policies": policies,
             "compile_batch": cfg["batch"], "step": "value_and_grad of the mean "
             "cross-entropy over all parameters (outputs: loss and gradients)"}

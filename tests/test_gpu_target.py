@@ -156,3 +156,12 @@ def test_bench_and_llama_fit_compile_for_the_target(tmp_path):
   assert row["kind"] == "ours" and row["compile_target"] == "h100", row
   assert row["max_batch_aot"] >= 1 and row["predicted_peak_aot"] <= 64 * 2 ** 20
   assert "max_batch_run" not in row
+
+  out = tmp_path / "depth.json"
+  proc = _run(["-m", "benchmarks.reversible_depth", "--smoke", "--compile-only", "--target",
+               "h100", "--policies", "baseline,pareprop", "--json", str(out)], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  depth = json.loads(out.read_text())
+  assert depth["compile_target"] == "h100" and depth["device_kind"] == H100.device_kind
+  assert depth["compile_growth"]["pareprop"]["temp_growth_per_layer"] == 0
+  assert depth["compile_growth"]["baseline"]["temp_growth_per_layer"] > 0

@@ -37,3 +37,9 @@ def test_cli_runs_each_case_in_a_fresh_process(tmp_path, monkeypatch):
   assert rows["reversible"]["speed_vs_reversible"] == 1.0
   assert rows["pareprop[lhs]"]["speed_vs_reversible"] > 0
   assert "latency_hiding_scheduler" in rows["pareprop[lhs]"]["xla_flags"]
+
+
+def test_target_goes_with_the_compile_rows():
+  for argv in (["--target", "h100"], ["--compile-only", "--no-compile-rows", "--target", "h100"]):
+    with pytest.raises(SystemExit):
+      rd.main(["--smoke", *argv])
