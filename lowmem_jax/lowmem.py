@@ -31,8 +31,9 @@ linears' inputs as 8-bit codes; frozen linears keep nothing. Gated activations s
 exact on their (coded) inputs. ``lowmem+qkv=recompute`` (:mod:`lowmem_jax.qkv_recompute`)
 keeps no codes of q, k and v either: backward recomputes them from the norm output's
 code, three matmuls per block. Compiled for an H100 (ViT-B/16 LoRA batch 64,
-``docs/h100_compiled.md``) it is the one combination without remat under timm+peft with
-checkpointing's 1279 MiB (1205 MiB in all against ``lowmem``'s 1575); it joins the
+``docs/h100_compiled.md``) it is under timm+peft with checkpointing's 1279 MiB without remat
+(1205 MiB in all against ``lowmem``'s 1575), as is ``lowmembp+qkv=recompute+
+attention_block=64`` (1272); it joins the
 preset when the GPU has timed those matmuls. Whether it meets its GPU target (peak at or below timm+peft
 with gradient checkpointing, at >= 0.9x the speed of timm+peft without) is for the GPU
 check to say: its ``bench-vit`` stage runs it beside the peers, ``bench-remat`` beside
