@@ -25,10 +25,10 @@ a fresh subprocess (the allocator's peak cannot be reset within a process), run 
 this process touches the device; on backends without ``memory_stats()`` it is skipped.
 
 Caveats: CPU timings are only indicative (no accelerator, and CPU XLA fuses and
-schedules differently). CPU compiled memory also does not show the savings of remat
-for models that loop over their blocks in Python (ViT, LLaMA, BERT here): XLA's CPU
-scheduler is not memory-aware, so recomputed activations end up live as long as saved
-ones. GPU runs are the reference for both memory and speed.
+schedules differently). CPU compiled memory is XLA:CPU's buffer assignment, a proxy:
+our models scan their blocks (``models.stack``), so remat's saving shows there too, but
+XLA:GPU fuses and schedules otherwise. GPU runs are the reference for both memory and
+speed.
 
 ``--peers`` runs the PyTorch peers of the bench's case (``benchmarks/peers.py``: timm ViT or
 HF Llama, peft LoRA or full fine-tuning, with and without gradient checkpointing), each in
