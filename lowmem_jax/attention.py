@@ -32,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import gpu_target
@@ -89,6 +90,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
         f"unknown attention implementation {implementation!r}; valid: {', '.join(IMPLEMENTATIONS)}")
   if block_k < 1:
     raise ValueError(f"attention: block_k must be positive, got {block_k}")
+  if not isinstance(causal, (bool, np.bool_)):  # static: it picks the program
+    raise TypeError(f"attention: causal must be a Python bool, got {causal!r}")
   scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
   mask_shape = None if mask is None else tuple(mask.shape)
   if implementation in ("auto", "cudnn", "cudnn_padded"):

@@ -193,6 +193,8 @@ def test_under_jit_and_vmap():
     (dict(block_k=0), "block_k"),
     (dict(q=jnp.ones((2, 3, 4, 8), jnp.int32), k=jnp.ones((2, 5, 2, 8), jnp.int32),
           v=jnp.ones((2, 5, 2, 8), jnp.int32)), "must be floating point, got int32"),
+    (dict(causal="yes"), "causal must be a Python bool, got 'yes'"),
+    (dict(causal=jnp.array(True)), "causal must be a Python bool"),
 ])
 def test_bad_input_is_a_clear_error(bad, match):
   args = dict(q=jnp.ones((2, 3, 4, 8)), k=jnp.ones((2, 5, 2, 8)), v=jnp.ones((2, 5, 2, 8)))
