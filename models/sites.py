@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -37,10 +38,12 @@ class GradNormCache(nnx.Variable):
 
 class StateSite(nnx.Module):
   """One pure state (a registered dataclass pytree) held as variables, field by field;
-  fields that are None are absent (and read back as None)."""
+  fields that are None are absent (and read back as None). ``seeded``: its key (if it
+  has one) was set by :func:`seed_sites`."""
 
   def __init__(self, state):
     self.state_type = type(state)
+    self.seeded = False
     for field in dataclasses.fields(state):
       value = getattr(state, field.name)
       if value is not None:
@@ -93,7 +96,12 @@ class Site(nnx.Module):
   def __call__(self, *args, **kwargs):
     if not self.state_names:
       return self.strategy(*args, **kwargs)
-    states = {name: getattr(self, name).read() for name in self.state_names}
+    holders = [getattr(self, name) for name in self.state_names]
+    if any(getattr(h, "key", None) is not None and not h.seeded for h in holders):
+      warnings.warn("a policy site's state has the default PRNG key: every unseeded site "
+                    "draws the same noise/sample; call models.sites.seed_sites(model, rngs) "
+                    "once the model is built", stacklevel=2)
+    states = {name: h.read() for name, h in zip(self.state_names, holders)}
     out, updated = self.strategy.apply(states, *args, **kwargs)
     if self.deterministic:
       return out
@@ -141,5 +149,6 @@ def seed_sites(model: nnx.Module, rngs: nnx.Rngs) -> int:
     n = math.prod(shape[:-1])
     keys = [jax.random.key_data(jax.random.fold_in(key, count + i)) for i in range(n)]
     state.key[...] = jnp.stack(keys).reshape(shape)
+    state.seeded = True
     count += n
   return count

@@ -132,6 +132,10 @@ def test_a_site_holds_its_strategy_state_and_updates_it():
   holder = _Holder(CodedShared(Coder()))
   assert isinstance(holder.site.code, CodeSite) and holder.site.state_names == ("code",)
   x = jnp.arange(12.0).reshape(3, 4)
+  with pytest.warns(UserWarning, match=r"default PRNG key.*seed_sites\(model, rngs\)"):
+    holder.site(x)  # a key nobody set: every such site would draw the same noise
+  holder = _Holder(CodedShared(Coder()))
+  seed_sites(holder, nnx.Rngs(0))
   qt = holder.site(x)
   assert isinstance(qt, quant.QTensor) and int(holder.site.code.count[...]) == 1
   np.testing.assert_allclose(holder.site.code.hi[...], [11.0])

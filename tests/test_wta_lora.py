@@ -22,7 +22,7 @@ from lowmem_jax.wta_crs import SampledLinear
 from models import lora, registry
 from models.linear import Linear
 from models.sites import (GradNormCache, Site, SiteState, attach_grad_norm_caches,
-                          set_example_ids)
+                          seed_sites, set_example_ids)
 from test_sampling import max_z, rand, skewed_rows
 
 WTA = "wta-crs+sample_targets=fc1"
@@ -37,6 +37,7 @@ class _One(nnx.Module):
 
   def __init__(self, policy):
     self.fc1 = Linear(D_IN, D_OUT, policy=policy, name="fc1", rngs=nnx.Rngs(0))
+    seed_sites(self, nnx.Rngs(0))
 
   def __call__(self, x):
     return self.fc1(x)
@@ -162,6 +163,7 @@ class _Three(nnx.Module):
     self.shared_input = Site(MemoryPolicy.parse(policy).shared_strategy())
     for i, name in enumerate(("query", "key", "value")):
       setattr(self, name, Linear(D_IN, D_OUT, policy=policy, name=name, rngs=nnx.Rngs(i)))
+    seed_sites(self, nnx.Rngs(0))
 
   def __call__(self, x):
     x = self.shared_input(x)
