@@ -133,6 +133,10 @@ class CodedNorm(_Coded):
   def has_affine(self) -> bool:
     return self.inner.has_affine
 
+  @property
+  def keeps_output(self) -> bool:
+    return self.inner.keeps_output
+
   def init_state(self):
     names = ("input", "output") if self.has_affine else ("output",)
     return {name: self.coder.init() for name in names}
@@ -188,7 +192,7 @@ def _coder(policy, groups: int = 1, axis: int = -1) -> Coder:
 def _shared(policy, inner, *, groups: int = 1, axis: int = -1, norm=None):
   if policy.quant == "none":
     return inner
-  kept = norm is not None and not policy.norm_strategy(norm).has_affine
+  kept = norm is not None and policy.norm_strategy(norm).keeps_output
   return CodedShared(_coder(policy, groups, axis), kept)
 
 

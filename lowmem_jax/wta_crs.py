@@ -234,7 +234,7 @@ class SampledLinear(Strategy):
     return y, {"sampler": state.advanced()}
 
 
-def code_rows(in_dims, axis, groups, implementation, dtype, code, idx):
+def code_rows(axis, groups, implementation, dtype, code, idx):
   """The sampled rows (``[k, in]``, ``dtype``) of an activation from ``code``: ``(rows
   [k, *in_dims], lo, hi)``, rows ``idx`` of Mesa's codes (``groups`` along ``axis`` of a
   row), gathered in forward. The values are the ones Mesa's backward sees
@@ -262,8 +262,7 @@ def _sampled_code(qt: quant.QTensor, contract: int, idx):
   in_dims = tuple(qt.codes.shape[lead_ndim:])
   rows = qt.codes.reshape(-1, math.prod(in_dims))[idx].reshape((idx.shape[0],) + in_dims)
   return ((rows, qt.lo, qt.hi),
-          functools.partial(code_rows, in_dims, axis, qt.groups, qt.implementation,
-                            qt.value.dtype))
+          functools.partial(code_rows, axis, qt.groups, qt.implementation, qt.value.dtype))
 
 
 def read_sampled(fn, inputs, diff_args=(), const_args=()):
@@ -286,7 +285,7 @@ def _shared(policy, inner, *, groups: int = 1, axis: int = -1, norm=None):
   # stays, and its sampled readers each draw a sample of the value and keep the code.
   if policy.sampled_linear == "none" or not isinstance(inner, Shared):
     return inner
-  if norm is not None and getattr(policy.norm_strategy(norm), "keeps_output", False):
+  if norm is not None and policy.norm_strategy(norm).keeps_output:
     return WholeShared(_sampler(policy).lean)  # in the form such a norm's output is
   return SampledShared(_sampler(policy))
 
