@@ -21,7 +21,10 @@ Schedules of the backward scan (same gradients):
 * ``"pareprop-stream"``: PaReprop with the rebuild put on a second GPU stream by JAX's
   stream annotation (``compute_on("gpu_stream:1")`` around a jitted call: XLA runs it
   asynchronously beside the gradient work). Other backends ignore the annotation; the
-  arithmetic is PaReprop's. Unmeasured on a GPU so far (``benchmarks/reversible_depth``).
+  arithmetic is PaReprop's. Compiled for an H100 (jaxlib 0.10.2) it keeps more than
+  ``"pareprop"`` (the rebuild's buffers beside the gradient's), and the schedule puts
+  the call's start right before its done. Its speed on a GPU is unmeasured so far
+  (``benchmarks/reversible_depth``, ``docs/h100_compiled.md``).
 
 Numerics: ``x = y - f(...)`` is exact in exact arithmetic; in floating point the rebuilt
 inputs differ from the true ones by rounding, so gradients match standard backprop to
@@ -216,7 +219,7 @@ def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy
   """
   inverse = functools.partial(_block_inverse, f, g)
   if stream is not None:
-    inverse = _on_stream(jax.jit(inverse), stream)
+    inverse = _on_stream(inverse, stream)
   last = depth - 1
   x1, x2 = _block_inverse(f, g, _at(params_f, last), _at(params_g, last),
                           _at(keys_f, last), _at(keys_g, last), y1, y2)  # prologue
@@ -238,12 +241,28 @@ def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy
 
 
 def _on_stream(fn, stream: int):
-  """``fn`` called under JAX's GPU stream annotation (ignored off the GPU)."""
+  """``fn`` as one jitted call under JAX's GPU stream annotation (ignored off the GPU).
+
+  ``fn`` is traced before the annotation is entered, so only the call carries it, not
+  every op and nested call inside: traced under ``compute_on``, each of the rebuild's ~180
+  inner calls (``jnp.where``, ``jax.nn.gelu``, ...) became its own async call on the
+  stream, and XLA:GPU (jaxlib 0.10.2, compiled for an H100) failed with "A cycle is
+  detected" on those inside the attention's key-block loop. Replaying the jaxpr restores
+  each equation's own context, which has no annotation.
+  """
   from jax.experimental.compute_on import compute_on  # experimental: imported on use
+  from jax.extend.core import jaxpr_as_fun
 
   def call(*args):
+    traced, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+
+    @jax.jit
+    def on_stream(*leaves):  # the one call the annotation marks
+      return jaxpr_as_fun(traced)(*leaves)
+
     with compute_on(f"gpu_stream:{stream}"):
-      return fn(*args)
+      out = on_stream(*jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(out_shape), out)
   return call
 
 

@@ -159,9 +159,12 @@ def test_bench_and_llama_fit_compile_for_the_target(tmp_path):
 
   out = tmp_path / "depth.json"
   proc = _run(["-m", "benchmarks.reversible_depth", "--smoke", "--compile-only", "--target",
-               "h100", "--policies", "baseline,pareprop", "--json", str(out)], tmp_path)
+               "h100", "--policies", "baseline,pareprop,reversible=pareprop-stream", "--json",
+               str(out)], tmp_path)
   assert proc.returncode == 0, proc.stderr[-2000:]
   depth = json.loads(out.read_text())
   assert depth["compile_target"] == "h100" and depth["device_kind"] == H100.device_kind
   assert depth["compile_growth"]["pareprop"]["temp_growth_per_layer"] == 0
+  # the rebuild as one stream-annotated call compiles (annotated op by op: "a cycle")
+  assert min(depth["compile_growth"]["reversible=pareprop-stream"]["temp"]) > 0
   assert depth["compile_growth"]["baseline"]["temp_growth_per_layer"] > 0

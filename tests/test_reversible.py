@@ -303,8 +303,9 @@ def test_under_jit_and_nested_in_grad(schedule):
 
 
 def test_pareprop_stream_annotates_the_rebuild_and_equals_pareprop():
-  """The rebuild goes out under JAX's GPU stream annotation (CPU ignores it and runs the
-  same arithmetic: equal to pareprop's gradients to rounding)."""
+  """The rebuild goes out as one call under JAX's GPU stream annotation, not each op and
+  nested call in it (XLA:GPU failed to compile those: a cycle); CPU ignores it and runs
+  the same arithmetic: equal to pareprop's gradients to rounding."""
   args = (*init_params(3), *inputs(), jax.random.key(2))
   out, texts = {}, {}
   for s in ("pareprop", "pareprop-stream"):
@@ -312,6 +313,9 @@ def test_pareprop_stream_annotates_the_rebuild_and_equals_pareprop():
                     argnums=(0, 1, 2, 3), allow_int=True)
     lowered = jax.jit(grad, compiler_options=FAST_COMPILE).lower(*args)
     texts[s], out[s] = lowered.as_text(), lowered.compile()(*args)
-  assert '_xla_stream_annotation = "1"' in texts["pareprop-stream"]
+  annotated = [line for line in texts["pareprop-stream"].splitlines()
+               if "_xla_stream_annotation" in line]
+  assert len(annotated) == 1 and "call @on_stream(" in annotated[0], annotated[:3]
+  assert '_xla_stream_annotation = "1"' in annotated[0]
   assert "_xla_stream_annotation" not in texts["pareprop"]
   assert_trees_close(out["pareprop-stream"], out["pareprop"], rtol=1e-6, atol=1e-6)
