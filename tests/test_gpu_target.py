@@ -168,3 +168,29 @@ def test_bench_and_llama_fit_compile_for_the_target(tmp_path):
   # the rebuild as one stream-annotated call compiles (annotated op by op: "a cycle")
   assert min(depth["compile_growth"]["reversible=pareprop-stream"]["temp"]) > 0
   assert depth["compile_growth"]["baseline"]["temp_growth_per_layer"] > 0
+
+
+@needs_plugin
+def test_kernel_bench_programs_compile_for_the_target(tmp_path):
+  """Every Pallas kernel and its jnp reference, looped as the kernel bench times them,
+  compiles for the target: the kernel to a Triton call, each loop with its work intact."""
+  script = tmp_path / "kernels.py"
+  script.write_text(
+      "import json, jax.numpy as jnp\n"
+      "from lowmem_jax import gpu_target\n"
+      "from lowmem_jax.kernel_bench import kernel_cases, looped, loop_intact\n"
+      "rows = []\n"
+      "with gpu_target.compiling_for('h100'):\n"
+      "  for dtype in (jnp.bfloat16, jnp.float32):\n"
+      "    for name, pallas_fn, xla_fn, args, _ in kernel_cases(2**16, 768, dtype, False):\n"
+      "      for which, fn in (('pallas', pallas_fn), ('xla', xla_fn)):\n"
+      "        text = looped(fn, 64).lower(*gpu_target.place(args)).compile().as_text()\n"
+      "        rows.append([name, which, '__gpu$xla.gpu.triton' in text,\n"
+      "                     loop_intact(text, 64)])\n"
+      "print(json.dumps(rows))\n")
+  proc = _run([str(script)], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert len(rows) == 24
+  assert all(intact for *_, intact in rows), rows
+  assert all(triton for _, which, triton, _ in rows if which == "pallas"), rows
