@@ -194,3 +194,36 @@ def test_kernel_bench_programs_compile_for_the_target(tmp_path):
   assert len(rows) == 24
   assert all(intact for *_, intact in rows), rows
   assert all(triton for _, which, triton, _ in rows if which == "pallas"), rows
+
+
+@needs_plugin
+def test_cudnn_refusal_agrees_with_the_targets_compiler(tmp_path):
+  """``attention.cudnn_refusal`` refuses exactly the shapes XLA:GPU's compile of jax's
+  cuDNN attention (forward + backward) refuses for the target: odd lengths, not even ones."""
+  script = tmp_path / "cudnn.py"
+  script.write_text(
+      "import json, jax, jax.numpy as jnp\n"
+      "from lowmem_jax import attention, gpu_target\n"
+      "rows = []\n"
+      "with gpu_target.compiling_for('h100'):\n"
+      "  backend, version, capability = gpu_target.platform()\n"
+      "  for head_dim, causal in ((64, False), (128, True)):\n"
+      "    for n in (17, 18, 197, 198, 1024):\n"
+      "      s = jax.ShapeDtypeStruct((2, n, 4, head_dim), jnp.bfloat16)\n"
+      "      ours = attention.cudnn_refusal(s.shape, s.shape, s.dtype, backend=backend,\n"
+      "          cudnn_version=version, compute_capability=capability)\n"
+      "      f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,\n"
+      "          implementation='cudnn').astype(jnp.float32).sum()\n"
+      "      try:\n"
+      "        jax.jit(jax.grad(f, argnums=(0, 1, 2))).lower(\n"
+      "            *gpu_target.place((s, s, s))).compile()\n"
+      "        compiled = True\n"
+      "      except Exception:\n"
+      "        compiled = False\n"
+      "      rows.append([head_dim, n, ours is None, compiled])\n"
+      "print(json.dumps(rows))\n")
+  proc = _run([str(script)], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert all(ours == compiled for _, _, ours, compiled in rows), rows
+  assert {n for _, n, _, compiled in rows if not compiled} == {17, 197}, rows
