@@ -19,8 +19,9 @@ the same shapes, with and without checkpointing, which on a GPU implies ``--peak
 offload, ``--peak``),
 ``reversible-depth``
 (``benchmarks.reversible_depth``: RevViT-B peak at 12 and 24 layers under baseline,
-reversible and pareprop, a fresh process each, and PaReprop's speed with XLA's latency
-hiding scheduler and on a second stream) and ``tests`` (the suite in pytest-xdist
+reversible and pareprop, a fresh process each, and PaReprop's speed in CUDA graphs'
+concurrent regions (vanilla's too, its control), on a second stream and with XLA's
+latency hiding scheduler, in that order, as the stage's time allows) and ``tests`` (the suite in pytest-xdist
 workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its JUnit XML). A stage
 that fails or times out is recorded and the next one runs; a bench keeps the policies
 that ran when one fails, and its peers' and peaks' figures when its timed run is cut. All
@@ -203,7 +204,8 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
   reversible = _py("-m", "benchmarks.reversible_depth", "--json",
                    str(out / "reversible-depth.json"), "--no-compile-rows")
   reversible += (["--smoke", "--variants", "lhs"] if smoke else
-                 ["--variants", "lhs,stream", "--steps", "5", "--rounds", "3", "--warmup", "1"])
+                 ["--variants", "concurrent,vanilla-concurrent,stream,lhs", "--steps", "5",
+                  "--rounds", "3", "--warmup", "1"])
   stages.append(Stage("reversible-depth", reversible, 200, 60,
                       json_file="reversible-depth.json",
                       env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))

@@ -26,17 +26,22 @@ def test_cli_runs_each_case_in_a_fresh_process(tmp_path, monkeypatch):
   monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # what main sets, undone
   out = tmp_path / "rd.json"
   result = rd.main(["--smoke", "--run", "--policies", "reversible", "--depths", "2",
-                    "--variants", "lhs", "--no-compile-rows", "--steps", "1", "--rounds", "1",
+                    "--variants", "lhs,vanilla-concurrent", "--no-compile-rows", "--steps", "1",
+                    "--rounds", "1",
                     "--warmup", "1", "--json", str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(result))
   rows = {r["case"]: r for r in result["run_rows"]}
-  assert list(rows) == ["reversible", "pareprop[lhs]"]  # the claim first, variants last
+  # the claim first, variants last, each named by the schedule it runs
+  assert list(rows) == ["reversible", "pareprop[lhs]", "reversible[vanilla-concurrent]"]
   for r in rows.values():  # run_case's figures, from each fresh process
     assert "error" not in r and r["finite"] and r["step_ms"] > 0, r
     assert r["compiled"]["temp"] > 0 and r["param_bytes"] > 0
   assert rows["reversible"]["speed_vs_reversible"] == 1.0
   assert rows["pareprop[lhs]"]["speed_vs_reversible"] > 0
   assert "latency_hiding_scheduler" in rows["pareprop[lhs]"]["xla_flags"]
+  control = rows["reversible[vanilla-concurrent]"]
+  assert control["policy"] == "reversible" and "concurrent_region" in control["xla_flags"]
+  assert control["speed_vs_reversible"] > 0
 
 
 def test_target_goes_with_the_compile_rows():
