@@ -58,11 +58,14 @@ from train.trainer import Trainer, no_bad_step
 
 # The policies the planner chooses from, in expected speed order (the speed table decides
 # the final order): baseline (exact, fastest); lowmembp (same speed on an H100, less memory
-# where XLA does not already fuse it away); lowmem (= lowmembp+mesa8: int8 activations, a
-# quantize/dequantize pass, ~1.2x); lowmembp+remat (recomputes each block's forward, ~1.33x,
-# the least memory). baseline is exact; the others approximate the backward as their
-# papers do (docs/methods.md).
-DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmem", "lowmembp+remat")
+# where XLA does not already fuse it away); +qkv=recompute (q, k, v recomputed for
+# attention's backward from what the projections' input keeps: a twelfth of the forward
+# again, 1.2-1.3x the tokens per step at LLaMA-7B widths, docs/h100_compiled.md); lowmem
+# (= lowmembp+mesa8: int8 activations, a quantize/dequantize pass, ~1.2x); lowmembp+remat
+# (recomputes each block's forward, ~1.33x, the least memory). baseline is exact; the
+# others approximate the backward as their papers do (docs/methods.md).
+DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmembp+qkv=recompute", "lowmem",
+                    "lowmem+qkv=recompute", "lowmembp+remat")
 # "auto": the device's allocator limit less this fraction, for what the prediction leaves
 # out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
 AUTO_MARGIN = 0.10
