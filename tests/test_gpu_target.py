@@ -104,12 +104,20 @@ def _run(args, tmp_path):
                         capture_output=True, timeout=600)
 
 
+def _script_json(source: str, tmp_path):
+  """``source`` run as a script in a fresh process; its last line of output, as JSON."""
+  script = tmp_path / "probe.py"
+  script.write_text(source)
+  proc = _run([str(script)], tmp_path)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @needs_plugin
 def test_deviceless_compile_is_xla_gpu(tmp_path):
   """A step compiled under the target is XLA:GPU's (cuBLAS GEMMs, cuDNN flash attention),
   on its simulated device; outside it, the local backend's."""
-  script = tmp_path / "probe.py"
-  script.write_text(
+  got = _script_json(
       "import json, jax, jax.numpy as jnp\n"
       "from lowmem_jax import gpu_target\n"
       "def f(w, q):\n"
@@ -124,10 +132,7 @@ def test_deviceless_compile_is_xla_gpu(tmp_path):
       "print(json.dumps({'cublas': '__cublas' in text, 'cudnn': '__cudnn$fmha' in text,\n"
       "  'temp': c.memory_analysis().temp_size_in_bytes,\n"
       "  'device': str(c.input_shardings[0][0].device_set.pop().device_kind),\n"
-      "  'local': jax.default_backend()}))\n")
-  proc = _run([str(script)], tmp_path)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  got = json.loads(proc.stdout.strip().splitlines()[-1])
+      "  'local': jax.default_backend()}))\n", tmp_path)
   assert got["cublas"] and got["cudnn"], got
   assert got["device"] == H100.device_kind and got["local"] == "cpu"
   assert got["temp"] > 0
@@ -174,8 +179,7 @@ def test_bench_and_llama_fit_compile_for_the_target(tmp_path):
 def test_kernel_bench_programs_compile_for_the_target(tmp_path):
   """Every Pallas kernel and its jnp reference, looped as the kernel bench times them,
   compiles for the target: the kernel to a Triton call, each loop with its work intact."""
-  script = tmp_path / "kernels.py"
-  script.write_text(
+  rows = _script_json(
       "import json, jax.numpy as jnp\n"
       "from lowmem_jax import gpu_target\n"
       "from lowmem_jax.kernel_bench import kernel_cases, looped, loop_intact\n"
@@ -187,10 +191,7 @@ def test_kernel_bench_programs_compile_for_the_target(tmp_path):
       "        text = looped(fn, 64).lower(*gpu_target.place(args)).compile().as_text()\n"
       "        rows.append([name, which, '__gpu$xla.gpu.triton' in text,\n"
       "                     loop_intact(text, 64)])\n"
-      "print(json.dumps(rows))\n")
-  proc = _run([str(script)], tmp_path)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  rows = json.loads(proc.stdout.strip().splitlines()[-1])
+      "print(json.dumps(rows))\n", tmp_path)
   assert len(rows) == 24
   assert all(intact for *_, intact in rows), rows
   assert all(triton for _, which, triton, _ in rows if which == "pallas"), rows
@@ -200,8 +201,7 @@ def test_kernel_bench_programs_compile_for_the_target(tmp_path):
 def test_cudnn_refusal_agrees_with_the_targets_compiler(tmp_path):
   """``attention.cudnn_refusal`` refuses exactly the shapes XLA:GPU's compile of jax's
   cuDNN attention (forward + backward) refuses for the target: odd lengths, not even ones."""
-  script = tmp_path / "cudnn.py"
-  script.write_text(
+  rows = _script_json(
       "import json, jax, jax.numpy as jnp\n"
       "from lowmem_jax import attention, gpu_target\n"
       "rows = []\n"
@@ -221,9 +221,6 @@ def test_cudnn_refusal_agrees_with_the_targets_compiler(tmp_path):
       "      except Exception:\n"
       "        compiled = False\n"
       "      rows.append([head_dim, n, ours is None, compiled])\n"
-      "print(json.dumps(rows))\n")
-  proc = _run([str(script)], tmp_path)
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  rows = json.loads(proc.stdout.strip().splitlines()[-1])
+      "print(json.dumps(rows))\n", tmp_path)
   assert all(ours == compiled for _, _, ours, compiled in rows), rows
   assert {n for _, n, _, compiled in rows if not compiled} == {17, 197}, rows
