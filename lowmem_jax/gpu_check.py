@@ -21,17 +21,18 @@ offload, ``--peak``),
 (``benchmarks.reversible_depth``: RevViT-B peak at 12 and 24 layers under baseline,
 reversible and pareprop, a fresh process each, and PaReprop's speed in CUDA graphs'
 concurrent regions (vanilla's too, its control), on a second stream and with XLA's
-latency hiding scheduler, in that order, as the stage's time allows) and ``tests`` (the suite in pytest-xdist
-workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its JUnit XML). A stage
-that fails or times out is recorded and the next one runs; a bench keeps the policies
-that ran when one fails, and its peers' and peaks' figures when its timed run is cut. All
-stages share a budget (``--budget``, default 420 s on a GPU, so three calls fit 30
-minutes of device time): a stage's timeout is its own, cut so the stages after it keep
-their expected times; ``tests`` runs last and gets what is left. All stages share one
-persistent compilation cache (``DIR/xla-cache``): a bench's timed process loads what its
-``--peak`` subprocesses compiled. One call runs :data:`DEFAULT_STAGES`; ``bench-remat``,
-``kernel-bench``, ``attention-bench`` and ``reversible-depth`` make the second call
-(:data:`SECOND_CALL`, ``--call 2``): together they would not fit in one.
+latency hiding scheduler, in that order, as the stage's time allows) and ``tests`` (the
+suite in pytest-xdist workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its
+JUnit XML). A stage that fails or times out is recorded and the next one runs; a bench
+keeps the policies that ran when one fails, and its peers' and peaks' figures when its
+timed run is cut. All stages share a budget (``--budget``, default 420 s on a GPU, so
+three calls fit 30 minutes of device time): a stage's timeout is its own, cut so the
+stages after it keep their expected times; ``tests`` runs last and gets what is left. All
+stages share one persistent compilation cache (``DIR/xla-cache``): a bench's timed
+process loads what its ``--peak`` subprocesses compiled. One call runs
+:data:`DEFAULT_STAGES`; ``bench-remat``, ``kernel-bench``, ``attention-bench`` and
+``reversible-depth`` make the second call (:data:`SECOND_CALL`, ``--call 2``): together
+they would not fit in one.
 ``llama-fit`` (``benchmarks.llama_fit``: LLaMA-7B LoRA on bf16 and nf4 bases, the largest
 batch per policy found by compiling and confirmed by running, beside HF + peft) is a third
 call of its own (:data:`THIRD_CALL`: ``--call 3``). On the
