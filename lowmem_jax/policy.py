@@ -40,6 +40,7 @@ METHOD_MODULES = (
     "lowmem_jax.wta_crs",
     "lowmem_jax.reversible_bp",
     "lowmem_jax.qkv_recompute",
+    "lowmem_jax.hidden_recompute",
     "lowmem_jax.lowmem",
 )
 METHODS = methods.load(*METHOD_MODULES)
@@ -185,6 +186,12 @@ class _PolicyMethods:
     ``run(x, params, consts)`` (:class:`models.attention.SelfAttention` builds it)."""
     return self.strategy("qkv", num_heads=num_heads, num_kv_heads=num_kv_heads,
                          causal=causal)
+
+  def hidden_strategy(self):
+    """``(run, inputs, params, consts) -> y``: an MLP's activation on ``inputs`` (``h``
+    or ``(g, u)``) and its last linear; ``recomputes`` says whether it wants them as one
+    pure function ``run(inputs, params, consts)`` (:mod:`models.mlp` builds it)."""
+    return self.strategy("hidden")
 
   def block_strategy(self):
     """``fn -> fn`` running a block as the policy says (rematted, offloaded, as is);

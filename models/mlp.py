@@ -2,10 +2,15 @@
 
 Each MLP holds the policy's strategies for its sites: the input its first linear(s) read
 (``shared_input``), the activation (``act``: exact or approx2 GELU/SiLU, and what it
-keeps), and the activation's output that the last linear reads (``shared_hidden``).
+keeps), the activation's output that the last linear reads (``shared_hidden``), and the
+activation with the last linear (``hidden``: as modules, or as one pure function whose
+backward recomputes the activation's output, ``hidden=recompute``,
+:mod:`lowmem_jax.hidden_recompute`).
 """
 
 from __future__ import annotations
+
+import functools
 
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
@@ -28,11 +33,12 @@ class Mlp(nnx.Module):
     self.shared_input = Site(policy.shared_strategy())
     self.act = Site(policy.activation_strategy(activation))
     self.shared_hidden = Site(policy.shared_strategy())
+    self.hidden = Site(policy.hidden_strategy())
 
   def __call__(self, x):
     h = checkpoint_name(self.fc1(self.shared_input(x)), "mlp_hidden")
-    a = checkpoint_name(self.act(h), "mlp_act")
-    return checkpoint_name(self.fc2(self.shared_hidden(a)), "mlp_out")
+    return checkpoint_name(_last(self.hidden, (self.act, self.shared_hidden, self.fc2), (h,)),
+                           "mlp_out")
 
 
 class GatedMlp(nnx.Module):
@@ -49,10 +55,30 @@ class GatedMlp(nnx.Module):
     self.shared_input = Site(policy.shared_strategy())
     self.act = Site(policy.activation_strategy(activation, gated=True))
     self.shared_hidden = Site(policy.shared_strategy())
+    self.hidden = Site(policy.hidden_strategy())
 
   def __call__(self, x):
     x = self.shared_input(x)
     g = checkpoint_name(self.gate(x), "mlp_hidden")
     u = checkpoint_name(self.up(x), "mlp_hidden")
-    a = checkpoint_name(self.act(g, u), "mlp_act")
-    return checkpoint_name(self.down(self.shared_hidden(a)), "mlp_out")
+    return checkpoint_name(_last(self.hidden, (self.act, self.shared_hidden, self.down),
+                                 (g, u)), "mlp_out")
+
+
+def _activate(act, shared_hidden, last, inputs):
+  """``last(act(*inputs))``: the activation's output, read by the last linear."""
+  return last(shared_hidden(checkpoint_name(act(*inputs), "mlp_act")))
+
+
+def _run(graphdef, inputs, params, rest):
+  """:func:`_activate` as a pure function of the split modules (for the ``hidden`` site)."""
+  return _activate(*nnx.merge(graphdef, params, rest), inputs)
+
+
+def _last(hidden, parts, inputs):
+  """The activation and the last linear on ``inputs``, as the ``hidden`` site says: as
+  modules, or split into one pure function that its strategy may recompute."""
+  if not hidden.strategy.recomputes:
+    return _activate(*parts, inputs)
+  graphdef, params, rest = nnx.split(parts, nnx.Param, ...)
+  return hidden(functools.partial(_run, graphdef), inputs, params, rest)

@@ -1,0 +1,88 @@
+"""The MLP's last linear reads its input recomputed in backward: the ``hidden`` field.
+
+An MLP's last linear (``fc2``, LLaMA's ``down``) reads the activation's output ``a``
+(``act(h)``, or ``act(g) * u``). By default (``hidden="keep"``) that linear keeps ``a``
+for its weight gradient (or, under LoRA, for its adapter ``A``'s), beside what the
+activation keeps of its own input (``h``, or ``g`` and ``u``; a 2-bit code under
+Approx-BP). With ``hidden="recompute"`` the activation and the last linear run as one
+function whose backward keeps only the activation's input(s) and the weights
+(``jax.checkpoint``), and recomputes ``a`` (one elementwise pass) before the linear's
+backward. The arithmetic is the policy's own, approximations included: only what is kept
+between forward and backward changes.
+
+What it saves, per token and layer (bf16): the exact baseline keeps ``h`` and ``a``
+(2 x 2F bytes) or ``g``, ``u`` and ``a`` (3 x 2F), and now ``h`` (or ``g``, ``u``): 2F
+bytes less. Under Approx-BP (``lowmembp``) the activation kept a 2-bit code of its input
+and ``a``: now the input itself, F / 4 bytes less. Compiled for an H100 (LLaMA-7B widths,
+4 layers, 4 x 1024 tokens, LoRA on all 7 linears), the baseline's temp is 344 MiB
+(4 x 86 MiB, one ``a`` a layer) less, ``docs/h100_compiled.md``.
+
+Not with Mesa (``quant``) or WTA-CRS (``sampled_linear``): their sites update state in
+forward (Mesa's ranges, WTA-CRS's keys), which a recomputed function cannot (an error
+says so). Under a block checkpoint policy
+(remat, offload) the policy decides what a block keeps: ``recompute`` does nothing there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+
+from lowmem_jax.methods import Field, Method, Strategy
+
+HIDDEN = ("keep", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepHidden(Strategy):
+  """The activation and the last linear as they are, each keeping what it keeps.
+  ``recomputes``: the model hands the strategy the two as one pure function (a strategy
+  that recomputes needs that); it does not for this one, and runs them as modules."""
+  recomputes = False
+
+  def __call__(self, run: Callable, inputs, params, consts):
+    return run(inputs, params, consts)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecomputeHidden(KeepHidden):
+  """``run(inputs, params, consts)`` (the activation, then the last linear) whose
+  backward keeps ``inputs`` (``h``, or ``(g, u)``), ``params`` and ``consts``, and
+  recomputes the activation's output."""
+  recomputes = True
+
+  def __call__(self, run: Callable, inputs, params, consts):
+    return jax.checkpoint(run)(inputs, params, consts)
+
+
+def _active(policy) -> bool:
+  return policy.hidden == "recompute" and policy.checkpoint_policy() is None
+
+
+def _hidden(policy, inner):
+  return RecomputeHidden() if _active(policy) else KeepHidden()
+
+
+def _check(policy):
+  if policy.hidden != "recompute":
+    return
+  if policy.quantizes:
+    raise ValueError("MemoryPolicy: hidden=recompute cannot recompute Mesa's coded "
+                     "activation and linear (they update their ranges in forward); use "
+                     "hidden=keep with quant")
+  if policy.sampled_linear != "none":
+    raise ValueError("MemoryPolicy: hidden=recompute cannot recompute WTA-CRS's sites "
+                     "(they update their keys in forward); use hidden=keep with "
+                     "sampled_linear")
+
+
+METHOD = Method(
+    name="hidden-recompute",
+    fields=(Field("hidden", "keep", "keep (the MLP's last linear keeps its input) | "
+                  "recompute (backward recomputes it from the activation's input)",
+                  choices=HIDDEN),),
+    strategies={"hidden": _hidden},
+    check=_check,
+)

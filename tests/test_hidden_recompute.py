@@ -1,0 +1,98 @@
+"""hidden=recompute: the MLP's last linear reads the activation's output recomputed in
+backward (lowmem_jax/hidden_recompute.py, models/mlp.py)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowmem_jax.hidden_recompute import KeepHidden, RecomputeHidden
+from lowmem_jax.memory import peak_buffers, saved_residuals
+from lowmem_jax.policy import MemoryPolicy
+from models import llama, vit
+from models.mlp import GatedMlp, Mlp
+from test_methods_in_models import TINY, _same_params
+from test_qkv_recompute import _inputs, _loss_grads_saved
+
+
+def test_policy_field_and_its_checks():
+  p = MemoryPolicy.parse("lowmembp+hidden=recompute")
+  assert p.hidden == "recompute" and MemoryPolicy.parse(p.spec) == p
+  assert isinstance(p.hidden_strategy(), RecomputeHidden)
+  assert type(MemoryPolicy.parse("lowmembp").hidden_strategy()) is KeepHidden
+  # under a block checkpoint policy the policy decides what a block keeps: no-op
+  assert type(MemoryPolicy.parse("remat+hidden=recompute").hidden_strategy()) is KeepHidden
+  with pytest.raises(ValueError, match="unknown hidden 'again'"):
+    MemoryPolicy.parse("hidden=again")
+  with pytest.raises(ValueError, match="hidden=recompute cannot recompute Mesa's"):
+    MemoryPolicy.parse("lowmem+hidden=recompute")
+  with pytest.raises(ValueError, match="hidden=recompute cannot recompute WTA-CRS's"):
+    MemoryPolicy.parse("wta-crs+hidden=recompute+sample_targets=fc1")
+
+
+@pytest.mark.parametrize("cls,activation", [(Mlp, "gelu"), (GatedMlp, "silu")])
+@pytest.mark.parametrize("policy", ["baseline", "lowmembp"])
+def test_mlp_gradients_unchanged_and_the_hidden_output_not_kept(cls, activation, policy):
+  """Same arithmetic (bitwise: the same ops recomputed), and backward keeps one
+  ``[tokens, hidden]`` array fewer: the activation's output the last linear read."""
+  x = jax.random.normal(jax.random.key(1), (2, 24, 16), jnp.bfloat16)
+  grads, wide = {}, {}
+  for spec in (policy, policy + "+hidden=recompute"):
+    m = cls(16, 256, activation=activation, policy=spec, dtype=jnp.bfloat16,
+            rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(m, nnx.Param, ...)
+
+    def loss(p, x):
+      return jnp.sum(nnx.merge(graphdef, p, rest, copy=True)(x).astype(jnp.float32) ** 2)
+    grads[spec] = jax.jit(jax.grad(loss, argnums=(0, 1)))(params, x)
+    kept = saved_residuals(loss, params, x).items
+    wide[spec] = sorted(str(r.dtype) for r in kept if tuple(r.shape) == (2, 24, 256))
+  for a, b in zip(jax.tree.leaves(grads[policy]),
+                  jax.tree.leaves(grads[policy + "+hidden=recompute"]), strict=True):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # recompute: the activation's input(s) only (h; g and u). keep: what the activation
+  # keeps (baseline: its inputs; lowmembp: a 2-bit code of h or g, not this shape, and
+  # for the gated product u and act(g)) and the output the last linear reads
+  inputs = 2 if cls is GatedMlp else 1
+  kept = {("baseline", 1): 2, ("baseline", 2): 3, ("lowmembp", 1): 1, ("lowmembp", 2): 3}
+  assert wide[policy + "+hidden=recompute"] == ["bfloat16"] * inputs, wide
+  assert wide[policy] == ["bfloat16"] * kept[policy, inputs], wide
+
+
+@pytest.mark.parametrize("kind", ["vit", "llama"])  # Mlp (BERT's too), GatedMlp
+def test_models_same_loss_and_gradients_keeping_less(kind):
+  keep = TINY[kind]("baseline")
+  recompute = _same_params(keep, TINY[kind]("baseline+hidden=recompute"))
+  inputs = _inputs(kind)
+  lk, gk, sk = _loss_grads_saved(keep, inputs)
+  lr, gr, sr = _loss_grads_saved(recompute, inputs)
+  np.testing.assert_allclose(lr, lk, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gk), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert sr < sk, (sr, sk)
+
+
+@pytest.mark.parametrize("model", ["vit", "llama"])
+def test_train_step_peak_drops_by_the_hidden_outputs(model):
+  """The stacked activation outputs of every layer leave the compiled step's peak."""
+  if model == "vit":
+    cfg = vit.config("vit-tiny", num_layers=4, dim=64, mlp_dim=256, num_heads=4)
+    make, x = vit.ViT, jax.ShapeDtypeStruct((16, 32, 32, 3), jnp.float32)
+    tokens, hidden = 16 * ((cfg.image_size // cfg.patch_size) ** 2 + 1), cfg.mlp_dim
+  else:
+    cfg = llama.config("llama-tiny", num_layers=4, dim=64, mlp_dim=256)
+    make, x = llama.Llama, jax.ShapeDtypeStruct((8, 64), jnp.int32)
+    tokens, hidden = 8 * 64, cfg.mlp_dim
+  peaks = {}
+  for policy in ("baseline", "baseline+hidden=recompute"):
+    graphdef, params, rest = nnx.split(make(cfg, policy, dtype=jnp.bfloat16), nnx.Param,
+                                       ...)
+
+    def loss(p, rest, x):
+      return jnp.mean(nnx.merge(graphdef, p, rest, copy=True)(x).astype(jnp.float32))
+    peaks[policy] = peak_buffers(jax.grad(loss), params, rest, x).peak_bytes
+  outputs = cfg.num_layers * tokens * hidden * 2  # bf16 act(h) of every layer
+  recomputed = tokens * hidden * 2  # one layer's, live in backward
+  saved = peaks["baseline"] - peaks["baseline+hidden=recompute"]
+  assert saved >= outputs - recomputed, (saved, outputs, peaks)
