@@ -114,13 +114,23 @@ def block(p, x, cfg: StackConfig, policy: MemoryPolicy):
   x = x + checkpoint_name(_linear(p, "o", o, policy, contract=2), "attn_proj")
   h = _norm(p, "norm2", x, cfg, policy)
   u = checkpoint_name(_linear(p, "_in", h, policy), "mlp_hidden")
+  inputs = (u[..., :cfg.mlp_dim], u[..., cfg.mlp_dim:]) if cfg.kind == "llama" else (u,)
+  # The ``hidden`` site gets the activation and the last linear as one pure function;
+  # under hidden=recompute its backward keeps only the activation's input(s).
+  weights = {name: p[name] for name in ("w_out", "b_out") if name in p}
+  out = policy.hidden_strategy()(lambda a, w, _: _activate_out(a, w, cfg, policy), inputs,
+                                 weights, None)
+  return x + checkpoint_name(out, "mlp_out")
+
+
+def _activate_out(inputs, p, cfg: StackConfig, policy: MemoryPolicy):
+  """The MLP's activation of ``inputs`` (``(h,)``, or LLaMA's ``(gate, up)``) and its
+  last linear."""
   if cfg.kind == "llama":
-    gate, up = u[..., :cfg.mlp_dim], u[..., cfg.mlp_dim:]
-    a = policy.activation_fn("silu", gated=True)(gate, up)
+    a = policy.activation_fn("silu", gated=True)(*inputs)
   else:
-    a = policy.activation_fn("gelu")(u)
-  a = checkpoint_name(a, "mlp_act")
-  return x + checkpoint_name(_linear(p, "_out", a, policy), "mlp_out")
+    a = policy.activation_fn("gelu")(*inputs)
+  return _linear(p, "_out", checkpoint_name(a, "mlp_act"), policy)
 
 
 def apply_stack(params, x, cfg: StackConfig, policy: MemoryPolicy | str = "baseline"):
