@@ -195,6 +195,13 @@ def test_speeds_from_the_table_or_the_cost_model():
   assert h100["lowmem", 1].speed_from == "table"
   assert h100["lowmem", 1].step_time == table["h100"]["step_time"]["lowmem"]
   assert h100["lowmem", 2].speed_from == "model"  # no measured micro-batch penalty
+  # a recompute on top of a measured policy: the table's time plus the model's cost of it
+  cpu = {c.policy: c for c in planner.candidates(
+      _cfg("batch_size=1"), ("lowmembp+qkv=recompute+hidden=recompute",), table, "cpu")}
+  got = cpu["lowmembp+qkv=recompute+hidden=recompute"]
+  assert got.speed_from == "table+model"
+  assert got.step_time == pytest.approx(table["cpu"]["step_time"]["lowmembp"] + 1 / 12
+                                        + planner.RECOMPUTE_HIDDEN)
   gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
   assert planner.device_family(table, gpu("NVIDIA H100 80GB HBM3")) == "h100"
   assert planner.device_family(table, gpu("NVIDIA H200")) is None  # not measured: the model
@@ -272,3 +279,6 @@ def test_cost_model_counts_what_each_policy_recomputes():
   # a quarter of the forward's matmuls again; nothing more under remat, which recomputes all
   assert t("lowmem+qkv=recompute") == pytest.approx(t("lowmem") + 1 / 12)
   assert t("remat+qkv=recompute") == t("remat") == pytest.approx(4 / 3)
+  # the activation's output again: one elementwise pass
+  assert t("lowmembp+qkv=recompute+hidden=recompute") == pytest.approx(1 + 1 / 12 + 0.01)
+  assert t("remat+hidden=recompute") == t("remat")

@@ -58,13 +58,16 @@ from train.trainer import Trainer, no_bad_step
 
 # The policies the planner chooses from, in expected speed order (the speed table decides
 # the final order): baseline (exact, fastest); lowmembp (same speed on an H100, less memory
-# where XLA does not already fuse it away); +qkv=recompute (q, k, v recomputed for
-# attention's backward from what the projections' input keeps: a twelfth of the forward
-# again, 1.2-1.3x the tokens per step at LLaMA-7B widths, docs/h100_compiled.md); lowmem
-# (= lowmembp+mesa8: int8 activations, a quantize/dequantize pass, ~1.2x); lowmembp+remat
-# (recomputes each block's forward, ~1.33x, the least memory). baseline is exact; the
-# others approximate the backward as their papers do (docs/methods.md).
-DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmembp+qkv=recompute", "lowmem",
+# where XLA does not already fuse it away); +hidden=recompute (the MLP's last linear reads
+# its input recomputed: one elementwise pass, same gradients); +qkv=recompute (q, k, v
+# recomputed for attention's backward from what the projections' input keeps: a twelfth
+# of the forward again; with hidden, 1.7x lowmembp's tokens per step at LLaMA-7B widths,
+# docs/h100_compiled.md); lowmem (= lowmembp+mesa8: int8 activations, a
+# quantize/dequantize pass, ~1.2x); lowmembp+remat (recomputes each block's forward,
+# ~1.33x, the least memory). baseline is exact; the others approximate the backward as
+# their papers do (docs/methods.md).
+DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmembp+hidden=recompute",
+                    "lowmembp+qkv=recompute+hidden=recompute", "lowmem",
                     "lowmem+qkv=recompute", "lowmembp+remat")
 # "auto": the device's allocator limit less this fraction, for what the prediction leaves
 # out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
@@ -83,11 +86,14 @@ PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0,
 # of every saved activation ~0.2 (H100, 7d7f55d: lowmembp+mesa8 1.14-1.26x); WTA-CRS's
 # sampling and gathers ~0.1; qkv=recompute's q, k, v again, 3 D^2 per token of the 12 D^2
 # a block's forward multiplies (q, k, v, out: D^2 each; the MLP's 4D-wide pair: 8 D^2),
-# a quarter of the forward.
+# a quarter of the forward; hidden=recompute's activation output again, one elementwise
+# pass (read g and u, write act(g) * u: 6F bytes per token against a block's ~6 (4 D^2 +
+# 3 D F) flops; at LLaMA-7B widths on an H100 ~1% of the step).
 # Each extra micro-batch: +5% (weights read again, smaller matmuls).
 RECOMPUTE_FORWARD = 1 / 3
 RECOMPUTE_PART = 1 / 6
 RECOMPUTE_QKV = RECOMPUTE_FORWARD / 4
+RECOMPUTE_HIDDEN = 0.01
 QUANT_COST = 0.2
 SAMPLING_COST = 0.1
 MICRO_BATCH_PENALTY = 0.05
@@ -100,8 +106,9 @@ def modelled_step_time(policy: MemoryPolicy) -> float:
     t += RECOMPUTE_FORWARD  # block inputs or whole blocks recomputed in backward
   elif policy.remat is not None:
     t += RECOMPUTE_PART
-  elif policy.qkv == "recompute":  # under remat it does nothing
-    t += RECOMPUTE_QKV
+  else:  # under remat these do nothing
+    t += RECOMPUTE_QKV if policy.qkv == "recompute" else 0.0
+    t += RECOMPUTE_HIDDEN if policy.hidden == "recompute" else 0.0
   if policy.quant != "none":
     t += QUANT_COST
   if policy.sampled_linear != "none":
@@ -158,7 +165,7 @@ class Candidate:
   micro_batch: int
   grad_accum: int
   step_time: float            # relative to baseline at the full batch
-  speed_from: str             # "table" | "model" (the cost model)
+  speed_from: str             # "table" | "model" (the cost model) | "table+model"
   peak: int | None = None     # predicted peak bytes; None: not compiled
   note: str = ""              # why it was not compiled
 
@@ -214,6 +221,19 @@ class Plan:
             f"{fmt_bytes(self.chosen.peak)}")
 
 
+def _step_time(policy: MemoryPolicy, measured: dict) -> tuple[float, str]:
+  """``policy``'s expected step time and where it comes from: the table ("table"); its
+  measured base (the policy without recomputes) plus what the cost model adds for them
+  ("table+model"); else the cost model alone ("model")."""
+  if policy in measured:
+    return measured[policy], "table"
+  base = dataclasses.replace(policy, qkv="keep", hidden="keep")
+  if base in measured:
+    return measured[base] + modelled_step_time(policy) - modelled_step_time(base), \
+        "table+model"
+  return modelled_step_time(policy), "model"
+
+
 def candidates(cfg: TrainConfig, policies: Sequence[str], table: dict,
                family: str | None) -> list[Candidate]:
   """Every policy x micro-batch dividing ``cfg.batch_size``, fastest first (ties: the order
@@ -224,9 +244,7 @@ def candidates(cfg: TrainConfig, policies: Sequence[str], table: dict,
   out = []
   for spec in policies:
     policy = MemoryPolicy.parse(spec)
-    t = measured.get(policy)
-    t_source = "model" if t is None else "table"
-    t = modelled_step_time(policy) if t is None else t
+    t, t_source = _step_time(policy, measured)
     p = MICRO_BATCH_PENALTY if penalty is None else penalty
     for micro in sorted((m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0),
                         reverse=True):
