@@ -12,15 +12,16 @@ between forward and backward changes.
 
 What it saves, per token and layer (bf16): the exact baseline keeps ``h`` and ``a``
 (2 x 2F bytes) or ``g``, ``u`` and ``a`` (3 x 2F), and now ``h`` (or ``g``, ``u``): 2F
-bytes less. Under Approx-BP (``lowmembp``) the activation kept a 2-bit code of its input
-and ``a``: now the input itself, F / 4 bytes less. Compiled for an H100 (LLaMA-7B widths,
+bytes less. Under Approx-BP (``lowmembp``) GELU kept a 2-bit code of ``h`` and the linear
+``a``: now ``h``, F / 4 bytes less; the gated product kept a code and three ``[tokens,
+F]`` arrays: now ``g`` and ``u``. Compiled for an H100 (LLaMA-7B widths,
 4 layers, 4 x 1024 tokens, LoRA on all 7 linears), the baseline's temp is 344 MiB
 (4 x 86 MiB, one ``a`` a layer) less, ``docs/h100_compiled.md``.
 
 Not with Mesa (``quant``) or WTA-CRS (``sampled_linear``): their sites update state in
 forward (Mesa's ranges, WTA-CRS's keys), which a recomputed function cannot (an error
-says so). Under a block checkpoint policy
-(remat, offload) the policy decides what a block keeps: ``recompute`` does nothing there.
+says so). Under a block checkpoint policy (remat, offload) the policy decides what a
+block keeps: ``recompute`` does nothing there.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from lowmem_jax.policy import MemoryPolicy
 from models import llama, vit
 from models.mlp import GatedMlp, Mlp
 from test_methods_in_models import TINY, _same_params
-from test_qkv_recompute import _inputs, _loss_grads_saved
+from test_qkv_recompute import _inputs, assert_same_keeping_less
 
 
 def test_policy_field_and_its_checks():
@@ -65,13 +65,7 @@ def test_mlp_gradients_unchanged_and_the_hidden_output_not_kept(cls, activation,
 def test_models_same_loss_and_gradients_keeping_less(kind):
   keep = TINY[kind]("baseline")
   recompute = _same_params(keep, TINY[kind]("baseline+hidden=recompute"))
-  inputs = _inputs(kind)
-  lk, gk, sk = _loss_grads_saved(keep, inputs)
-  lr, gr, sr = _loss_grads_saved(recompute, inputs)
-  np.testing.assert_allclose(lr, lk, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gk), strict=True):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  assert sr < sk, (sr, sk)
+  assert_same_keeping_less(keep, recompute, _inputs(kind))
 
 
 @pytest.mark.parametrize("model", ["vit", "llama"])

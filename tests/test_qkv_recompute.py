@@ -42,6 +42,17 @@ def _loss_grads_saved(model, inputs):
   return value, grads, saved_residuals(loss, params).total_bytes
 
 
+def assert_same_keeping_less(keep, recompute, inputs):
+  """``recompute`` (same parameters) gives ``keep``'s loss and gradients to rounding and
+  keeps fewer residual bytes."""
+  lk, gk, sk = _loss_grads_saved(keep, inputs)
+  lr, gr, sr = _loss_grads_saved(recompute, inputs)
+  np.testing.assert_allclose(lr, lk, rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gk), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  assert sr < sk, (sr, sk)
+
+
 # ----------------------------------------------------------------------------- policy
 def test_policy_field_and_its_checks():
   x, params, consts, _ = _rule_case()  # the default strategy runs the function as it is
@@ -122,13 +133,7 @@ def test_plain_input_backward_is_exact_and_keeps_no_projection():
 def test_exact_policy_gives_the_same_loss_and_gradients_keeping_less(kind):
   keep = TINY[kind]("lowmembp")
   recompute = _same_params(keep, TINY[kind]("lowmembp+qkv=recompute"))
-  inputs = _inputs(kind)
-  lk, gk, sk = _loss_grads_saved(keep, inputs)
-  lr, gr, sr = _loss_grads_saved(recompute, inputs)
-  np.testing.assert_allclose(lr, lk, rtol=1e-6)
-  for a, b in zip(jax.tree.leaves(gr), jax.tree.leaves(gk)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  assert sr < sk, (sr, sk)
+  assert_same_keeping_less(keep, recompute, _inputs(kind))
 
 
 @pytest.mark.parametrize("kind", ["vit", "llama"])  # a mask under the code: the rule test
