@@ -183,8 +183,10 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
   Norm: input + fp32 stats (with affine) or output + fp32 rstd (MS, output shared with the
   next linear). Linear: its input. GELU: its input, or the bits per element its strategy
   keeps (approx2: 2). SwiGLU: gate and up (the exact rule keeping only them, which no
-  2-bit code improves on). Attention: q, k, v, o and the fp32 log-sum-exp, or only o
-  when its backward recomputes the rest from the norm output (``qkv=recompute``). A block
+  2-bit code improves on). Under ``hidden=recompute`` the MLP's last linear keeps nothing
+  and its activation its input(s) whole (``h``; ``g`` and ``u``). Attention: q, k, v, o
+  and the fp32 log-sum-exp, or only o when its backward recomputes the rest from the
+  norm output (``qkv=recompute``). A block
   that keeps only its input (full remat): that. None when a checkpoint policy decides
   (selective remat, offload), a norm or activation keeps codes (Mesa), or ops run under
   plain autodiff (``plain``): what is kept then is what the measurement shows.
@@ -208,7 +210,9 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
     attn = (d + 2 * kvd + d) * s + 4 * cfg.num_heads
   bits = act_s.saved_bits
   act_in = f * s if bits is None else f * bits // 8
-  if cfg.kind == "vit":
+  if policy.hidden_strategy().recomputes:  # the activation's input(s) only, whole
+    mlp = (1 if cfg.kind == "vit" else 2) * f * s
+  elif cfg.kind == "vit":
     mlp = act_in + f * s                   # GELU input + fc2 input
   else:
     mlp = 3 * f * s                        # gate and up (one exact rule), fc2 input

@@ -89,10 +89,11 @@ def _bytes_per_token(cfg, spec, seq, dtype):
 @pytest.mark.parametrize("cfg", [VIT, LLAMA], ids=["vit", "llama"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("spec", ["lowmembp", "remat", "lowmembp+remat",
-                                  "lowmembp+qkv=recompute"])
+                                  "lowmembp+qkv=recompute", "lowmembp+hidden=recompute"])
 def test_saved_bytes_per_token_meet_the_theory(cfg, dtype, spec):
   """MS norms share their output with the next linear; the GELU/SiLU keeps 2 bits;
-  qkv=recompute keeps of the attention only o. The theory counts our flash attention
+  qkv=recompute keeps of the attention only o; hidden=recompute keeps of the MLP's
+  activation and last linear the activation's input(s) only. The theory counts our flash attention
   (q, k, v, o, lse), so the stack uses it on every backend ("auto" may pick cuDNN on a
   GPU, whose residuals are its own)."""
   spec = f"{spec}+attention=flash"
