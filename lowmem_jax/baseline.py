@@ -164,15 +164,15 @@ class Attention(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepQKV(Strategy):
-  """The attention's projections and core as they are: what each keeps (the attention:
-  q, k, v). ``recomputes``: the model hands this strategy the projections and the
-  attention as one pure function (a strategy that recomputes them needs that); it does
-  not for this one, and runs them as modules."""
+class KeepRun(Strategy):
+  """A ``qkv`` or ``hidden`` site's ops as they are, each keeping what it keeps (the
+  attention q, k, v; the MLP's last linear its input). ``recomputes``: the model hands
+  the site its ops as one pure function ``run(inputs, params, consts)`` (a strategy that
+  recomputes them needs that); it does not for this one, and runs them as modules."""
   recomputes = False
 
-  def __call__(self, run: Callable, x, params, consts):
-    return run(x, params, consts)
+  def __call__(self, run: Callable, inputs, params, consts):
+    return run(inputs, params, consts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,7 +225,11 @@ def _attention(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False
 
 
 def _qkv(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False):
-  return KeepQKV()
+  return KeepRun()
+
+
+def _hidden(policy, inner):
+  return KeepRun()
 
 
 def _block(policy, inner):
@@ -258,5 +262,6 @@ METHOD = Method(
     ),
     presets={"baseline": {}, "plain": {"autodiff": "plain", "attention": "xla"}},
     strategies={"shared": _shared, "linear": _linear, "activation": _activation,
-                "norm": _norm, "attention": _attention, "qkv": _qkv, "block": _block},
+                "norm": _norm, "attention": _attention, "qkv": _qkv, "hidden": _hidden,
+                "block": _block},
 )

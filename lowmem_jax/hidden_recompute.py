@@ -37,18 +37,7 @@ HIDDEN = ("keep", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
-class KeepHidden(Strategy):
-  """The activation and the last linear as they are, each keeping what it keeps.
-  ``recomputes``: the model hands the strategy the two as one pure function (a strategy
-  that recomputes needs that); it does not for this one, and runs them as modules."""
-  recomputes = False
-
-  def __call__(self, run: Callable, inputs, params, consts):
-    return run(inputs, params, consts)
-
-
-@dataclasses.dataclass(frozen=True)
-class RecomputeHidden(KeepHidden):
+class RecomputeHidden(Strategy):
   """``run(inputs, params, consts)`` (the activation, then the last linear) whose
   backward keeps ``inputs`` (``h``, or ``(g, u)``), ``params`` and ``consts``, and
   recomputes the activation's output."""
@@ -63,7 +52,7 @@ def _active(policy) -> bool:
 
 
 def _hidden(policy, inner):
-  return RecomputeHidden() if _active(policy) else KeepHidden()
+  return RecomputeHidden() if _active(policy) else inner  # baseline.KeepRun
 
 
 def _check(policy):

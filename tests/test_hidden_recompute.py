@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from lowmem_jax import block_stack
-from lowmem_jax.hidden_recompute import KeepHidden, RecomputeHidden
+from lowmem_jax.baseline import KeepRun
+from lowmem_jax.hidden_recompute import RecomputeHidden
 from lowmem_jax.memory import peak_buffers, saved_residuals
 from lowmem_jax.policy import MemoryPolicy
 from models import llama, vit
@@ -21,9 +22,9 @@ def test_policy_field_and_its_checks():
   p = MemoryPolicy.parse("lowmembp+hidden=recompute")
   assert p.hidden == "recompute" and MemoryPolicy.parse(p.spec) == p
   assert isinstance(p.hidden_strategy(), RecomputeHidden)
-  assert type(MemoryPolicy.parse("lowmembp").hidden_strategy()) is KeepHidden
+  assert type(MemoryPolicy.parse("lowmembp").hidden_strategy()) is KeepRun
   # under a block checkpoint policy the policy decides what a block keeps: no-op
-  assert type(MemoryPolicy.parse("remat+hidden=recompute").hidden_strategy()) is KeepHidden
+  assert type(MemoryPolicy.parse("remat+hidden=recompute").hidden_strategy()) is KeepRun
   with pytest.raises(ValueError, match="unknown hidden 'again'"):
     MemoryPolicy.parse("hidden=again")
   with pytest.raises(ValueError, match="hidden=recompute cannot recompute Mesa's"):

@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from lowmem_jax import quant
-from lowmem_jax.baseline import KeepQKV
+from lowmem_jax.baseline import KeepRun
 from lowmem_jax.memory import peak_buffers, saved_residuals
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.qkv_recompute import RecomputeQKV
@@ -56,14 +56,14 @@ def assert_same_keeping_less(keep, recompute, inputs):
 # ----------------------------------------------------------------------------- policy
 def test_policy_field_and_its_checks():
   x, params, consts, _ = _rule_case()  # the default strategy runs the function as it is
-  np.testing.assert_array_equal(KeepQKV()(_project_attend, x, params, consts),
+  np.testing.assert_array_equal(KeepRun()(_project_attend, x, params, consts),
                                 _project_attend(x, params, consts))
   p = MemoryPolicy.parse("lowmem+qkv=recompute")
   assert p.qkv == "recompute" and MemoryPolicy.parse(p.spec) == p
   assert isinstance(p.qkv_strategy(4), RecomputeQKV)
-  assert isinstance(MemoryPolicy.parse("lowmem").qkv_strategy(4), KeepQKV)
+  assert isinstance(MemoryPolicy.parse("lowmem").qkv_strategy(4), KeepRun)
   # under a block checkpoint policy the policy decides what a block keeps: no-op
-  assert isinstance(MemoryPolicy.parse("remat+qkv=recompute").qkv_strategy(4), KeepQKV)
+  assert isinstance(MemoryPolicy.parse("remat+qkv=recompute").qkv_strategy(4), KeepRun)
   assert type(MemoryPolicy.parse("remat+mesa8+qkv=recompute").attention_strategy(4)) \
       is type(MemoryPolicy.parse("remat+mesa8").attention_strategy(4))
   # the attention inside the recomputed function is exact: no codes of q, k, v
