@@ -18,6 +18,11 @@ F]`` arrays: now ``g`` and ``u``. Compiled for an H100 (LLaMA-7B widths,
 4 layers, 4 x 1024 tokens, LoRA on all 7 linears), the baseline's temp is 344 MiB
 (4 x 86 MiB, one ``a`` a layer) less, ``docs/h100_compiled.md``.
 
+Only where the last linear keeps its input (it trains, or has a LoRA adapter): a frozen
+one keeps nothing of it, so the MLP runs as modules there (recomputing would keep ``h``
+whole in place of the activation's code: ViT-B/16 with LoRA on query and value, lowmembp,
+2 layers, batch 16: 347 -> 435 MiB compiled on the CPU before that rule).
+
 Not with Mesa (``quant``) or WTA-CRS (``sampled_linear``): their sites update state in
 forward (Mesa's ranges, WTA-CRS's keys), which a recomputed function cannot (an error
 says so). Under a block checkpoint policy (remat, offload) the policy decides what a

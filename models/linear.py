@@ -32,12 +32,20 @@ class _PolicyDense:
   def _setup_policy(self, policy, name):
     self.policy = MemoryPolicy.parse(policy)
     self.role = name
+    self.frozen = False
     self.saving = Site(self.policy.linear_strategy(name))
 
   def freeze_kernel(self) -> None:
     """Marks the kernel as not trained (LoRA's base): the policy's strategy for a frozen
     linear (no WTA-CRS sample: there is no weight gradient to estimate)."""
+    self.frozen = True
     self.saving = Site(self.policy.linear_strategy(self.role, frozen=True))
+
+  @property
+  def keeps_input(self) -> bool:
+    """Whether backward keeps (a form of) the input: for the weight gradient, so only
+    while the kernel trains; a frozen linear's backward needs its kernel alone."""
+    return not self.frozen
 
   def store_kernel(self, format: str) -> None:
     """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``),

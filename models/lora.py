@@ -72,6 +72,12 @@ class LoRALinear(nnx.Module):
     product = a.reshape(lead + (-1, a.shape[-1])) @ b.reshape(lead + (b.shape[self.lead], -1))
     return self.scale * product.reshape(self.base.kernel[...].shape)
 
+  @property
+  def keeps_input(self) -> bool:
+    """Whether backward keeps (a form of) the input: ``A``'s gradient reads it, unless the
+    adapter is merged into the (frozen) base."""
+    return not self.merged or self.base.keeps_input
+
   def __call__(self, x):
     y = self.base(x)
     if self.merged:

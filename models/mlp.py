@@ -77,8 +77,11 @@ def _run(graphdef, inputs, params, rest):
 
 def _last(hidden, parts, inputs):
   """The activation and the last linear on ``inputs``, as the ``hidden`` site says: as
-  modules, or split into one pure function that its strategy may recompute."""
-  if not hidden.strategy.recomputes:
+  modules, or split into one pure function that its strategy may recompute. Only where
+  the last linear keeps its input (it trains, or has an adapter): a frozen one keeps
+  nothing of it, and recomputing would keep the activation's input whole in place of
+  what the activation keeps (under Approx-BP, a 2-bit code)."""
+  if not (hidden.strategy.recomputes and parts[-1].keeps_input):
     return _activate(*parts, inputs)
   graphdef, params, rest = nnx.split(parts, nnx.Param, ...)
   return hidden(functools.partial(_run, graphdef), inputs, params, rest)

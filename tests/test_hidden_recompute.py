@@ -12,7 +12,7 @@ from lowmem_jax.baseline import KeepRun
 from lowmem_jax.hidden_recompute import RecomputeHidden
 from lowmem_jax.memory import peak_buffers, saved_residuals
 from lowmem_jax.policy import MemoryPolicy
-from models import llama, vit
+from models import llama, lora, vit
 from models.mlp import GatedMlp, Mlp
 from test_methods_in_models import TINY, _same_params
 from test_qkv_recompute import _inputs, assert_same_keeping_less
@@ -60,6 +60,38 @@ def test_mlp_gradients_unchanged_and_the_hidden_output_not_kept(cls, activation,
   kept = {("baseline", 1): 2, ("baseline", 2): 3, ("lowmembp", 1): 1, ("lowmembp", 2): 3}
   assert wide[policy + "+hidden=recompute"] == ["bfloat16"] * inputs, wide
   assert wide[policy] == ["bfloat16"] * kept[policy, inputs], wide
+
+
+@pytest.mark.parametrize("cls,activation", [(Mlp, "gelu"), (GatedMlp, "silu")])
+def test_a_frozen_last_linear_is_not_recomputed(cls, activation):
+  """A frozen last linear keeps nothing of its input, so recomputing it would only keep
+  the activation's input whole in place of its 2-bit code (ViT-B/16, LoRA on query and
+  value, 2 layers: 347 -> 435 MiB compiled before this rule): the site runs as modules,
+  keeping what the policy without it keeps. With an adapter there, it recomputes."""
+  x = jax.random.normal(jax.random.key(1), (2, 24, 16), jnp.bfloat16)
+
+  def kept(spec, last):
+    m = cls(16, 256, activation=activation, policy=spec, dtype=jnp.bfloat16,
+            rngs=nnx.Rngs(0))
+    name = "fc2" if cls is Mlp else "down"
+    trains = {"frozen": nnx.All(nnx.Param, nnx.Not(nnx.PathContains(name))),
+              "lora": lora.LoRAParam, "trained": nnx.Param}[last]
+    if last == "frozen":
+      getattr(m, name).freeze_kernel()
+    elif last == "lora":
+      lora.apply_lora(m, targets=(name,))
+    graphdef, params, rest = nnx.split(m, trains, ...)
+
+    def loss(p, x):
+      return jnp.sum(nnx.merge(graphdef, p, rest, copy=True)(x).astype(jnp.float32) ** 2)
+    return sorted((tuple(r.shape), str(r.dtype)) for r in saved_residuals(loss, params, x).items)
+
+  assert kept("lowmembp+hidden=recompute", "frozen") == kept("lowmembp", "frozen")
+  for last in ("lora", "trained"):
+    assert kept("lowmembp+hidden=recompute", last) != kept("lowmembp", last)
+  # frozen, the last linear keeps nothing of the activation's output
+  wide = [r for r in kept("lowmembp", "trained") if r[0] == (2, 24, 256)]
+  assert [r for r in kept("lowmembp", "frozen") if r[0] == (2, 24, 256)] == wide[1:]
 
 
 @pytest.mark.parametrize("kind", ["vit", "llama"])  # Mlp (BERT's too), GatedMlp
