@@ -122,6 +122,12 @@ class Activation(Strategy):
   saved_bits: int | None = None
   keep_gate_inputs: bool = False
 
+  @property
+  def arithmetic(self) -> "Activation":
+    """What the activation computes, forward and backward, apart from what it keeps:
+    itself (a site that recomputes it, ``hidden``, runs this)."""
+    return self
+
   def __call__(self, *inputs):
     if not self.gated:
       return self.fn(*inputs)
@@ -228,7 +234,7 @@ def _qkv(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False):
   return KeepRun()
 
 
-def _hidden(policy, inner):
+def _hidden(policy, inner, *, kind, gated=False):
   return KeepRun()
 
 

@@ -118,8 +118,9 @@ def block(p, x, cfg: StackConfig, policy: MemoryPolicy):
   # The ``hidden`` site gets the activation and the last linear as one pure function;
   # under hidden=recompute its backward keeps only the activation's input(s).
   weights = {name: p[name] for name in ("w_out", "b_out") if name in p}
-  out = policy.hidden_strategy()(lambda a, w, _: _activate_out(a, w, cfg, policy), inputs,
-                                 weights, None)
+  act, gated = ("silu", True) if cfg.kind == "llama" else ("gelu", False)
+  hidden = policy.hidden_strategy(act, gated=gated)
+  out = hidden(lambda a, w, _: _activate_out(a, w, cfg, policy), inputs, weights, None)
   return x + checkpoint_name(out, "mlp_out")
 
 

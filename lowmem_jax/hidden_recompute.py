@@ -23,10 +23,15 @@ one keeps nothing of it, so the MLP runs as modules there (recomputing would kee
 whole in place of the activation's code: ViT-B/16 with LoRA on query and value, lowmembp,
 2 layers, batch 16: 347 -> 435 MiB compiled on the CPU before that rule).
 
-Not with Mesa (``quant``) or WTA-CRS (``sampled_linear``): their sites update state in
-forward (Mesa's ranges, WTA-CRS's keys), which a recomputed function cannot (an error
-says so). Under a block checkpoint policy (remat, offload) the policy decides what a
-block keeps: ``recompute`` does nothing there.
+Under Mesa (``quant``) the site keeps the 8-bit codes of the activation's input(s)
+(:class:`lowmem_jax.mesa.CodedHidden`: forward exact, backward the vjp at the dequantized
+inputs), and the output's own code, which the last linear kept, is gone: per token and
+layer F bytes less where the activation kept codes of its input(s) (``mesa8``; the gated
+product under ``lowmem``), F / 4 for ``lowmem``'s GELU (an 8-bit code of ``h`` in place
+of its 2-bit code and the output's 8-bit one). Not with WTA-CRS (``sampled_linear``): its
+sites update their keys in forward, which a recomputed function cannot (an error says
+so). Under a block checkpoint policy (remat, offload) the policy decides what a block
+keeps: ``recompute`` does nothing there.
 """
 
 from __future__ import annotations
@@ -56,17 +61,13 @@ def _active(policy) -> bool:
   return policy.hidden == "recompute" and policy.checkpoint_policy() is None
 
 
-def _hidden(policy, inner):
+def _hidden(policy, inner, *, kind, gated=False):
   return RecomputeHidden() if _active(policy) else inner  # baseline.KeepRun
 
 
 def _check(policy):
   if policy.hidden != "recompute":
     return
-  if policy.quantizes:
-    raise ValueError("MemoryPolicy: hidden=recompute cannot recompute Mesa's coded "
-                     "activation and linear (they update their ranges in forward); use "
-                     "hidden=keep with quant")
   if policy.sampled_linear != "none":
     raise ValueError("MemoryPolicy: hidden=recompute cannot recompute WTA-CRS's sites "
                      "(they update their keys in forward); use hidden=keep with "

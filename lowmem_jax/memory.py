@@ -210,7 +210,8 @@ def theoretical_bytes_per_token(cfg, policy, itemsize: int) -> int | None:
     attn = (d + 2 * kvd + d) * s + 4 * cfg.num_heads
   bits = act_s.saved_bits
   act_in = f * s if bits is None else f * bits // 8
-  if policy.hidden_strategy().recomputes:  # the activation's input(s) only, whole
+  gated = cfg.kind == "llama"
+  if policy.hidden_strategy(kind[1], gated=gated).recomputes:  # the input(s) only, whole
     mlp = (1 if cfg.kind == "vit" else 2) * f * s
   elif cfg.kind == "vit":
     mlp = act_in + f * s                   # GELU input + fc2 input

@@ -43,10 +43,12 @@ from collections.abc import Callable, Mapping, Sequence
 #                                          projections of ``x`` and the attention as one
 #                                          pure function ``run(x, params, consts)`` (the
 #                                          model builds it when ``strategy.recomputes``)
-#   hidden()                               ``(run, inputs, params, consts) -> y``: an
-#                                          MLP's activation and last linear as one pure
-#                                          function ``run(inputs, params, consts)`` (the
-#                                          model builds it when ``strategy.recomputes``)
+#   hidden(kind, gated)                    ``(run, inputs, params, consts) -> y``: an
+#                                          MLP's activation (its ``arithmetic``) and last
+#                                          linear as one pure function ``run(inputs,
+#                                          params, consts)`` (the model builds it when
+#                                          ``strategy.recomputes``); the activation's
+#                                          site's ``kind`` and ``gated``
 #   block()                                ``fn -> fn`` run as a rematted/offloaded block
 SITES = ("shared", "linear", "activation", "norm", "attention", "qkv", "hidden", "block")
 

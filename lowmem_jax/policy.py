@@ -36,11 +36,11 @@ METHOD_MODULES = (
     "lowmem_jax.ms_bp",
     "lowmem_jax.remat",
     "lowmem_jax.offload",
+    "lowmem_jax.hidden_recompute",  # before Mesa, which codes what its recompute keeps
     "lowmem_jax.mesa",
     "lowmem_jax.wta_crs",
     "lowmem_jax.reversible_bp",
     "lowmem_jax.qkv_recompute",
-    "lowmem_jax.hidden_recompute",
     "lowmem_jax.lowmem",
 )
 METHODS = methods.load(*METHOD_MODULES)
@@ -187,11 +187,12 @@ class _PolicyMethods:
     return self.strategy("qkv", num_heads=num_heads, num_kv_heads=num_kv_heads,
                          causal=causal)
 
-  def hidden_strategy(self):
-    """``(run, inputs, params, consts) -> y``: an MLP's activation on ``inputs`` (``h``
-    or ``(g, u)``) and its last linear; ``recomputes`` says whether it wants them as one
-    pure function ``run(inputs, params, consts)`` (:mod:`models.mlp` builds it)."""
-    return self.strategy("hidden")
+  def hidden_strategy(self, kind: str, *, gated: bool = False):
+    """``(run, inputs, params, consts) -> y``: an MLP's activation of ``kind`` on
+    ``inputs`` (``h``, or ``(g, u)`` when ``gated``) and its last linear; ``recomputes``
+    says whether it wants them as one pure function ``run(inputs, params, consts)``
+    (:mod:`models.mlp` builds it)."""
+    return self.strategy("hidden", kind=kind, gated=gated)
 
   def block_strategy(self):
     """``fn -> fn`` running a block as the policy says (rematted, offloaded, as is);

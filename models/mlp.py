@@ -33,11 +33,11 @@ class Mlp(nnx.Module):
     self.shared_input = Site(policy.shared_strategy())
     self.act = Site(policy.activation_strategy(activation))
     self.shared_hidden = Site(policy.shared_strategy())
-    self.hidden = Site(policy.hidden_strategy())
+    self.hidden = Site(policy.hidden_strategy(activation))
 
   def __call__(self, x):
     h = checkpoint_name(self.fc1(self.shared_input(x)), "mlp_hidden")
-    return checkpoint_name(_last(self.hidden, (self.act, self.shared_hidden, self.fc2), (h,)),
+    return checkpoint_name(_last(self.hidden, self.act, self.shared_hidden, self.fc2, (h,)),
                            "mlp_out")
 
 
@@ -55,33 +55,35 @@ class GatedMlp(nnx.Module):
     self.shared_input = Site(policy.shared_strategy())
     self.act = Site(policy.activation_strategy(activation, gated=True))
     self.shared_hidden = Site(policy.shared_strategy())
-    self.hidden = Site(policy.hidden_strategy())
+    self.hidden = Site(policy.hidden_strategy(activation, gated=True))
 
   def __call__(self, x):
     x = self.shared_input(x)
     g = checkpoint_name(self.gate(x), "mlp_hidden")
     u = checkpoint_name(self.up(x), "mlp_hidden")
-    return checkpoint_name(_last(self.hidden, (self.act, self.shared_hidden, self.down),
-                                 (g, u)), "mlp_out")
+    return checkpoint_name(_last(self.hidden, self.act, self.shared_hidden, self.down, (g, u)),
+                           "mlp_out")
 
 
-def _activate(act, shared_hidden, last, inputs):
-  """``last(act(*inputs))``: the activation's output, read by the last linear."""
-  return last(shared_hidden(checkpoint_name(act(*inputs), "mlp_act")))
+def _run(graphdef, arithmetic, inputs, params, rest):
+  """The activation's ``arithmetic`` on ``inputs``, then the last linear (split as
+  ``graphdef``, ``params``, ``rest``): one pure function, for the ``hidden`` site."""
+  a = checkpoint_name(arithmetic(*inputs), "mlp_act")
+  return nnx.merge(graphdef, params, rest)(a)
 
 
-def _run(graphdef, inputs, params, rest):
-  """:func:`_activate` as a pure function of the split modules (for the ``hidden`` site)."""
-  return _activate(*nnx.merge(graphdef, params, rest), inputs)
+def _last(hidden, act, shared_hidden, last, inputs):
+  """The activation and the last linear on ``inputs``, as the ``hidden`` site says.
 
-
-def _last(hidden, parts, inputs):
-  """The activation and the last linear on ``inputs``, as the ``hidden`` site says: as
-  modules, or split into one pure function that its strategy may recompute. Only where
-  the last linear keeps its input (it trains, or has an adapter): a frozen one keeps
+  As modules: the activation keeps what its site keeps, and the last linear what it keeps
+  of the output in the form ``shared_hidden`` gives it. Or, where the site recomputes, one
+  pure function of the activation's arithmetic and the last linear, whose strategy decides
+  what is kept of ``inputs`` (the output is recomputed: no form of it is chosen). Only
+  where the last linear keeps its input (it trains, or has an adapter): a frozen one keeps
   nothing of it, and recomputing would keep the activation's input whole in place of
   what the activation keeps (under Approx-BP, a 2-bit code)."""
-  if not (hidden.strategy.recomputes and parts[-1].keeps_input):
-    return _activate(*parts, inputs)
-  graphdef, params, rest = nnx.split(parts, nnx.Param, ...)
-  return hidden(functools.partial(_run, graphdef), inputs, params, rest)
+  if not (hidden.strategy.recomputes and last.keeps_input):
+    return last(shared_hidden(checkpoint_name(act(*inputs), "mlp_act")))
+  graphdef, params, rest = nnx.split(last, nnx.Param, ...)
+  return hidden(functools.partial(_run, graphdef, act.strategy.arithmetic), inputs, params,
+                rest)

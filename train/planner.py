@@ -63,12 +63,14 @@ from train.trainer import Trainer, no_bad_step
 # recomputed for attention's backward from what the projections' input keeps: a twelfth
 # of the forward again; with hidden, 1.7x lowmembp's tokens per step at LLaMA-7B widths,
 # docs/h100_compiled.md); lowmem (= lowmembp+mesa8: int8 activations, a
-# quantize/dequantize pass, ~1.2x); lowmembp+remat (recomputes each block's forward,
+# quantize/dequantize pass, ~1.2x), with the same recomputes (the MLP's from the codes of
+# g and u: 1.57x lowmem's tokens per step at LLaMA-7B widths with both); lowmembp+remat (recomputes each block's forward,
 # ~1.33x, the least memory). baseline is exact; the others approximate the backward as
 # their papers do (docs/methods.md).
 DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmembp+hidden=recompute",
                     "lowmembp+qkv=recompute+hidden=recompute", "lowmem",
-                    "lowmem+qkv=recompute", "lowmembp+remat")
+                    "lowmem+hidden=recompute", "lowmem+qkv=recompute",
+                    "lowmem+qkv=recompute+hidden=recompute", "lowmembp+remat")
 # "auto": the device's allocator limit less this fraction, for what the prediction leaves
 # out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
 AUTO_MARGIN = 0.10
