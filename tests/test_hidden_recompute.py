@@ -11,12 +11,12 @@ from lowmem_jax import block_stack, quant
 from lowmem_jax.baseline import KeepRun
 from lowmem_jax.hidden_recompute import RecomputeHidden
 from lowmem_jax.memory import peak_buffers, saved_residuals
-from lowmem_jax.mesa import CodedHidden
+from lowmem_jax.mesa import CodedHidden, Coder
 from lowmem_jax.policy import MemoryPolicy
 from models import llama, lora, vit
 from models.mlp import GatedMlp, Mlp
 from test_methods_in_models import TINY, _same_params
-from test_qkv_recompute import _inputs, _loss_grads_saved, assert_same_keeping_less
+from test_qkv_recompute import _inputs, assert_same_keeping_less, coded_gradient_errors
 
 
 def test_policy_field_and_its_checks():
@@ -168,7 +168,7 @@ def test_coded_backward_is_the_exact_vjp_at_the_dequantized_inputs():
   g, u = (jax.random.normal(k, (6, 32)) for k in keys[:2])
   params, consts = {"w": jax.random.normal(keys[2], (32, 8))}, jnp.float32(0.5)
   ct = jax.random.normal(keys[3], (6, 8))
-  strategy = CodedHidden(quant_coder(), gated=True)
+  strategy = CodedHidden(Coder(), gated=True)
   states = strategy.init_state()
 
   def ours(g, u, params):
@@ -187,11 +187,6 @@ def test_coded_backward_is_the_exact_vjp_at_the_dequantized_inputs():
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
 
 
-def quant_coder():
-  from lowmem_jax.mesa import Coder
-  return Coder()
-
-
 @pytest.mark.parametrize("kind,exact,coded", [("vit", "baseline", "mesa8"),  # GELU
                                                ("llama", "lowmembp", "lowmem")])  # gated
 def test_coded_forward_exact_gradients_close_and_less_saved(kind, exact, coded):
@@ -199,17 +194,8 @@ def test_coded_forward_exact_gradients_close_and_less_saved(kind, exact, coded):
   the inputs' codes where it read the output's own code: about as far from exact (CPU,
   relative error of all gradients: vit 0.068 against mesa8's 0.095, llama 0.0090
   against lowmem's 0.0096)."""
-  exact = TINY[kind](exact)
-  keep = _same_params(exact, TINY[kind](coded))
-  recompute = _same_params(exact, TINY[kind](coded + "+hidden=recompute"))
-  inputs = _inputs(kind)
-  le, ge, _ = _loss_grads_saved(exact, inputs)
-  lk, gk, sk = _loss_grads_saved(keep, inputs)
-  lr, gr, sr = _loss_grads_saved(recompute, inputs)
-  np.testing.assert_allclose(lr, le, rtol=1e-6, atol=1e-6)
-  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
-  err = lambda a: float(np.linalg.norm(flat(a) - flat(ge)) / np.linalg.norm(flat(ge)))
-  assert 0 < err(gr) < 1.2 * err(gk), (err(gr), err(gk))
+  (ek, sk), (er, sr) = coded_gradient_errors(kind, exact, coded, coded + "+hidden=recompute")
+  assert 0 < er < 1.2 * ek, (er, ek)
   assert sr < sk, (sr, sk)
 
 
