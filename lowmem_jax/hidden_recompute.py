@@ -26,9 +26,11 @@ whole in place of the activation's code: ViT-B/16 with LoRA on query and value, 
 Under Mesa (``quant``) the site keeps the 8-bit codes of the activation's input(s)
 (:class:`lowmem_jax.mesa.CodedHidden`: forward exact, backward the vjp at the dequantized
 inputs), and the output's own code, which the last linear kept, is gone: per token and
-layer F bytes less where the activation kept codes of its input(s) (``mesa8``; the gated
-product under ``lowmem``), F / 4 for ``lowmem``'s GELU (an 8-bit code of ``h`` in place
-of its 2-bit code and the output's 8-bit one). Not with WTA-CRS (``sampled_linear``): its
+layer F bytes less where the activation keeps codes of its input(s) (``mesa8``; the gated
+product under ``lowmem``). ``lowmem``'s GELU keeps a 2-bit code of its input, not a
+code of 8 bits, and stays as it is (an 8-bit code of ``h`` in place of the 2-bit one and
+the output's would save F / 4 bytes, and the 2-bit rule read at a dequantized input
+flips near its thresholds: :func:`lowmem_jax.mesa._hidden`). Not with WTA-CRS (``sampled_linear``): its
 sites update their keys in forward, which a recomputed function cannot (an error says
 so). Under a block checkpoint policy (remat, offload) the policy decides what a block
 keeps: ``recompute`` does nothing there.

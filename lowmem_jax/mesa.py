@@ -10,8 +10,10 @@ EMA range, stochastic rounding), made once per activation and shared by all its 
   keeping the codes of ``g`` and ``u``;
 * a standard norm keeps the code of its input, an MS norm only that of its output (shared
   with the linears), both return their output carried with its code;
-* under ``hidden=recompute`` an MLP's activation and last linear keep the codes of the
-  activation's input(s) only and recompute its output in backward (:class:`CodedHidden`);
+* under ``hidden=recompute`` an MLP's coded activation and its last linear (one that
+  trains, or has an adapter) keep the codes of the activation's input(s) only and
+  recompute its output in backward (:class:`CodedHidden`); an uncoded activation
+  (approx2 GELU's 2-bit code) and the last linear keep what they keep;
 * attention keeps head-wise codes of q, k and v (its backward recomputes the
   probabilities from them: no N x N array, not even in 8 bits) and returns ``o`` carried
   with its head-wise code, for the out-projection.

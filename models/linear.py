@@ -44,8 +44,9 @@ class _PolicyDense:
   @property
   def keeps_input(self) -> bool:
     """Whether backward keeps (a form of) the input: for the weight gradient, so only
-    while the kernel trains; a frozen linear's backward needs its kernel alone."""
-    return not self.frozen
+    while the kernel trains (not frozen, not stored as a :class:`FrozenKernel`); a
+    frozen linear's backward needs its kernel alone."""
+    return not (self.frozen or isinstance(self.kernel, FrozenKernel))
 
   def store_kernel(self, format: str) -> None:
     """Stores the (frozen) kernel in ``format`` (``lowmem_jax.quantized_weight.FORMATS``),

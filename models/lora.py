@@ -13,7 +13,8 @@ trained linear: ``x`` itself (under MS norms, the shared norm output) under the 
 under WTA-CRS (``sample_targets`` naming the linear) only ``k`` sampled rows of ``x``,
 their indices and scales, from which ``dA`` is estimated with ``A``'s output cotangent
 ``scale * g B^T`` (:mod:`lowmem_jax.sampling`). ``dx`` and ``dB`` are exact (``dB``
-from the rank-sized ``x @ A``, kept).
+from the rank-sized ``x @ A``, kept). Every other linear is marked frozen too
+(``freeze_rest``, as peft freezes the base model).
 ``merge_lora`` folds adapters into the base kernels (for export), ``unmerge_lora`` undoes it.
 """
 
@@ -104,8 +105,15 @@ def _parent(model, path):
 
 
 def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
-               targets: Sequence[str] = ("query", "value"), seed: int = 0):
-  """Wraps the target linears in LoRA adapters, in place; returns the model."""
+               targets: Sequence[str] = ("query", "value"), seed: int = 0,
+               freeze_rest: bool = True):
+  """Wraps the target linears in LoRA adapters, in place; returns the model.
+
+  ``freeze_rest``: marks every other linear frozen too (``freeze_kernel``), as peft
+  freezes the base model: under LoRA only the adapters train, so no strategy keeps
+  anything for those linears' weight gradients (none samples them, and the MLP does not
+  recompute for a frozen last linear, ``hidden=recompute``). Their gradients stay exact
+  if taken anyway. False leaves them as they are (some of them to train in full)."""
   found = list(_targets(model, tuple(targets)))
   if not found:
     names = sorted({p[-1] for p, n in nnx.iter_graph(model)
@@ -119,6 +127,10 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
   rngs = nnx.Rngs(seed)
   for path, node in found:
     setattr(_parent(model, path), path[-1], LoRALinear(node, rank=rank, alpha=alpha, rngs=rngs))
+  if freeze_rest:
+    for _, node in list(nnx.iter_graph(model)):
+      if isinstance(node, (Linear, LinearGeneral)) and not node.frozen:
+        node.freeze_kernel()
   return model
 
 

@@ -81,14 +81,11 @@ def test_a_frozen_last_linear_is_not_recomputed(cls, activation):
   def kept(spec, last):
     m = cls(16, 256, activation=activation, policy=spec, dtype=jnp.bfloat16,
             rngs=nnx.Rngs(0))
-    name = "fc2" if cls is Mlp else "down"
-    trains = {"frozen": nnx.All(nnx.Param, nnx.Not(nnx.PathContains(name))),
-              "lora": lora.LoRAParam, "trained": nnx.Param}[last]
-    if last == "frozen":
-      getattr(m, name).freeze_kernel()
-    elif last == "lora":
-      lora.apply_lora(m, targets=(name,))
-    graphdef, params, rest = nnx.split(m, trains, ...)
+    first, name = ("fc1", "fc2") if cls is Mlp else ("gate", "down")
+    if last != "trained":  # frozen: an adapter on the first linear, the rest frozen
+      lora.apply_lora(m, targets=(name if last == "lora" else first,))
+    graphdef, params, rest = nnx.split(m, nnx.Param if last == "trained" else lora.LoRAParam,
+                                       ...)
 
     def loss(p, x):
       return jnp.sum(nnx.merge(graphdef, p, rest, copy=True)(x).astype(jnp.float32) ** 2)
@@ -100,6 +97,17 @@ def test_a_frozen_last_linear_is_not_recomputed(cls, activation):
   # frozen, the last linear keeps nothing of the activation's output
   wide = [r for r in kept("lowmembp", "trained") if r[0] == (2, 24, 256)]
   assert [r for r in kept("lowmembp", "frozen") if r[0] == (2, 24, 256)] == wide[1:]
+
+
+def test_a_kernel_stored_frozen_keeps_no_input():
+  """A kernel a streamed load stored in its frozen form (``FrozenKernel``, without
+  ``freeze_kernel``) counts as frozen: the MLP runs as modules for it."""
+  from lowmem_jax import quantized_weight
+  from models.linear import FrozenKernel
+  m = Mlp(16, 64, policy="lowmembp+hidden=recompute", rngs=nnx.Rngs(0))
+  assert m.fc2.keeps_input and not m.fc2.frozen
+  m.fc2.kernel = FrozenKernel(quantized_weight.quantize(m.fc2.kernel[...], "bfloat16"))
+  assert not m.fc2.keeps_input
 
 
 @pytest.mark.parametrize("kind", ["vit", "llama"])  # Mlp (BERT's too), GatedMlp

@@ -202,7 +202,9 @@ def test_lora_bases_run_unsampled_and_reversible_models_refuse_lora():
   model = lora.apply_lora(TINY["vit"]("wta-crs"), targets=("query", "fc1"))
   block = model.stack.layer(0)
   assert not _sampled(block.attn.query.base) and not _sampled(block.mlp.fc1.base)
-  assert _sampled(block.attn.key)
+  assert not _sampled(block.attn.key)  # frozen too, as peft freezes the base model
+  model = lora.apply_lora(TINY["vit"]("wta-crs"), targets=("query", "fc1"), freeze_rest=False)
+  assert _sampled(model.stack.layer(0).attn.key)  # left to train in full
   rev = revvit.RevViT(revvit.config("revvit-digits", num_layers=1), "reversible")
   with pytest.raises(ValueError, match="LoRA is not supported"):
     lora.apply_lora(rev, targets=("query",))
