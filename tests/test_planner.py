@@ -282,3 +282,22 @@ def test_cost_model_counts_what_each_policy_recomputes():
   # the activation's output again: one elementwise pass
   assert t("lowmembp+qkv=recompute+hidden=recompute") == pytest.approx(1 + 1 / 12 + 0.01)
   assert t("remat+hidden=recompute") == t("remat")
+
+
+def test_a_step_that_lowers_to_a_compiled_program_is_not_compiled_again(example,
+                                                                       monkeypatch):
+  """lowmem+hidden=recompute is lowmem on a GELU model (the 2-bit code stays): the
+  planner takes the peak compiled for lowmem, and compiles a different step."""
+  shapes = {k: jax.ShapeDtypeStruct(v.shape, jax.dtypes.canonicalize_dtype(v.dtype))
+            for k, v in example.items()}
+  monkeypatch.setattr(planner, "_PEAKS", {})
+  compiles = []
+  real = jax.stages.Lowered.compile
+
+  def counted(self, *args, **kwargs):
+    compiles.append(1)
+    return real(self, *args, **kwargs)
+  monkeypatch.setattr(jax.stages.Lowered, "compile", counted)
+  peaks = [planner.predict_peak(_cfg(f"policy={p}"), shapes)
+           for p in ("lowmem", "lowmem+hidden=recompute", "lowmembp")]
+  assert peaks[0] == peaks[1] != peaks[2] and len(compiles) == 2, (peaks, compiles)
