@@ -30,10 +30,10 @@ layer F bytes less where the activation keeps codes of its input(s) (``mesa8``; 
 product under ``lowmem``). ``lowmem``'s GELU keeps a 2-bit code of its input, not a
 code of 8 bits, and stays as it is (an 8-bit code of ``h`` in place of the 2-bit one and
 the output's would save F / 4 bytes, and the 2-bit rule read at a dequantized input
-flips near its thresholds: :func:`lowmem_jax.mesa._hidden`). Not with WTA-CRS (``sampled_linear``): its
-sites update their keys in forward, which a recomputed function cannot (an error says
-so). Under a block checkpoint policy (remat, offload) the policy decides what a block
-keeps: ``recompute`` does nothing there.
+flips near its thresholds: :func:`lowmem_jax.mesa._hidden`). Not with WTA-CRS
+(``sampled_linear``): its sites update their keys in forward, which a recomputed function
+cannot (an error says so). Under a block checkpoint policy (remat, offload) the policy
+decides what a block keeps: ``recompute`` does nothing there.
 """
 
 from __future__ import annotations

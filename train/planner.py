@@ -65,9 +65,9 @@ from train.trainer import Trainer, no_bad_step
 # of the forward again; with hidden, 1.7x lowmembp's tokens per step at LLaMA-7B widths,
 # docs/h100_compiled.md); lowmem (= lowmembp+mesa8: int8 activations, a
 # quantize/dequantize pass, ~1.2x), with the same recomputes (the MLP's from the codes of
-# g and u: 1.57x lowmem's tokens per step at LLaMA-7B widths with both); lowmembp+remat (recomputes each block's forward,
-# ~1.33x, the least memory). baseline is exact; the others approximate the backward as
-# their papers do (docs/methods.md).
+# g and u: 1.57x lowmem's tokens per step at LLaMA-7B widths with both); lowmembp+remat
+# (recomputes each block's forward, ~1.33x, the least memory). baseline is exact; the
+# others approximate the backward as their papers do (docs/methods.md).
 DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmembp+hidden=recompute",
                     "lowmembp+qkv=recompute+hidden=recompute", "lowmem",
                     "lowmem+hidden=recompute", "lowmem+qkv=recompute",
