@@ -55,7 +55,9 @@ class Run:
 
 
 RUNS = {
-    "digits-vit": Run("digits-vit", COMPARED),
+    # + the MLP's hidden recomputed from the codes of its input (mesa8's exact GELU codes
+    # it; lowmem's 2-bit GELU keeps its code, so there it would be lowmem)
+    "digits-vit": Run("digits-vit", COMPARED + ("mesa8+hidden=recompute",)),
     "digits-revvit": Run("digits-vit", ("baseline", "reversible", "pareprop"),
                          ("model=revvit-digits",)),
     "minilm-text": Run("minilm-text", COMPARED),
