@@ -154,7 +154,7 @@ def test_resume_trains_only_what_the_file_lacks(fakes, tmp_path, monkeypatch):
   assert "| digits-revvit (revvit-digits) | pareprop |" in md.read_text()
   n = len(trained)
   accuracy.main(["--runs", "digits-vit", "--seeds", "1,2,3", "--json", str(out), "--resume"])
-  assert len(trained) - n == 3 * len(accuracy.COMPARED)  # other seeds: nothing reused
+  assert len(trained) - n == 3 * len(accuracy.RUNS["digits-vit"].policies)  # nothing reused
   assert [r["run"] for r in json.loads(out.read_text())["results"]] == ["digits-vit"]
 
 
