@@ -57,6 +57,20 @@ class Coder:
     return quant.quantize_tensor(x, state, axis=self.axis, groups=self.groups,
                                  implementation=self.implementation, kept=kept)
 
+  def code_inputs(self, states: dict, inputs, *, gated: bool):
+    """An activation's inputs (``h``; or ``g`` and ``u`` when ``gated``) each carried with
+    its code, in the states named by :func:`input_names`; ``(coded, updated states)``."""
+    coded, updated = [], {}
+    for name, x in zip(input_names(gated), inputs, strict=True):
+      qt, updated[name] = self.code(states[name], x)
+      coded.append(qt)
+    return coded, updated
+
+
+def input_names(gated: bool) -> tuple[str, ...]:
+  """The names of the code states of an activation's inputs."""
+  return ("gate", "up") if gated else ("input",)
+
 
 @dataclasses.dataclass(frozen=True)
 class CodedShared(Strategy):
@@ -109,17 +123,11 @@ class CodedActivation(_Coded):
     """``inner``'s arithmetic, which this strategy runs at the dequantized inputs."""
     return self.inner.arithmetic
 
-  def _names(self):
-    return ("gate", "up") if self.gated else ("input",)
-
   def init_state(self):
-    return {name: self.coder.init() for name in self._names()}
+    return {name: self.coder.init() for name in input_names(self.gated)}
 
   def apply(self, states, *inputs):
-    coded, updated = [], {}
-    for name, x in zip(self._names(), inputs, strict=True):
-      qt, updated[name] = self.coder.code(states[name], x)
-      coded.append(qt)
+    coded, updated = self.coder.code_inputs(states, inputs, gated=self.gated)
     rule = functools.partial(gated_product, self.fn) if self.gated else self.fn
     return quant.coded_vjp(rule, coded), updated
 
@@ -135,17 +143,11 @@ class CodedHidden(Strategy):
   gated: bool = False
   recomputes = True
 
-  def _names(self):
-    return ("gate", "up") if self.gated else ("input",)
-
   def init_state(self):
-    return {name: self.coder.init() for name in self._names()}
+    return {name: self.coder.init() for name in input_names(self.gated)}
 
   def apply(self, states, run: Callable, inputs, params, consts):
-    coded, updated = [], {}
-    for name, x in zip(self._names(), inputs, strict=True):
-      qt, updated[name] = self.coder.code(states[name], x)
-      coded.append(qt)
+    coded, updated = self.coder.code_inputs(states, inputs, gated=self.gated)
     fn = functools.partial(_run_inputs, run, len(coded))
     return quant.coded_vjp(fn, coded, (params,), (consts,)), updated
 
