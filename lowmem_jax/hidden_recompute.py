@@ -31,8 +31,9 @@ product under ``lowmem``). ``lowmem``'s GELU keeps a 2-bit code of its input, no
 code of 8 bits, and stays as it is (an 8-bit code of ``h`` in place of the 2-bit one and
 the output's would save F / 4 bytes, and the 2-bit rule read at a dequantized input
 flips near its thresholds: :func:`lowmem_jax.mesa._hidden`). Not with WTA-CRS
-(``sampled_linear``): its sites update their keys in forward, which a recomputed function
-cannot (an error says so). Under a block checkpoint policy (remat, offload) the policy
+sampling the last linear (``fc2`` or ``down`` in ``sample_targets``): a sampler updates
+its key in forward, which a recomputed function cannot (an error says so); sampling the
+other linears is fine. Under a block checkpoint policy (remat, offload) the policy
 decides what a block keeps: ``recompute`` does nothing there.
 """
 
@@ -67,14 +68,18 @@ def _hidden(policy, inner, *, kind, gated=False):
   return RecomputeHidden() if _active(policy) else inner  # baseline.KeepRun
 
 
-def _check(policy):
-  if policy.hidden != "recompute":
-    return
-  if policy.sampled_linear != "none":
-    raise ValueError("MemoryPolicy: hidden=recompute cannot recompute WTA-CRS's sites "
-                     "(they update their keys in forward); use hidden=keep with "
-                     "sampled_linear")
+# the last linears the site recomputes with the activation (GELU MLP, gated MLP)
+LAST_LINEARS = ("fc2", "down")
 
+
+def _check(policy):
+  if policy.hidden != "recompute" or policy.sampled_linear == "none":
+    return
+  sampled = sorted(set(policy.sample_targets) & set(LAST_LINEARS))
+  if sampled:
+    raise ValueError(f"MemoryPolicy: hidden=recompute cannot recompute sampled linears "
+                     f"({', '.join(sampled)}: WTA-CRS updates their keys in forward); "
+                     "drop them from sample_targets or use hidden=keep")
 
 METHOD = Method(
     name="hidden-recompute",

@@ -37,8 +37,11 @@ def test_policy_field_and_its_checks():
                     CodedHidden)
   assert type(MemoryPolicy.parse("remat+mesa8+hidden=recompute").hidden_strategy("gelu")) \
       is KeepRun
-  with pytest.raises(ValueError, match="hidden=recompute cannot recompute WTA-CRS's"):
-    MemoryPolicy.parse("wta-crs+hidden=recompute+sample_targets=fc1")
+  with pytest.raises(ValueError, match=r"hidden=recompute cannot recompute sampled linears "
+                                       r"\(down, fc2:") as e:
+    MemoryPolicy.parse("wta-crs+hidden=recompute")
+  assert "\n" not in str(e.value)
+  MemoryPolicy.parse("wta-crs+hidden=recompute+sample_targets=fc1")  # fc2, down not sampled
 
 
 @pytest.mark.parametrize("cls,activation", [(Mlp, "gelu"), (GatedMlp, "silu")])
@@ -114,6 +117,16 @@ def test_a_kernel_stored_frozen_keeps_no_input():
 def test_models_same_loss_and_gradients_keeping_less(kind):
   keep = TINY[kind]("baseline")
   recompute = _same_params(keep, TINY[kind]("baseline+hidden=recompute"))
+  assert_same_keeping_less(keep, recompute, _inputs(kind))
+
+
+@pytest.mark.parametrize("kind", ["vit", "llama"])
+def test_with_wta_crs_sampling_the_other_linears(kind):
+  """WTA-CRS sampling the first linears (the same draws: the samplers' keys are the
+  model's): the same loss and gradients, keeping less."""
+  spec = "wta-crs+sample_targets=query,key,value,fc1,gate,up"
+  keep = TINY[kind](spec)
+  recompute = _same_params(keep, TINY[kind](spec + "+hidden=recompute"))
   assert_same_keeping_less(keep, recompute, _inputs(kind))
 
 
