@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import jax
 
+from lowmem_jax import wta_crs
 from lowmem_jax.methods import Field, Method, Strategy
 
 HIDDEN = ("keep", "recompute")
@@ -73,13 +74,8 @@ LAST_LINEARS = ("fc2", "down")
 
 
 def _check(policy):
-  if policy.hidden != "recompute" or policy.sampled_linear == "none":
-    return
-  sampled = sorted(set(policy.sample_targets) & set(LAST_LINEARS))
-  if sampled:
-    raise ValueError(f"MemoryPolicy: hidden=recompute cannot recompute sampled linears "
-                     f"({', '.join(sampled)}: WTA-CRS updates their keys in forward); "
-                     "drop them from sample_targets or use hidden=keep")
+  wta_crs.check_not_recomputed(policy, "hidden", LAST_LINEARS)
+
 
 METHOD = Method(
     name="hidden-recompute",

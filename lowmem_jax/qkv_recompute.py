@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import jax
 
-from lowmem_jax import quant
+from lowmem_jax import quant, wta_crs
 from lowmem_jax.baseline import Attention
 from lowmem_jax.methods import Field, Method, Strategy
 
@@ -66,13 +66,7 @@ def _attention(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False
 
 
 def _check(policy):
-  if policy.qkv != "recompute" or policy.sampled_linear == "none":
-    return
-  sampled = sorted(set(policy.sample_targets) & set(PROJECTIONS))
-  if sampled:
-    raise ValueError(f"MemoryPolicy: qkv=recompute cannot recompute sampled linears "
-                     f"({', '.join(sampled)}: WTA-CRS updates their keys in forward); "
-                     "drop them from sample_targets or use qkv=keep")
+  wta_crs.check_not_recomputed(policy, "qkv", PROJECTIONS)
 
 
 METHOD = Method(

@@ -327,6 +327,19 @@ def _check_targets(value, extra):
   return targets
 
 
+def check_not_recomputed(policy, field: str, linears) -> None:
+  """Raises where ``field=recompute`` (a site running ``linears`` inside a recomputed
+  function) meets WTA-CRS sampling one of them: a sampler updates its key in forward,
+  which a recomputed function cannot."""
+  if getattr(policy, field) != "recompute" or policy.sampled_linear == "none":
+    return
+  sampled = sorted(set(policy.sample_targets) & set(linears))
+  if sampled:
+    raise ValueError(f"MemoryPolicy: {field}=recompute cannot recompute sampled linears "
+                     f"({', '.join(sampled)}: WTA-CRS updates their keys in forward); "
+                     f"drop them from sample_targets or use {field}=keep")
+
+
 def _check(policy):
   if policy.sampled_linear == "none":
     for field in ("sample_ratio", "sample_targets"):
