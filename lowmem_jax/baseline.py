@@ -151,6 +151,30 @@ class Norm(Strategy):
     return self.fn(x, *affine, eps, name=name)
 
 
+class Wrapper(Strategy):
+  """A strategy around another (``inner``), whose function and ``kind`` it reports."""
+
+  @property
+  def fn(self) -> Callable:
+    return self.inner.fn
+
+  @property
+  def kind(self) -> str:
+    return self.inner.kind
+
+
+class NormWrapper(Wrapper):
+  """A strategy around a norm (``inner``), reporting what the norm says of itself."""
+
+  @property
+  def has_affine(self) -> bool:
+    return self.inner.has_affine
+
+  @property
+  def keeps_output(self) -> bool:
+    return self.inner.keeps_output
+
+
 @dataclasses.dataclass(frozen=True)
 class Attention(Strategy):
   """:func:`lowmem_jax.attention.attention` with ``implementation`` (and ``"flash"``'s

@@ -33,7 +33,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import attention as attention_lib
 from lowmem_jax import quant
-from lowmem_jax.baseline import Activation, Attention, KeepRun, Norm, gated_product
+from lowmem_jax.baseline import (Activation, Attention, KeepRun, Norm, NormWrapper, Wrapper,
+                                 gated_product)
 from lowmem_jax.methods import Field, Method, Strategy, check_choice
 
 QUANTS = ("none", "mesa")
@@ -92,21 +93,7 @@ class CodedShared(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Coded(Strategy):
-  """``inner``'s function (and its ``kind``), with what backward keeps coded."""
-  inner: Strategy
-
-  @property
-  def fn(self) -> Callable:
-    return self.inner.fn
-
-  @property
-  def kind(self) -> str:
-    return self.inner.kind
-
-
-@dataclasses.dataclass(frozen=True)
-class CodedActivation(_Coded):
+class CodedActivation(Wrapper):
   """``inner``'s activation whose backward keeps the code of its input, or, gated, one
   rule for ``act(g) * u`` keeping the codes of ``g`` and ``u`` only. ``saved_bits``: the
   code width."""
@@ -164,20 +151,12 @@ def _affine_norm(fn, eps, num_affine, x, *affine):
 
 
 @dataclasses.dataclass(frozen=True)
-class CodedNorm(_Coded):
+class CodedNorm(NormWrapper):
   """``inner``'s norm returning its output carried with its code (what the linears
   reading it keep). With an affine it keeps the code of its input; an MS norm keeps
   only the code of its output and the fp32 rstd (:func:`lowmem_jax.quant.ms_norm_coded`)."""
   inner: Norm
   coder: Coder
-
-  @property
-  def has_affine(self) -> bool:
-    return self.inner.has_affine
-
-  @property
-  def keeps_output(self) -> bool:
-    return self.inner.keeps_output
 
   def init_state(self):
     names = ("input", "output") if self.has_affine else ("output",)
@@ -203,7 +182,7 @@ def _attend(causal, implementation, block_k, q, k, v, mask):
 
 
 @dataclasses.dataclass(frozen=True)
-class CodedAttention(_Coded):
+class CodedAttention(Wrapper):
   """``inner``'s attention keeping head-wise codes of q, k and v; returns ``o`` (tagged
   ``attn_out``) carried with its head-wise code."""
   inner: Attention

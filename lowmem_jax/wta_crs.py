@@ -84,7 +84,7 @@ import functools
 import math
 
 from lowmem_jax import quant, sampling
-from lowmem_jax.baseline import Norm, Shared, keep_inputs
+from lowmem_jax.baseline import Norm, NormWrapper, Shared, keep_inputs
 from lowmem_jax.methods import Field, Method, Strategy, check_choice, read, value_of
 from lowmem_jax.sampling import SampledTensor
 
@@ -129,26 +129,6 @@ class SampledShared(Strategy):
     return sample, {"sampler": state}
 
 
-class _NormWrapper(Strategy):
-  """What a strategy wrapping a norm (``inner``) says of it, as the norm does."""
-
-  @property
-  def fn(self):
-    return self.inner.fn
-
-  @property
-  def kind(self) -> str:
-    return self.inner.kind
-
-  @property
-  def has_affine(self) -> bool:
-    return self.inner.has_affine
-
-  @property
-  def keeps_output(self) -> bool:
-    return self.inner.keeps_output
-
-
 @dataclasses.dataclass(frozen=True)
 class WholeShared(Strategy):
   """An activation standing where an MS norm's output would (the embeddings entering a
@@ -161,7 +141,7 @@ class WholeShared(Strategy):
 
 
 @dataclasses.dataclass(frozen=True)
-class SampledNorm(_NormWrapper):
+class SampledNorm(NormWrapper):
   """``inner``'s norm returning its output carried with one sample of its rows (what
   the sampled linears reading it keep), so that every block input, a norm's output or
   the embeddings', arrives in one form (a block stack's scan carry)."""
@@ -178,7 +158,7 @@ class SampledNorm(_NormWrapper):
 
 
 @dataclasses.dataclass(frozen=True)
-class WholeNorm(_NormWrapper):
+class WholeNorm(NormWrapper):
   """``inner``'s norm, which keeps its output for its own backward (an MS norm,
   ``keeps_output``), returning it carried whole
   (:meth:`~lowmem_jax.sampling.SampledTensor.whole`): its sampled readers' ``dW`` are
