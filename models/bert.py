@@ -49,7 +49,7 @@ from flax import nnx
 from lowmem_jax.methods import read
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import init_model, make_config, replace_fields, token_ids
+from models.config import check_positive, init_model, make_config, replace_fields, token_ids
 from models.embedding import Embed
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
@@ -84,22 +84,15 @@ class BertConfig:
   initializer_range: float = 0.02
 
   def __post_init__(self):
-    for name in ("vocab_size", "dim", "num_layers", "num_heads", "mlp_dim", "max_positions",
-                 "type_vocab_size", "num_labels"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"BertConfig: {name} must be a positive integer, got {value!r}")
+    check_positive(self, ints=("vocab_size", "dim", "num_layers", "num_heads", "mlp_dim",
+                               "max_positions", "type_vocab_size", "num_labels"),
+                   numbers=("eps", "initializer_range"))
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"BertConfig: unknown model_type {self.model_type!r}; valid: "
                        f"{', '.join(map(repr, MODEL_TYPES))}")
     if self.dim % self.num_heads:
       raise ValueError(f"BertConfig: dim {self.dim} is not a multiple of num_heads "
                        f"{self.num_heads}")
-    if not (isinstance(self.eps, (int, float)) and self.eps > 0):
-      raise ValueError(f"BertConfig: eps must be a positive number, got {self.eps!r}")
-    if not (isinstance(self.initializer_range, (int, float)) and self.initializer_range > 0):
-      raise ValueError("BertConfig: initializer_range must be a positive number, got "
-                       f"{self.initializer_range!r}")
     pad = self.pad_token_id
     if isinstance(pad, bool) or not isinstance(pad, (int, np.integer)) or not (
         0 <= pad < self.vocab_size):

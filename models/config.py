@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
@@ -39,6 +40,20 @@ def _checked(owner: str, field: dataclasses.Field, value):
         isinstance(value, bool) and kind in ("int", "float")):
       return float(value) if kind == "float" else value
   raise ValueError(f"{owner}: {field.name} expects {' or '.join(kinds)}, got {value!r}")
+
+
+def check_positive(cfg, ints=(), numbers=()):
+  """Raises naming the first of ``cfg``'s fields ``ints`` that is not a positive int, or
+  ``numbers`` not a positive number (a config's own check, for direct construction
+  too)."""
+  for names, kinds, what in ((ints, (int, np.integer), "int"),
+                             (numbers, (int, float, np.integer, np.floating), "number")):
+    for name in names:
+      value = getattr(cfg, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, kinds) \
+          or not value > 0:
+        raise ValueError(f"{type(cfg).__name__}: {name} must be a positive {what}, got "
+                         f"{value!r}")
 
 
 def make_config(cls, presets: dict, name: str, overrides: dict):

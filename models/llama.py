@@ -35,7 +35,7 @@ from lowmem_jax.lm_loss import DEFAULT_CHUNK, chunked_cross_entropy, logits_cros
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.quantized_weight import QuantizedKernel, frozen_dense
 from models.attention import SelfAttention
-from models.config import init_model, make_config, token_ids
+from models.config import check_positive, init_model, make_config, token_ids
 from models.embedding import Embed, table_value
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
@@ -66,11 +66,8 @@ class LlamaConfig:
   model_type: str = "llama"
 
   def __post_init__(self):
-    for name in ("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
-                 "max_seq_len"):
-      value = getattr(self, name)
-      if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"LlamaConfig: {name} must be a positive int, got {value!r}")
+    check_positive(self, ints=("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",
+                               "mlp_dim", "max_seq_len"), numbers=("rope_theta", "eps"))
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"LlamaConfig: num_heads {self.num_heads} is not a multiple of "
                        f"num_kv_heads {self.num_kv_heads}")
@@ -78,18 +75,11 @@ class LlamaConfig:
       if self.dim % self.num_heads:
         raise ValueError(f"LlamaConfig: dim {self.dim} is not divisible by num_heads "
                          f"{self.num_heads}; set head_dim explicitly")
-    elif (not isinstance(self.head_dim, (int, np.integer)) or isinstance(self.head_dim, bool)
-          or self.head_dim < 1):
-      raise ValueError(f"LlamaConfig: head_dim must be a positive int or None, got "
-                       f"{self.head_dim!r}")
+    else:
+      check_positive(self, ints=("head_dim",))
     if self.resolved_head_dim % 2:
       raise ValueError(f"LlamaConfig: head_dim {self.resolved_head_dim} must be even (RoPE "
                        "rotates pairs of halves)")
-    for name in ("rope_theta", "eps"):
-      value = getattr(self, name)
-      if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)) \
-          or not value > 0:
-        raise ValueError(f"LlamaConfig: {name} must be a positive number, got {value!r}")
     if not isinstance(self.tie_embeddings, (bool, np.bool_)):
       raise ValueError(f"LlamaConfig: tie_embeddings must be a bool, got "
                        f"{self.tie_embeddings!r}")

@@ -17,7 +17,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import init_model, make_config
+from models.config import check_positive, init_model, make_config
 from models.hf_state import Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import Mlp
@@ -41,10 +41,8 @@ class ViTConfig:
   model_type: str = "vit"
 
   def __post_init__(self):
-    for f in ("image_size", "patch_size", "channels", "dim", "num_layers", "num_heads",
-              "mlp_dim", "num_labels"):
-      if getattr(self, f) < 1:
-        raise ValueError(f"ViTConfig: {f} must be positive, got {getattr(self, f)}")
+    check_positive(self, ints=("image_size", "patch_size", "channels", "dim", "num_layers",
+                               "num_heads", "mlp_dim", "num_labels"), numbers=("eps",))
     if self.image_size % self.patch_size:
       raise ValueError(f"ViTConfig: image_size {self.image_size} is not a multiple of "
                        f"patch_size {self.patch_size}")

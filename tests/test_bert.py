@@ -123,8 +123,9 @@ def test_presets_and_overrides():
 @pytest.mark.parametrize("overrides,message", [
     (dict(dim=30, num_heads=4), "multiple of num_heads"),
     (dict(model_type="gpt2"), "model_type"),
-    (dict(num_layers=0), "num_layers"),
-    (dict(eps=0.0), "eps"),
+    (dict(num_layers=0), "BertConfig: num_layers must be a positive int, got 0"),
+    (dict(eps=0.0), "BertConfig: eps must be a positive number, got 0.0"),
+    (dict(initializer_range=-0.02), "initializer_range must be a positive number"),
     (dict(pad_token_id=512), "pad_token_id"),
     (dict(model_type="roberta", pad_token_id=1, max_positions=2), "max_positions"),
 ])

@@ -294,6 +294,8 @@ def test_config_errors():
     ("model.num_layers=2.0", "ViTConfig: num_layers expects int, got 2.0"),
     ("model.qkv_bias=maybe", "ViTConfig: qkv_bias expects bool, got 'maybe'"),
     ("model.num_heads=true", "ViTConfig: num_heads expects int, got True"),
+    ("model.eps=-1e-6", "ViTConfig: eps must be a positive number, got -1e-06"),
+    ("model.mlp_dim=0", "ViTConfig: mlp_dim must be a positive int, got 0"),
     ("data=/nonexistent/train.jsonl", "data='/nonexistent/train.jsonl': no such file"),
 ])
 def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_path):

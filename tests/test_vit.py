@@ -136,6 +136,14 @@ def test_config_presets_and_errors():
     vit.config("vit-b16", depth=3)
   with pytest.raises(ValueError, match="multiple of patch_size"):
     vit.config("vit-b16", image_size=100)
+  # built directly (no override checks): numpy ints pass, a bool or a non-positive fails
+  assert vit.ViTConfig(dim=np.int64(64), num_heads=4).dim == 64
+  for bad, message in [(dict(eps=0.0), "eps must be a positive number, got 0.0"),
+                       (dict(eps=True), "eps must be a positive number, got True"),
+                       (dict(channels=0), "channels must be a positive int, got 0"),
+                       (dict(dim=64.0, num_heads=4), "dim must be a positive int, got 64.0")]:
+    with pytest.raises(ValueError, match=f"ViTConfig: {message}"):
+      vit.ViTConfig(**bad)
   model = vit.ViT("vit-tiny", dtype=jnp.float32)
   with pytest.raises(ValueError, match="expects images"):
     model(jnp.ones((1, 16, 16, 3)))
