@@ -8,13 +8,18 @@ from train.config import TrainConfig
 
 
 def make_schedule(cfg: TrainConfig):
-  """Linear warmup over ``warmup_steps`` to ``lr``, then ``cfg.schedule`` down to the end."""
+  """Linear warmup over ``warmup_steps`` from 0 to ``lr`` (none at 0: step 1 takes ``lr``),
+  then ``cfg.schedule`` down to the end (cosine and linear reach 0 at ``steps``)."""
+  decay_steps = max(cfg.steps - cfg.warmup_steps, 1)
   if cfg.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1),
-                                              max(cfg.steps, cfg.warmup_steps + 1))
-  after = (optax.linear_schedule(cfg.lr, 0.0, max(cfg.steps - cfg.warmup_steps, 1))
-           if cfg.schedule == "linear" else optax.constant_schedule(cfg.lr))
-  warmup = optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1))
+    after = optax.cosine_decay_schedule(cfg.lr, decay_steps)
+  elif cfg.schedule == "linear":
+    after = optax.linear_schedule(cfg.lr, 0.0, decay_steps)
+  else:
+    after = optax.constant_schedule(cfg.lr)
+  if not cfg.warmup_steps:
+    return after
+  warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 

@@ -1,0 +1,38 @@
+"""The learning-rate schedule (train/optim.py): warmup, then cosine, linear or constant."""
+
+import numpy as np
+import optax
+import pytest
+
+from train import config as config_lib
+from train.optim import make_schedule
+
+
+def _schedule(*overrides):
+  return make_schedule(config_lib.load_config(overrides=["lr=0.5", *overrides]))
+
+
+@pytest.mark.parametrize("steps,warmup", [(300, 20), (60, 10), (20, 20), (5, 20)])
+def test_cosine_is_optax_warmup_cosine(steps, warmup):
+  ours = _schedule(f"steps={steps}", f"warmup_steps={warmup}")
+  ref = optax.warmup_cosine_decay_schedule(0.0, 0.5, warmup, max(steps, warmup + 1))
+  np.testing.assert_allclose([ours(i) for i in range(steps + 2)],
+                             [ref(i) for i in range(steps + 2)], rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "constant"])
+@pytest.mark.parametrize("steps", [1, 4])
+def test_no_warmup_starts_at_lr(schedule, steps):
+  """warmup_steps=0: the first update (optax's count 0) takes the full lr, and a decaying
+  schedule reaches 0 at ``steps`` (steps=1 included: no empty decay)."""
+  lrs = [float(_schedule(f"steps={steps}", "warmup_steps=0", f"schedule={schedule}")(i))
+         for i in range(steps + 1)]
+  assert lrs[0] == 0.5
+  assert lrs[-1] == (0.5 if schedule == "constant" else 0.0), lrs
+  assert all(a >= b for a, b in zip(lrs, lrs[1:])), lrs
+
+
+def test_warmup_rises_linearly_from_zero():
+  lrs = [float(_schedule("steps=10", "warmup_steps=4", "schedule=constant")(i))
+         for i in range(6)]
+  np.testing.assert_allclose(lrs, [0.0, 0.125, 0.25, 0.375, 0.5, 0.5])
