@@ -279,8 +279,18 @@ def test_config_errors():
     config_lib.load_config(overrides=["policy=fast"])
   with pytest.raises(ValueError, match="unknown config 'imagenet'"):
     config_lib.load_config("imagenet")
-  with pytest.raises(ValueError, match="expects a int"):
+  with pytest.raises(ValueError, match="batch_size expects an int, got 'big'"):
     config_lib.load_config(overrides=["batch_size=big"])
+  # true/false is no number: steps=true would have trained one step, save_every=false none
+  for override, message in [("steps=true", "steps expects an int, got 'true'"),
+                            ("save_every=false", "save_every expects an int, got 'false'"),
+                            ("lr=true", "lr expects a number, got 'true'"),
+                            ("resume=1", "resume expects true/false, got '1'"),
+                            ("seed=-1", "TrainConfig: seed must be >= 0, got -1")]:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      config_lib.load_config(overrides=[override])
+  with pytest.raises(ValueError, match=re.escape("TrainConfig: steps must be >= 1, got True")):
+    config_lib.TrainConfig(steps=True)
   with pytest.raises(ValueError, match=r"trainable='frozen:\[': bad regex"):
     config_lib.load_config(overrides=["trainable=frozen:["])
   with pytest.raises(ValueError, match="eval_data='x.jsonl' with data=digits"):
@@ -344,7 +354,7 @@ def _run(args, env_extra=None, timeout=600):
 
 def test_cli_reports_bad_config_clearly():
   proc = _run(["--set", "lr=fast"])
-  assert proc.returncode == 2 and "error: lr expects a float" in proc.stderr
+  assert proc.returncode == 2 and "error: lr expects a number" in proc.stderr
 
 
 @pytest.mark.slow
@@ -646,8 +656,10 @@ def test_malformed_config_file_names_the_file(tmp_path):
   cases = {"bad.json": ('{"steps": 3,,}', r"bad.json:1: bad JSON in config file"),
            "list.json": ("[1, 2]", r"list.json: expected a JSON object of config keys, got list"),
            "key.json": ('{"stepz": 3}', r"key.json: unknown config key 'stepz'"),
-           "type.json": ('{"lr": "fast"}', r"type.json: lr expects a float"),
+           "type.json": ('{"lr": "fast"}', r"type.json: lr expects a number"),
            "value.json": ('{"steps": 0}', r"value.json: TrainConfig: steps must be >= 1"),
+           "bool.json": ('{"batch_size": true}', r"bool.json: batch_size expects an int, "
+                                                 r"got 'true'"),
            "model.json": ('{"model_overrides": 3}', r"model.json: model_overrides must be a "
                                                     r"JSON object")}
   for name, (text, message) in cases.items():

@@ -101,14 +101,15 @@ class TrainConfig:
     choice("schedule", SCHEDULES)
     choice("dtype", ("bfloat16", "float16", "float32"))
     choice("precision", PRECISIONS)
-    for field in ("max_len", "batch_size", "eval_batch_size", "steps", "grad_accum",
-                  "lora_rank", "log_every"):
-      if getattr(self, field) < 1:
-        raise ValueError(f"TrainConfig: {field} must be >= 1, got {getattr(self, field)}")
-    for field in ("lr", "weight_decay", "grad_clip", "warmup_steps", "eval_every",
-                  "save_every"):
-      if getattr(self, field) < 0:
-        raise ValueError(f"TrainConfig: {field} must be >= 0, got {getattr(self, field)}")
+    for low, fields in ((1, ("max_len", "batch_size", "eval_batch_size", "steps",
+                             "grad_accum", "lora_rank", "log_every")),
+                        (0, ("lr", "weight_decay", "grad_clip", "warmup_steps",
+                             "eval_every", "save_every", "seed"))):
+      for field in fields:
+        value = getattr(self, field)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            not value >= low:
+          raise ValueError(f"TrainConfig: {field} must be >= {low}, got {value!r}")
     if (isinstance(self.lm_loss_chunk, bool) or not isinstance(self.lm_loss_chunk, int)
         or self.lm_loss_chunk < 0):
       raise ValueError(f"TrainConfig: lm_loss_chunk must be an int >= 0 (0: the loss on full "
@@ -222,6 +223,11 @@ def _parse_value(text: str):
     return text
 
 
+# what a field whose default has this type takes (true/false is no int: steps=true is an
+# error, not one step)
+_KIND_NAMES = {bool: "true/false", int: "an int", float: "a number", str: "a string"}
+
+
 def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
   """Applies ``key=value`` strings (``model.<field>=v`` goes to the model config)."""
   fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -240,13 +246,12 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
       raise ValueError(f"unknown config key {key!r}; valid: "
                        f"{', '.join(k for k in fields if k != 'model_overrides')}, model.<field>")
     default = fields[key].default
-    if isinstance(default, bool) and not isinstance(value, bool):
-      raise ValueError(f"{key} expects true/false, got {text!r}")
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)
-    if isinstance(default, (int, float, str)) and default is not None and \
-        not isinstance(value, type(default)):
-      raise ValueError(f"{key} expects a {type(default).__name__}, got {text!r}")
+    kind = type(default)
+    if kind in _KIND_NAMES and not (isinstance(value, kind) and
+                                    (kind is bool or not isinstance(value, bool))):
+      raise ValueError(f"{key} expects {_KIND_NAMES[kind]}, got {text!r}")
     if fields[key].type == "str | None" and value is not None and not isinstance(value, str):
       value = text.strip()  # a path or name that looks like a number stays the text
     changes[key] = value
