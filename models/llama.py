@@ -87,6 +87,11 @@ class LlamaConfig:
       raise ValueError(f"LlamaConfig: model_type must be 'llama', got {self.model_type!r}")
 
   @property
+  def max_tokens(self) -> int:
+    """The longest sequence the model takes (its context, ``max_seq_len``)."""
+    return self.max_seq_len
+
+  @property
   def resolved_head_dim(self) -> int:
     return self.dim // self.num_heads if self.head_dim is None else int(self.head_dim)
 

@@ -516,3 +516,33 @@ def test_causal_lm_llama_style_tokenizer(tmp_path):
   assert ds.arrays["tokens"][1].tolist() == [1, 7, 8, 0, 0, 0, 0, 0]
   assert ds.arrays["targets"][1].tolist() == [7, 8, 2, 0, 0, 0, 0, 0]
   assert ds.arrays["loss_mask"][1].tolist() == [True] * 3 + [False] * 5
+
+
+@pytest.mark.parametrize("task", ["lm", "text"])
+def test_token_ids_and_max_len_checked_against_the_model(tmp_path, tokenizer_path, task):
+  """MiniLM's tokenizer (30522 ids) for a model whose table has 1000 rows:
+  an id past the embedding table would read no row (a NaN loss at step 1 on a GPU, after
+  compiling); a max_len past the model's positions failed in the first call."""
+  import types
+  from models import bert, llama
+  from train import config as config_lib
+  from train.datasets import make_datasets
+  data = write_jsonl(tmp_path / "train.jsonl", [{"text": "the quick brown fox", "label": 0},
+                                                {"text": "jumps over the dog", "label": 1}])
+  module, preset = {"lm": (llama, "llama-tiny"), "text": (bert, "bert-tiny")}[task]
+  positions = module.config(preset).max_tokens  # 256, 64
+
+  def datasets(*overrides, **fields):
+    cfg = config_lib.load_config(overrides=[f"task={task}", f"model={preset}",
+                                            f"data={data}", f"tokenizer={tokenizer_path}",
+                                            "max_len=16", *overrides])
+    model = types.SimpleNamespace(cfg=module.config(preset, **fields))
+    return make_datasets(cfg, model)
+  assert int(datasets(vocab_size=30522)[0].arrays["tokens"].max()) >= 1000
+  with pytest.raises(ValueError, match=rf"train.jsonl: token id \d+ \(tokenizer .*tokenizer"
+                                       rf".json\) is outside the model's vocab_size=1000"):
+    datasets(vocab_size=1000)
+  with pytest.raises(ValueError, match=rf"max_len={positions + 1} exceeds the {positions} "
+                                       rf"positions of model {preset}; set max_len <= "
+                                       rf"{positions}"):
+    datasets(f"max_len={positions + 1}", vocab_size=30522)

@@ -14,8 +14,9 @@ from train.text import text_classification
 
 def make_datasets(cfg: TrainConfig, model=None):
   """(train dataset, eval dataset or None) for the config's task. Class labels are checked
-  against the model's ``num_labels`` (``model`` given, or the preset's); string labels and
-  class folders map to ids from the training set, which the eval set reuses."""
+  against the model's ``num_labels`` (``model`` given, or the preset's), and, ``model``
+  given, ``max_len`` and the token ids against its positions and vocabulary; string labels
+  and class folders map to ids from the training set, which the eval set reuses."""
   model_cfg = getattr(model, "cfg", None)
   if cfg.task == "image":
     if model_cfg is None:  # the image size of the model
@@ -33,19 +34,39 @@ def make_datasets(cfg: TrainConfig, model=None):
     test = None if cfg.eval_data is None else folder(
         cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
     return train, test
+  if model_cfg is not None and cfg.max_len > model_cfg.max_tokens:
+    raise ValueError(f"max_len={cfg.max_len} exceeds the {model_cfg.max_tokens} positions "
+                     f"of model {cfg.pretrained or cfg.model}; set max_len <= "
+                     f"{model_cfg.max_tokens}")
   tokenizer = cfg.tokenizer or (os.path.join(resolve_path(cfg.pretrained), "tokenizer.json")
                                 if cfg.pretrained else None)
   if tokenizer is None:
     raise ValueError(f"task={cfg.task!r} needs tokenizer=<tokenizer.json> or pretrained=<dir>")
   if cfg.task == "lm":
     load = functools.partial(causal_lm, tokenizer=tokenizer, max_len=cfg.max_len)
-    return load(cfg.data), (None if cfg.eval_data is None else load(cfg.eval_data))
+    return (_in_vocab(load(cfg.data), model_cfg, cfg.data, tokenizer),
+            None if cfg.eval_data is None else
+            _in_vocab(load(cfg.eval_data), model_cfg, cfg.eval_data, tokenizer))
   num_labels = (getattr(model_cfg, "num_labels", None) if model_cfg is not None
                 else cfg.model_overrides.get("num_labels"))
   load = functools.partial(text_classification, tokenizer=tokenizer,
                            max_len=cfg.max_len, num_labels=num_labels)
-  train = load(cfg.data)
-  test = None if cfg.eval_data is None else load(
+  train = _in_vocab(load(cfg.data), model_cfg, cfg.data, tokenizer)
+  test = None if cfg.eval_data is None else _in_vocab(load(
       cfg.eval_data, label_names=train.class_names, label_names_from=cfg.data,
-      int_labels=train.class_names is None)
+      int_labels=train.class_names is None), model_cfg, cfg.eval_data, tokenizer)
   return train, test
+
+
+def _in_vocab(dataset, model_cfg, path, tokenizer):
+  """``dataset``, whose token ids the model's embedding table covers, or a ValueError: an
+  id past the table reads no row (a NaN loss at step 1 on a GPU, after compiling)."""
+  if model_cfg is None:
+    return dataset
+  top = max(int(dataset.arrays[k].max()) for k in ("tokens", "targets")
+            if k in dataset.arrays)
+  if top >= model_cfg.vocab_size:
+    raise ValueError(f"{path}: token id {top} (tokenizer {tokenizer}) is outside the "
+                     f"model's vocab_size={model_cfg.vocab_size}; use the model's tokenizer "
+                     f"or set model.vocab_size >= {top + 1}")
+  return dataset
