@@ -693,7 +693,8 @@ def test_eval_set_uses_the_training_label_map_and_labels_fit_the_model(tmp_path)
   test_file.write_text('{"text": "fine", "label": "pos"}\n')
   cfg = config_lib.load_config("digits-vit", None, [
       "task=text", "model=bert-tiny", f"data={train_file}", f"eval_data={test_file}",
-      f"tokenizer={tokenizer}", "max_len=8", "model.num_labels=2"])
+      f"tokenizer={tokenizer}", "max_len=8", "model.num_labels=2",
+      "model.vocab_size=30522"])
   _, test = make_datasets(cfg, build_model(cfg))
   assert test.arrays["label"].tolist() == [1]  # "pos" is 1 in the training set's map
   small = config_lib.apply_overrides(cfg, ["model.num_labels=1"])
