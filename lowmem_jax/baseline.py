@@ -36,7 +36,7 @@ from collections.abc import Callable
 import jax
 
 from lowmem_jax import attention as attention_lib
-from lowmem_jax import norms
+from lowmem_jax import gpu_target, norms
 from lowmem_jax.methods import Field, Method, Strategy, check_choice, read, value_of
 
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -251,6 +251,12 @@ def _norm(policy, inner, *, kind: str):
 
 
 def _attention(policy, inner, *, num_heads=None, num_kv_heads=None, causal=False):
+  backend = gpu_target.backend()
+  if policy.attention in ("cudnn", "cudnn_padded") and backend != "gpu":
+    # before any work: the first call would refuse every shape on this backend
+    raise ValueError(f"MemoryPolicy(attention={policy.attention!r}): cuDNN's fused attention "
+                     f"runs on a CUDA GPU and this backend is {backend!r}; use "
+                     "attention='auto' (cuDNN where it takes the shape, else ours) or 'flash'")
   return Attention(policy.attention, causal, policy.attention_block)
 
 

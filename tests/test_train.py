@@ -286,9 +286,11 @@ def test_config_errors():
                             ("save_every=false", "save_every expects an int, got 'false'"),
                             ("lr=true", "lr expects a number, got 'true'"),
                             ("resume=1", "resume expects true/false, got '1'"),
-                            ("seed=-1", "TrainConfig: seed must be >= 0, got -1")]:
+                            ("seed=-1", "TrainConfig: seed must be >= 0, got -1"),
+                            ("export_dir=x", "TrainConfig: export_dir writes fp32 HF weights, "
+                             "which a base stored as base_dtype='nf4' no longer holds")]:
     with pytest.raises(ValueError, match=re.escape(message)):
-      config_lib.load_config(overrides=[override])
+      config_lib.load_config(overrides=["trainable=lora", "base_dtype=nf4", override])
   with pytest.raises(ValueError, match=re.escape("TrainConfig: steps must be >= 1, got True")):
     config_lib.TrainConfig(steps=True)
   with pytest.raises(ValueError, match=r"trainable='frozen:\[': bad regex"):
@@ -307,6 +309,12 @@ def test_config_errors():
     ("model.eps=-1e-6", "ViTConfig: eps must be a positive number, got -1e-06"),
     ("model.mlp_dim=0", "ViTConfig: mlp_dim must be a positive int, got 0"),
     ("data=/nonexistent/train.jsonl", "data='/nonexistent/train.jsonl': no such file"),
+    ("trainable=frozen:nomatch", "trainable='frozen:nomatch' matches no parameter path"),
+    ("export_dir=/etc/passwd", "export_dir='/etc/passwd' is a file; name a folder"),
+    pytest.param("policy=lowmembp+attention=cudnn",
+                 "MemoryPolicy(attention='cudnn'): cuDNN's fused attention runs on a CUDA GPU",
+                 marks=pytest.mark.skipif(jax.default_backend() == "gpu",
+                                          reason="cuDNN runs on a GPU")),
 ])
 def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_path):
   out = tmp_path / "run"

@@ -169,6 +169,8 @@ def check_inputs(cfg: TrainConfig) -> None:
     path = resolve_path(value)  # a pkg: that is not installed is an error here
     if not os.path.exists(path):
       raise ValueError(f"{field}={value!r}: no such file or folder")
+  if cfg.export_dir and os.path.exists(cfg.export_dir) and not os.path.isdir(cfg.export_dir):
+    raise ValueError(f"export_dir={cfg.export_dir!r} is a file; name a folder")
   if not cfg.pretrained:
     model_config(cfg)
 

@@ -75,6 +75,10 @@ class Trainer:
     graphdef, params, rest = nnx.split(model, trainable_filter(cfg), ...)
     if not jax.tree.leaves(params):
       raise ValueError(f"trainable={cfg.trainable!r} leaves no parameter to train")
+    if cfg.trainable.startswith("frozen:") and len(jax.tree.leaves(params)) == len(
+        jax.tree.leaves(nnx.state(model, nnx.Param))):
+      raise ValueError(f"trainable={cfg.trainable!r} matches no parameter path (paths such as "
+                       "stack/blocks/attn/query/kernel); it would train them all")
     tx = make_optimizer(cfg)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
              "opt": tx.init(params)}
