@@ -225,9 +225,15 @@ def test_text_classification_pairs_and_int_labels(tmp_path, tokenizer):
   assert ds.arrays["types"][0, :n].tolist() == enc.type_ids[:n]
   assert (ds.arrays["tokens"][0] == SEP).sum() == 2
   assert ds.arrays["label"].tolist() == [2, 0] and ds.class_names is None
-  with pytest.raises(ValueError, match=r"pairs.jsonl:1: label 2 out of range \[0, 2\)"):
+  with pytest.raises(ValueError, match=r"pairs.jsonl:1: label 2 has no name among the 2 "
+                     r"label_names \(ids 0..1\)$"):
     text_classification(path, tokenizer, max_len=16, text_key="q", text_pair_key="a",
-                             label_key="y", label_names=["no", "yes"])
+                        label_key="y", label_names=["no", "yes"])
+  negative = write_jsonl(tmp_path / "negative.jsonl", [{"text": "a", "label": 0},
+                                                       {"text": "b", "label": -1}])
+  with pytest.raises(ValueError, match=r"negative.jsonl:2: label -1 is negative; int labels "
+                     r"are class ids 0, 1, ...$"):
+    text_classification(negative, tokenizer, max_len=8)
 
 
 def test_text_classification_errors(tmp_path, tokenizer):

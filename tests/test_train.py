@@ -299,6 +299,17 @@ def test_config_errors():
     config_lib.load_config(overrides=["eval_data=x.jsonl"])
   with pytest.raises(ValueError, match="need 1 <= profile_start <= profile_stop"):
     config_lib.load_config(overrides=["profile_dir=p", "profile_start=9"])
+  for overrides, message in [
+      (["overwrite=true"], "TrainConfig: overwrite=true replaces the run in out_dir, but "
+       "out_dir is unset"),
+      (["lora_alpha=-1"], "TrainConfig: lora_alpha must be > 0 (the adapter's scale is "
+       "lora_alpha / lora_rank), got -1.0"),
+      (["lora_alpha=0"], "TrainConfig: lora_alpha must be > 0"),
+      (["mesh=foo"], "TrainConfig: mesh='foo': expected comma-separated data=N and/or fsdp=M"),
+      (["mesh=data=0"], "TrainConfig: mesh='data=0': data=0; axis sizes must be >= 1"),
+      (["mesh=data=2,fsdp=0"], "TrainConfig: mesh='data=2,fsdp=0': fsdp=0; axis sizes")]:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      config_lib.load_config(overrides=overrides)
 
 
 @pytest.mark.parametrize("override,message", [
@@ -311,6 +322,7 @@ def test_config_errors():
     ("data=/nonexistent/train.jsonl", "data='/nonexistent/train.jsonl': no such file"),
     ("trainable=frozen:nomatch", "trainable='frozen:nomatch' matches no parameter path"),
     ("export_dir=/etc/passwd", "export_dir='/etc/passwd' is a file; name a folder"),
+    ("mesh=data=4096", "mesh='data=4096' needs 4096 devices; "),
     pytest.param("policy=lowmembp+attention=cudnn",
                  "MemoryPolicy(attention='cudnn'): cuDNN's fused attention runs on a CUDA GPU",
                  marks=pytest.mark.skipif(jax.default_backend() == "gpu",
@@ -554,6 +566,26 @@ def test_runs_twice_in_a_fresh_folder_then_resume_is_a_no_op(finished_run, tmp_p
   assert "compiled step memory" not in out and "resumed from" not in out  # nothing compiled
   assert result["step"] == 2 and np.isfinite(result["loss"])
   assert len(_records(folders[-1])) == len(_records(folders[0]))  # nothing appended
+
+
+def test_resume_of_a_finished_run_exports_its_weights(finished_run, tmp_path, capsys):
+  """``--resume --export DIR`` on a finished run writes the weights it finished with (the
+  same tensors as exporting at its end), training nothing."""
+  from safetensors.numpy import load_file
+  direct = finished_run.replace(out_dir=str(tmp_path / "direct"),
+                                export_dir=str(tmp_path / "hf-direct"))
+  train(direct)
+  later = _copy(finished_run, tmp_path / "run").replace(resume=True,
+                                                        export_dir=str(tmp_path / "hf-later"))
+  capsys.readouterr()
+  result = train(later)
+  out = capsys.readouterr().out
+  assert "already finished at step 4" in out and "resumed from" not in out
+  assert f"exported HF safetensors to {tmp_path / 'hf-later'}" in out and result["step"] == 4
+  a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("hf-direct", "hf-later"))
+  assert a.keys() == b.keys() and len(a) > 10
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
 
 
 def _corrupt(step_dir: Path, how: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 from lowmem_jax.lm_loss import DEFAULT_CHUNK
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.quantized_weight import FORMATS
+from train.sharding import mesh_sizes
 
 TASKS = ("image", "text", "lm")
 OPTIMIZERS = ("adamw", "sgd")
@@ -140,6 +142,19 @@ class TrainConfig:
                        "an fp32 base); train with base_dtype=float32 to export")
     if self.resume and self.overwrite:
       raise ValueError("TrainConfig: resume=true and overwrite=true exclude each other")
+    if self.overwrite and self.out_dir is None:
+      raise ValueError("TrainConfig: overwrite=true replaces the run in out_dir, but out_dir "
+                       "is unset (each run then gets a new folder); set out_dir or drop "
+                       "overwrite")
+    if not (isinstance(self.lora_alpha, (int, float)) and not isinstance(self.lora_alpha, bool)
+            and math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
+      raise ValueError(f"TrainConfig: lora_alpha must be > 0 (the adapter's scale is "
+                       f"lora_alpha / lora_rank), got {self.lora_alpha!r}")
+    if self.mesh:
+      try:  # the device count is checked by the run (train.loop.check_inputs)
+        mesh_sizes(self.mesh)
+      except ValueError as e:
+        raise ValueError(f"TrainConfig: {e}") from None
     if not self.name or "/" in self.name or self.name.startswith("."):
       raise ValueError(f"TrainConfig: name={self.name!r} must be a plain folder name")
     MemoryPolicy.parse(self.policy)  # raises on an unknown policy

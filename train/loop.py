@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from models import lora, sites
-from train import planner, runs
+from train import planner, runs, sharding
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import PATH_FIELDS, TrainConfig, config_diff
@@ -77,9 +77,10 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
     start = _resume(trainer, ckpt, batches, cfg)
     if start >= cfg.steps:
       ckpt.close()
-      print(f"nothing to do: the run in {out} already finished at step {start} "
+      print(f"nothing to train: the run in {out} already finished at step {start} "
             f"(steps={cfg.steps}); pass --set steps=N with N > {start} to train further",
             flush=True)
+      export(trainer, cfg)  # --resume --export: the finished run's weights
       return finished_result(out / "metrics.jsonl", start)
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   if jax.process_index() == 0:
@@ -148,15 +149,22 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
   trainer.save(ckpt, batches.state())  # the last step is a boundary: checked above
   log.close()
   ckpt.close()
-  if cfg.export_dir:
-    from models import hf
-    model = lora.strip_lora(nnx.merge(trainer.graphdef, trainer.state["params"],
-                                      trainer.state["rest"]))
-    hf.save_pretrained(model, cfg.export_dir)
-    print(f"exported HF safetensors to {cfg.export_dir}", flush=True)
+  export(trainer, cfg)
   result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
             **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
   return result
+
+
+def export(trainer: Trainer, cfg: TrainConfig) -> None:
+  """Writes the trainer's model as HF safetensors to ``cfg.export_dir`` (LoRA merged into
+  the base), if set."""
+  if not cfg.export_dir:
+    return
+  from models import hf
+  model = lora.strip_lora(nnx.merge(trainer.graphdef, trainer.state["params"],
+                                    trainer.state["rest"]))
+  hf.save_pretrained(model, cfg.export_dir)
+  print(f"exported HF safetensors to {cfg.export_dir}", flush=True)
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -173,6 +181,7 @@ def check_inputs(cfg: TrainConfig) -> None:
     raise ValueError(f"export_dir={cfg.export_dir!r} is a file; name a folder")
   if not cfg.pretrained:
     model_config(cfg)
+  sharding.make_mesh(cfg.mesh)  # raises when the mesh needs more devices than there are
 
 
 def profile_window(cfg: TrainConfig, start: int) -> tuple[int, int] | None:

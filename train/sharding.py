@@ -18,20 +18,29 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 AXES = ("data", "fsdp")
 
 
-def make_mesh(spec: str) -> Mesh | None:
-  """``"data=2,fsdp=4"`` -> a 2x4 Mesh over the first 8 devices; ``""`` -> None."""
-  if not spec:
-    return None
+def mesh_sizes(spec: str) -> dict[str, int]:
+  """``"data=2,fsdp=4"`` -> ``{"data": 2, "fsdp": 4}`` (an axis not named: 1); a
+  ValueError for anything else. Needs no device: the config checks it."""
   sizes = {"data": 1, "fsdp": 1}
   for part in spec.split(","):
     name, sep, value = part.partition("=")
     if not sep or name.strip() not in sizes or not value.strip().isdigit():
-      raise ValueError(f"--mesh {spec!r}: expected comma-separated data=N and/or fsdp=M")
+      raise ValueError(f"mesh={spec!r}: expected comma-separated data=N and/or fsdp=M")
+    if int(value) < 1:
+      raise ValueError(f"mesh={spec!r}: {name.strip()}={int(value)}; axis sizes must be >= 1")
     sizes[name.strip()] = int(value)
+  return sizes
+
+
+def make_mesh(spec: str) -> Mesh | None:
+  """``"data=2,fsdp=4"`` -> a 2x4 Mesh over the first 8 devices; ``""`` -> None."""
+  if not spec:
+    return None
+  sizes = mesh_sizes(spec)
   need = math.prod(sizes.values())
   devices = jax.devices()
-  if need > len(devices) or need < 1:
-    raise ValueError(f"--mesh {spec!r} needs {need} devices; {len(devices)} available")
+  if need > len(devices):
+    raise ValueError(f"mesh={spec!r} needs {need} devices; {len(devices)} available")
   return Mesh(np.asarray(devices[:need]).reshape(sizes["data"], sizes["fsdp"]), AXES)
 
 

@@ -98,10 +98,14 @@ def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
                          f"model.num_labels={len(names)})")
       ids.append(index[v])
     return np.asarray(ids, np.int32), names
-  limit = len(label_names) if label_names is not None else np.iinfo(np.int32).max
   for where, v in raw:
-    if not 0 <= v < limit:
-      raise ValueError(f"{where}: label {v} out of range [0, {limit})")
+    if v < 0:
+      raise ValueError(f"{where}: label {v} is negative; int labels are class ids 0, 1, ...")
+    if v > np.iinfo(np.int32).max:
+      raise ValueError(f"{where}: label {v} is too large for a class id")
+    if label_names is not None and v >= len(label_names):
+      raise ValueError(f"{where}: label {v} has no name among the {len(label_names)} "
+                       f"label_names (ids 0..{len(label_names) - 1})")
     if num_labels is not None and v >= num_labels:
       raise ValueError(f"{where}: label {v} is outside the model's num_labels={num_labels} "
                        f"(ids 0..{num_labels - 1}); set model.num_labels="
