@@ -5,6 +5,7 @@ the printed table, speeds, budget parsing, and the training loop's hook."""
 import dataclasses
 import functools
 import json
+import re
 import types
 from pathlib import Path
 
@@ -84,11 +85,18 @@ def test_no_plan_fits_names_the_smallest_peak(example):
   budget and the smallest peak found, lowmembp's at micro-batch 1."""
   def predict(cfg, shapes):
     return 10 ** 6 + cfg.batch_size // cfg.grad_accum * (2 if cfg.policy == "baseline" else 1)
+  lines = []  # progress: a line per candidate compiled, before the error
   with pytest.raises(ValueError) as e:
-    planner.plan(_cfg(), example, 10 ** 6, policies=POLICIES, table=TABLE, predict=predict)
+    planner.plan(_cfg(), example, 10 ** 6, policies=POLICIES, table=TABLE, predict=predict,
+                 progress=lines.append)
   assert str(e.value) == (
       "memory_budget 1.0 MiB (1000000 bytes): no plan fits; the smallest predicted peak is "
       "1.0 MiB (1000001 bytes: lowmembp, micro-batch 1 x grad_accum 32)")
+  assert lines[0] == ("planner: memory_budget 1.0 MiB; 12 candidate plans, compiled (nothing "
+                      "run) fastest first until one fits")
+  assert len(lines) > 2 and all(", over budget (" in x for x in lines[1:])
+  assert re.fullmatch(r"planner: lowmembp, micro-batch 1 x grad_accum 32: predicted peak "
+                      r"1\.0 MiB, over budget \(\d+\.\d s\)", lines[-1]), lines[-1]
 
 
 def test_a_budget_below_the_train_state_fails_before_any_compile(example, monkeypatch):
@@ -253,9 +261,11 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
   train(_cfg(f"out_dir={tmp_path}", "memory_budget=1TiB", "policy=lowmem", "save_every=0"))
   out = capsys.readouterr().out
   on_cpu = jax.default_backend() == "cpu"  # a GPU reports the real peak after step 1
-  table = out.index("predicted peak")
+  table = out.index("expected speed")  # the table's header
   step1 = out.index("real peak is not available" if on_cpu else "of the real peak")
   assert table < out.index("compiled step memory [lowmembp]") < step1
+  assert out.index("planner: memory_budget 1024.00 GiB; ") < out.index(
+      "planner: lowmembp, micro-batch 32 x grad_accum 1: predicted peak ") < table
   assert "chosen lowmembp, micro-batch 32 x grad_accum 1" in out
   saved = json.loads((Path(tmp_path) / "config.json").read_text())
   assert (saved["policy"], saved["grad_accum"], saved["batch_size"]) == ("lowmembp", 1, 32)

@@ -212,7 +212,7 @@ def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "plann
   """Runs the planner for ``budget`` bytes on the first batch's shapes, prints its table;
   ``cfg`` with the chosen policy and grad_accum, and the plan."""
   example = Batches(train_set, cfg.batch_size, seed=cfg.seed).peek()
-  result = planner.plan(cfg, example, budget)
+  result = planner.plan(cfg, example, budget, progress=lambda line: print(line, flush=True))
   print(result.table(), result.summary(), sep="\n", flush=True)
   return result.apply(cfg), result
 

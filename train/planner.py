@@ -360,11 +360,13 @@ def predict_peak(cfg: TrainConfig, batch_shapes: dict) -> int:
 
 def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
          policies: Sequence[str] = DEFAULT_POLICIES, table: dict | None = None,
-         predict: Callable[[TrainConfig, dict], int] = predict_peak) -> Plan:
+         predict: Callable[[TrainConfig, dict], int] = predict_peak,
+         progress: Callable[[str], None] | None = None) -> Plan:
   """The fastest plan (policy, micro-batch) for ``cfg`` whose predicted peak fits
   ``budget_bytes``. ``batch_example``: one global batch (arrays or ShapeDtypeStructs);
   ``table``: the speed table (default: train/speed_table.json); ``predict(cfg, shapes)``:
-  a plan's peak bytes (default: :func:`predict_peak`).
+  a plan's peak bytes (default: :func:`predict_peak`); ``progress``: told a line per
+  candidate compiled (each can take minutes for a large model).
   ValueError naming the budget and the smallest predicted peak when nothing fits; before
   any compile, naming the budget and the least train state of ``policies`` when that alone
   exceeds the budget (:func:`state_bytes`)."""
@@ -390,9 +392,21 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
                      f"held under every plan) is {fmt_bytes(states[leanest])} "
                      f"({states[leanest]} bytes under {leanest}, the least of the policies)")
 
+  cands = candidates(cfg, policies, table, family)
+  if progress:
+    progress(f"planner: memory_budget {fmt_bytes(budget_bytes)}; {len(cands)} candidate plans, "
+             "compiled (nothing run) fastest first until one fits")
+
   def peak_of(c: Candidate) -> int:
-    return predict(cfg.replace(policy=c.policy, grad_accum=c.grad_accum), shapes)
-  rows, chosen = search(candidates(cfg, policies, table, family), peak_of, budget_bytes)
+    t0 = time.perf_counter()
+    peak = predict(cfg.replace(policy=c.policy, grad_accum=c.grad_accum), shapes)
+    if progress:
+      progress(f"planner: {c.policy}, micro-batch {c.micro_batch} x grad_accum "
+               f"{c.grad_accum}: predicted peak {fmt_bytes(peak)}, "
+               f"{'fits' if peak <= budget_bytes else 'over budget'} "
+               f"({time.perf_counter() - t0:.1f} s)")
+    return peak
+  rows, chosen = search(cands, peak_of, budget_bytes)
   if chosen is None:
     least = min((c for c in rows if c.peak is not None), key=lambda c: c.peak)
     raise ValueError(f"memory_budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes): no "
