@@ -275,6 +275,16 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
   check, = [e for e in events if e.get("event") == "plan_check"]
   assert check["predicted_peak"] == plan_event["predicted_peak"]
   assert check["real_peak"] is None if on_cpu else check["real_peak"] > 0
+  # resumed, the run keeps its plan, whatever the planner would choose now (baseline first)
+  monkeypatch.setattr(planner, "load_speed_table", lambda: {"this": TABLE})
+  result = train(_cfg(f"out_dir={tmp_path}", "memory_budget=1TiB", "policy=lowmem",
+                      "save_every=0", "steps=2", "resume=true"))
+  out = capsys.readouterr().out
+  assert ("planner: resuming the plan the run chose (policy lowmembp, grad_accum 1, "
+          "checkpoint step 1); memory_budget is not planned again") in out
+  assert "expected speed" not in out and "resumed from step 1" in out and result["step"] == 2
+  saved = json.loads((Path(tmp_path) / "config.json").read_text())
+  assert (saved["policy"], saved["grad_accum"]) == ("lowmembp", 1)
 
 
 TABLE_LOWMEMBP_FIRST = {"step_time": {"lowmembp": 1.0, "baseline": 1.5},

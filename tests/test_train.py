@@ -654,6 +654,17 @@ def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, c
   # the first array that differs, named by its path in the state: a layer-stacked one
   assert re.search(r"model: [\w/]+/stack/blocks/[\w/]+/(kernel|bias|scale) is float32\[1, "
                    r"[^]]*\] in the checkpoint, float32\[2, ", str(e.value)), str(e.value)
+  # a policy with site state of its own (Mesa's activation ranges): the arrays it adds named
+  mesa = cfg.replace(policy="lowmem", resume=True)
+  with pytest.raises(ValueError, match=r"config fields that differ from the checkpoint's: "
+                                       r"policy 'lowmembp' -> 'lowmem'") as e:
+    _resume(Trainer.create(mesa), ckpt, Batches(digits("train"), 32), mesa)
+  found = re.search(r"model: (\d+) arrays stored, (\d+) expected; only in the checkpoint: "
+                    r"none; only in this run: rest/[\w/]+, rest/[\w/]+, rest/[\w/]+ and "
+                    r"(\d+) more;", str(e.value))
+  assert found, str(e.value)
+  stored, expected, more = map(int, found.groups())
+  assert expected - stored == more + 3
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):

@@ -81,6 +81,14 @@ def _dtype_name(dtype) -> str:
     return str(dtype)
 
 
+def _few(names: list[str], n: int = 3) -> str:
+  """The first ``n`` of ``names``, and how many more; "none" when empty."""
+  if not names:
+    return "none"
+  more = f" and {len(names) - n} more" if len(names) > n else ""
+  return ", ".join(names[:n]) + more
+
+
 def _short(e: BaseException) -> str:
   """One line of an exception (orbax/tensorstore messages run to pages)."""
   text = (str(e).strip().splitlines() or [""])[0]
@@ -250,7 +258,13 @@ class Checkpoints:
       return
     wanted = [(tuple(x.shape), _dtype_name(x.dtype)) for x in jax.tree.leaves(abstract_state)]
     if len(stored) != len(wanted):
-      raise StateMismatchError(step, f"{len(stored)} arrays stored, {len(wanted)} expected")
+      detail = f"{len(stored)} arrays stored, {len(wanted)} expected"
+      stored_names = self.read_meta(step).get("names")
+      if names and stored_names:  # which arrays: those the other side lacks
+        ours, theirs = set(names), set(stored_names)
+        detail += (f"; only in the checkpoint: {_few([n for n in stored_names if n not in ours])}"
+                   f"; only in this run: {_few([n for n in names if n not in theirs])}")
+      raise StateMismatchError(step, detail)
     for i, (s, w) in enumerate(zip(stored, wanted)):
       if s != w:
         name = names[i] if names else f"array {i}"

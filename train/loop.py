@@ -63,7 +63,11 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
   else:  # the data first (checked against the model's shapes), then the plan, then the model
     train_set, eval_set = make_datasets(
         cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
-    cfg, plan = _plan(cfg, train_set, budget)
+    kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
+    if kept is not None:
+      cfg = kept
+    else:
+      cfg, plan = _plan(cfg, train_set, budget)
     model = build_model(cfg)
   batches = Batches(train_set, cfg.batch_size, seed=cfg.seed, example_ids=cfg.grad_norm_cache)
   if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
@@ -215,6 +219,25 @@ def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "plann
   result = planner.plan(cfg, example, budget, progress=lambda line: print(line, flush=True))
   print(result.table(), result.summary(), sep="\n", flush=True)
   return result.apply(cfg), result
+
+
+def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig | None:
+  """A resumed planned run keeps its plan: ``cfg`` with the policy and grad_accum of the
+  newest checkpoint in ``out`` that records them (said), not planned again (another plan
+  could change the state's arrays, and the run's numerics); None when none records a plan."""
+  ckpt = Checkpoints(out / "checkpoints")
+  try:
+    metas = [(step, ckpt.read_meta(step)) for step in reversed(ckpt.steps())]
+  finally:
+    ckpt.close()
+  for step, meta in metas:
+    saved = meta.get("config", {})
+    if saved.get("memory_budget") is not None and "policy" in saved and "grad_accum" in saved:
+      print(f"planner: resuming the plan the run chose (policy {saved['policy']}, grad_accum "
+            f"{saved['grad_accum']}, checkpoint step {step}); memory_budget is not planned "
+            "again (a new run plans afresh)", flush=True)
+      return cfg.replace(policy=saved["policy"], grad_accum=saved["grad_accum"])
+  return None
 
 
 def _stop_if_non_finite(trainer: Trainer, ckpt: Checkpoints, log: Log,

@@ -230,16 +230,14 @@ class Trainer:
   def save(self, ckpt: Checkpoints, data_state: dict, extra: dict | None = None) -> None:
     """Saves the state with ``data_state`` (``Batches.state()`` after this state's step)."""
     step = int(self.state["step"])
-    meta = {"step": step, "data": data_state, "config": self.cfg.to_json()}
+    meta = {"step": step, "data": data_state, "config": self.cfg.to_json(),
+            "names": _leaf_names(self.state)}  # for a later mismatch's message
     ckpt.save(step, {"leaves": jax.tree.leaves(self.state)}, {**meta, **(extra or {})})
 
   def restore(self, ckpt: Checkpoints, batches) -> dict:
     """Loads the newest intact checkpoint into the state and ``batches``; its metadata."""
-    with_paths, treedef = jax.tree_util.tree_flatten_with_path(self.state)
-    leaves = [x for _, x in with_paths]
-    names = [jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
-             for path, _ in with_paths]
-    restored, meta = ckpt.restore({"leaves": leaves}, names=names)
+    leaves, treedef = jax.tree.flatten(self.state)
+    restored, meta = ckpt.restore({"leaves": leaves}, names=_leaf_names(self.state))
     self.state = jax.tree.unflatten(treedef, restored["leaves"])
     self.compiled_step = None  # compiled for the state it replaced
     if self.mesh is not None:
@@ -247,6 +245,12 @@ class Trainer:
     self.first_bad = self.placed(no_bad_step())
     batches.restore(meta["data"])
     return meta
+
+
+def _leaf_names(state) -> list[str]:
+  """The state's leaves' paths, in order: ``params/stack/blocks/attn/query/kernel``..."""
+  return [jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+          for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 def _signature(batch: dict) -> tuple:
