@@ -61,6 +61,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.fit_search import largest_at_most, largest_fitting
+from lowmem_jax import cli_checks
 from lowmem_jax.gpu_check import LLAMA_LORA_TARGETS
 from lowmem_jax.memory import format_table, split_policies, write_json
 from lowmem_jax.policy import MemoryPolicy
@@ -451,6 +452,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   args = ap.parse_args(argv)
   if args.child:
     return args
+  cli_checks.output_file(ap, args, "--json")
   defaults = SMOKE if args.smoke else FULL
   for key, value in defaults.items():
     if getattr(args, key) is None:

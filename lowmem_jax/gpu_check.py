@@ -57,6 +57,8 @@ from collections.abc import Sequence
 from importlib.util import find_spec
 from pathlib import Path
 
+from lowmem_jax import cli_checks
+
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "train", "bench-vit", "bench-llama", "bench-remat", "kernel-bench",
           "attention-bench", "reversible-depth", "llama-fit", "tests")
@@ -667,22 +669,34 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     print(json.dumps(info))
     return None
 
+  # every argument checked before the run's folder is made
+  if args.stages is not None and args.call:
+    ap.error("--stages and --call both choose the stages: give one")
+  chosen = CALLS[args.call or 1]
+  if args.stages is not None:
+    chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(STAGES))
+    if unknown:
+      ap.error(f"--stages: unknown stage(s) {', '.join(unknown)}; valid: "
+               f"{', '.join(STAGES)}")
+    if not chosen:
+      ap.error(f"--stages names no stage, got {args.stages!r}; valid: {', '.join(STAGES)}")
+  cli_checks.above(ap, args, "--budget")
+  cli_checks.at_least(ap, args, "--workers", minimum=0)
+  try:
+    tests = shlex.split(args.tests) if args.tests else None
+  except ValueError as e:
+    ap.error(f"--tests {args.tests}: {e}")
+  cli_checks.output_dir(ap, args, "--out", "--docs")
+
   started = datetime.datetime.now().astimezone()
   out = Path(args.out or f"runs/gpu-check-{started:%Y%m%d-%H%M%S}").resolve()
   out.mkdir(parents=True, exist_ok=True)
   stages = build_stages(out, smoke=args.smoke, peak=args.peak, workers=args.workers,
-                        tests=shlex.split(args.tests) if args.tests else None)
-  if args.stages and args.call:
-    ap.error("--stages and --call both choose the stages: give one")
-  chosen = CALLS[args.call or 1]
-  if args.stages:
-    chosen = [s.strip() for s in args.stages.split(",") if s.strip()]
-    unknown = sorted(set(chosen) - set(STAGES))
-    if unknown:
-      ap.error(f"unknown stage(s) {', '.join(unknown)}; valid: {', '.join(STAGES)}")
+                        tests=tests)
   stages = [s for s in stages if s.name in chosen]
   git = git_info(args.commit)
-  budget = args.budget or (SMOKE_BUDGET_S if args.smoke else GPU_BUDGET_S)
+  budget = args.budget or (SMOKE_BUDGET_S if args.smoke else GPU_BUDGET_S)  # None: default
   meta = {"argv": argv, "smoke": args.smoke, "budget_s": budget, "peak": args.peak,
           "out": str(out)}
   t0 = time.perf_counter()

@@ -250,11 +250,24 @@ def _report_rows(cfg, policies, batch, seq, dtype):
   return rows
 
 
+def _trace_stack(cfg, spec: str, seq: int, dtype) -> None:
+  """Traces one layer of the stack under ``spec``, nothing compiled: ValueError where the
+  stack cannot take the policy (one that keeps state: Mesa's codes, WTA-CRS's samples)."""
+  from lowmem_jax import block_stack
+  from lowmem_jax.policy import MemoryPolicy
+
+  policy, one = MemoryPolicy.parse(spec), dataclasses.replace(cfg, num_layers=1)
+  params = jax.eval_shape(lambda: block_stack.init_stack(jax.random.key(0), one, policy))
+  jax.eval_shape(functools.partial(block_stack.apply_stack, cfg=one, policy=policy), params,
+                 jax.ShapeDtypeStruct((1, seq, cfg.dim), dtype))
+
+
 def _ratio(a, b):
   return "-" if a is None or not b else f"{a / b:.3f}"
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
+  from lowmem_jax import cli_checks
   from lowmem_jax.block_stack import StackConfig
 
   ap = argparse.ArgumentParser(
@@ -274,9 +287,27 @@ def main(argv: Sequence[str] | None = None) -> dict:
                   help="comma-separated policy specs (default: %(default)s)")
   ap.add_argument("--json", metavar="FILE", help="also write the figures as JSON")
   args = ap.parse_args(argv)
+  cli_checks.at_least(ap, args, "--layers", "--dim", "--heads", "--kv-heads", "--mlp-dim",
+                      "--batch", "--seq")
+  if args.dim % args.heads:
+    ap.error(f"--dim {args.dim} is not divisible by --heads {args.heads}")
+  if args.kv_heads is not None and args.heads % args.kv_heads:
+    ap.error(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
+  try:
+    specs = policy_list(args.policies)
+  except ValueError as e:
+    ap.error(f"--policies: {e}")
+  if not specs:
+    ap.error(f"--policies names no policy, got {args.policies!r}")
+  cli_checks.output_file(ap, args, "--json")
   cfg = StackConfig(kind=args.kind, num_layers=args.layers, dim=args.dim,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, mlp_dim=args.mlp_dim)
-  specs = split_policies(args.policies)
+  for spec in specs:
+    try:
+      _trace_stack(cfg, spec, args.seq, jnp.dtype(args.dtype))
+    except ValueError as e:
+      ap.error(f"--policies: the block stack cannot take {spec!r}: {str(e).split(';')[0]} "
+               "(python -m models.step_memory measures it on a model)")
   rows = _report_rows(cfg, specs, args.batch, args.seq, jnp.dtype(args.dtype))
 
   base = next((r for r in rows if r["policy"] == "baseline"), rows[0])

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from lowmem_jax import cli_checks
 from lowmem_jax.memory import (MiB, format_table, peak_buffers, policy_list, saved_residuals,
                                step_memory, write_json)
 from lowmem_jax.policy import MemoryPolicy
@@ -101,7 +102,7 @@ def _overrides(items: Sequence[str]) -> dict:
   for item in items:
     key, sep, value = item.partition("=")
     if not sep:
-      raise ValueError(f"--set expects key=value, got {item!r}")
+      raise ValueError(f"expects key=value, got {item!r}")
     try:
       out[key] = ast.literal_eval(value)
     except (ValueError, SyntaxError):
@@ -116,18 +117,33 @@ def main(argv: Sequence[str] | None = None) -> dict:
                   help="override a config field, e.g. --set num_layers=2")
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--seq", type=int, default=512, help="sequence length (LLaMA)")
-  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
   ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
   ap.add_argument("--json", metavar="FILE")
   ap.add_argument("--explain", action="store_true",
                   help="also print the buffers live at each policy's compiled peak")
   ap.add_argument("--top", type=int, default=20, help="buffers and lines --explain shows")
   args = ap.parse_args(argv)
-  overrides = _overrides(args.set)
+  cli_checks.at_least(ap, args, "--batch", "--seq", "--top")
+  cli_checks.output_file(ap, args, "--json")
+  try:
+    family = registry.family(args.model)
+  except ValueError as e:
+    ap.error(f"--model: {e}")
+  try:
+    overrides = _overrides(args.set)
+    cfg = registry.config(args.model, **overrides)
+  except ValueError as e:
+    ap.error(f"--set: {e}")
+  max_tokens = getattr(cfg, "max_tokens", None)
+  if family.inputs == "tokens" and max_tokens and args.seq > max_tokens:
+    ap.error(f"--seq {args.seq} exceeds the {max_tokens} positions of {args.model}")
   try:
     policies = policy_list(args.policies)
   except ValueError as e:
     ap.error(f"--policies: {e}")
+  if not policies:
+    ap.error(f"--policies names no policy, got {args.policies!r}")
   rows = measure(args.model, policies, args.batch, args.seq,
                  jnp.dtype(args.dtype), overrides)
   base = rows[0]
@@ -152,7 +168,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
       print(f"\n[{row['policy']}] " + peak.table(top=args.top))
       row["peak_buffers"] = {"peak_bytes": peak.peak_bytes,
                              "by_source": [list(r) for r in peak.by_source()[:args.top]]}
-  write_json(args.json, result)
   write_json(args.json, result)
   return result
 

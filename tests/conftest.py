@@ -80,6 +80,19 @@ def set_args(overrides) -> list[str]:
   return [arg for kv in overrides for arg in ("--set", kv)]
 
 
+def cli_error(main, argv, capsys) -> str:
+  """The message of the one error line a command's ``main(argv)`` prints when argparse
+  refuses ``argv`` (usage, then ``prog: error: message``; exit status 2)."""
+  with pytest.raises(SystemExit) as exit_:
+    main(argv)
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("usage: ") and err.count(": error: ") == 1, err
+  last = err.rstrip("\n").splitlines()[-1]
+  assert ": error: " in last, err
+  return last.split(": error: ", 1)[1]
+
+
 def pytest_unconfigure(config):
   """The controller removes the session's compilation cache (workers leave it alone)."""
   if not hasattr(config, "workerinput") and os.environ.get("LOWMEM_JAX_TEST_CACHE_OWNED"):

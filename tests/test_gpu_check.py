@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from conftest import cli_error
 from lowmem_jax import gpu_check
 from lowmem_jax.gpu_check import Stage
 
@@ -186,6 +187,35 @@ def test_unknown_stage_is_an_error(tmp_path):
   with pytest.raises(SystemExit):  # two ways of choosing the stages at once
     gpu_check.main(["--stages", "env", "--call", "2", "--out", str(tmp_path)])
   assert gpu_check.CALLS[2] == gpu_check.SECOND_CALL and gpu_check.CALLS[3][-1] == "llama-fit"
+
+
+def _no_stages(*args, **kwargs):
+  raise AssertionError("ran stages before checking the arguments")
+
+
+BAD_ARGS = [
+    (["--stages", "foo"], "--stages: unknown stage(s) foo; valid: env, train, "),
+    (["--stages", ","], "--stages names no stage, got ','; valid: env, "),
+    (["--budget", "-1"], "--budget must be > 0, got -1.0"),
+    (["--budget", "0"], "--budget must be > 0, got 0.0"),
+    (["--workers", "-1"], "--workers must be >= 0, got -1"),
+    (["--out", "a-file"], "--out a-file is a file, not a directory"),
+    (["--out", "a-file/sub"], "--out a-file/sub: a-file is a file, not a directory"),
+    (["--docs", "a-file"], "--docs a-file is a file, not a directory"),
+    (["--tests", "tests/x.py -k 'a"], "--tests tests/x.py -k 'a: No closing quotation"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_arguments_are_refused_before_any_folder(argv, message, tmp_path, capsys,
+                                                     monkeypatch):
+  """Refused with one line before the run's folder (default: runs/gpu-check-<time> in
+  the working directory) is made and before any stage runs."""
+  monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(gpu_check, "run_stages", _no_stages)
+  (tmp_path / "a-file").write_text("")
+  assert cli_error(gpu_check.main, argv, capsys).startswith(message)
+  assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
 @pytest.mark.slow

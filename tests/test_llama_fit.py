@@ -162,6 +162,9 @@ def test_peer_ratios_and_table():
     (["--memory-budget", "lots"], "memory_budget='lots'"),
     (["--model", "llama-huge"], "llama-huge"),
     (["--cap", "0"], "--cap must be >= 1"),
+    (["--json", "."], "--json . is a directory; give a file name"),
+    (["--json", "/no-such-dir/f.json"], "--json /no-such-dir/f.json: the directory "
+     "/no-such-dir does not exist"),
 ])
 def test_bad_arguments_exit_2_naming_the_value(argv, message, capsys):
   with pytest.raises(SystemExit) as e:

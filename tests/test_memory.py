@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from conftest import cli_error
 from lowmem_jax import memory
 from lowmem_jax.block_stack import StackConfig
 from lowmem_jax.policy import MemoryPolicy
@@ -97,10 +98,41 @@ def test_report_cli_prints_table_and_writes_json(tmp_path):
     assert rows["lowmembp"]["compiled"]["temp"] < rows["baseline"]["compiled"]["temp"]
 
 
-def test_report_cli_rejects_unknown_policy():
-  with pytest.raises(ValueError, match="unknown preset"):
-    memory.main(["--policies", "nope", "--layers", "1", "--dim", "8", "--heads", "2",
-                 "--mlp-dim", "16", "--seq", "4", "--batch", "1"])
+def _no_work(*args, **kwargs):
+  raise AssertionError("compiled before checking the arguments")
+
+
+BAD_ARGS = [
+    (["--dim", "65"], "--dim 65 is not divisible by --heads 2"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--layers", "0"], "--layers must be >= 1, got 0"),
+    (["--heads", "0"], "--heads must be >= 1, got 0"),
+    (["--kv-heads", "0"], "--kv-heads must be >= 1, got 0"),
+    (["--heads", "4", "--kv-heads", "3"], "--heads 4 is not a multiple of --kv-heads 3"),
+    (["--seq", "0"], "--seq must be >= 1, got 0"),
+    (["--mlp-dim", "0"], "--mlp-dim must be >= 1, got 0"),
+    (["--dim", "-8"], "--dim must be >= 1, got -8"),
+    (["--policies", "nope"], "--policies: invalid policy 'nope': MemoryPolicy: unknown "
+     "preset 'nope'"),
+    (["--policies", ","], "--policies names no policy, got ','"),
+    (["--policies", "baseline,mesa8"], "--policies: the block stack cannot take 'mesa8': "
+     "MemoryPolicy 'mesa8': its norm keeps state (CodedNorm), so it has no plain function "
+     "(python -m models.step_memory measures it on a model)"),
+    (["--json", "{tmp}"], "--json {tmp} is a directory; give a file name"),
+    (["--json", "{tmp}/no/r.json"], "--json {tmp}/no/r.json: the directory {tmp}/no does not "
+     "exist"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_report_cli_refuses_bad_arguments_before_any_compile(argv, message, tmp_path, capsys,
+                                                             monkeypatch):
+  monkeypatch.setattr(memory, "_report_rows", _no_work)
+  tiny = ["--layers", "1", "--dim", "8", "--heads", "2", "--mlp-dim", "16", "--seq", "4",
+          "--batch", "1", "--policies", "baseline"]
+  argv = tiny + [a.format(tmp=tmp_path) for a in argv]
+  assert cli_error(memory.main, argv, capsys).startswith(message.format(tmp=tmp_path))
+  assert list(tmp_path.iterdir()) == []
 
 
 def test_error_line_is_the_type_and_first_line_even_without_a_message():

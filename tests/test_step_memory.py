@@ -3,6 +3,7 @@
 
 import pytest
 
+from conftest import cli_error
 from models import step_memory
 
 
@@ -78,3 +79,35 @@ def test_explain_prints_the_peak_buffers_by_source_line(capsys, tmp_path):
   row = result["rows"][0]["peak_buffers"]
   assert row["peak_bytes"] > 0 and len(row["by_source"]) == 5
   assert (tmp_path / "m.json").exists()
+
+
+def _no_work(*args, **kwargs):
+  raise AssertionError("compiled before checking the arguments")
+
+
+BAD_ARGS = [
+    (["--batch", "0"], "--batch must be >= 1, got 0"),
+    (["--seq", "0"], "--seq must be >= 1, got 0"),
+    (["--top", "0", "--explain"], "--top must be >= 1, got 0"),
+    (["--dtype", "foo"], "argument --dtype: invalid choice: 'foo' (choose from "),
+    (["--model", "nope"], "--model: unknown model 'nope'; valid presets: vit-ti16, "),
+    (["--set", "nope=1"], "--set: unknown ViTConfig field(s) nope; valid: "),
+    (["--set", "num_layers=0"], "--set: ViTConfig: num_layers must be a positive int, got 0"),
+    (["--set", "num_layers"], "--set: expects key=value, got 'num_layers'"),
+    (["--model", "llama-tiny", "--seq", "300"], "--seq 300 exceeds the 256 positions of "
+     "llama-tiny"),
+    (["--policies", ","], "--policies names no policy, got ','"),
+    (["--json", "{tmp}"], "--json {tmp} is a directory; give a file name"),
+    (["--json", "{tmp}/no/m.json"], "--json {tmp}/no/m.json: the directory {tmp}/no does not "
+     "exist"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_arguments_are_one_line_errors_before_any_compile(argv, message, tmp_path, capsys,
+                                                              monkeypatch):
+  monkeypatch.setattr(step_memory, "measure", _no_work)
+  argv = ["--model", "vit-tiny", "--policies", "baseline"] + [
+      a.format(tmp=tmp_path) for a in argv]
+  assert cli_error(step_memory.main, argv, capsys).startswith(message.format(tmp=tmp_path))
+  assert list(tmp_path.iterdir()) == []

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import TINY_MODEL, set_args
+from conftest import TINY_MODEL, cli_error, set_args
 from train import bench
 
 TINY_OVERRIDES = [f"model.{k}={v}" for k, v in TINY_MODEL.items()] + ["batch_size=16"]
@@ -157,6 +157,35 @@ def test_unknown_policy_is_named():
     bench.main([*TINY, "--policies", "baseline,bogus"])
   with pytest.raises(ValueError, match="'lowmembp\\+nope'"):
     bench.parse_policies("lowmembp+nope")
+
+
+def _no_work(*args, **kwargs):
+  raise AssertionError("ran before checking the arguments")
+
+
+BAD_ARGS = [
+    (["--json", "{tmp}"], "--json {tmp} is a directory; give a file name"),
+    (["--json", "{tmp}/no/b.json"], "--json {tmp}/no/b.json: the directory {tmp}/no does not "
+     "exist"),
+    (["--png", "{tmp}"], "--png {tmp} is a directory; give a file name"),
+    (["--png", "{tmp}/no/b.png"], "--png {tmp}/no/b.png: the directory {tmp}/no does not "
+     "exist"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--warmup", "0"], "--warmup must be >= 1, got 0"),
+    (["--synthetic", "-1"], "--synthetic must be >= 0, got -1"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
+def test_bad_arguments_are_refused_before_any_run(argv, message, tmp_path, capsys,
+                                                  monkeypatch):
+  """The output paths are checked up front, by the names given (not at the end, after all
+  the work, as the ``.tmp`` file the JSON is first written to)."""
+  for name in ("run", "compile_only", "run_peers", "measure_peaks"):
+    monkeypatch.setattr(bench, name, _no_work)
+  argv = [*TINY, "--policies", "lowmembp", *(a.format(tmp=tmp_path) for a in argv)]
+  assert cli_error(bench.main, argv, capsys) == message.format(tmp=tmp_path)
+  assert list(tmp_path.iterdir()) == []
 
 
 def test_parse_policies():

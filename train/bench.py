@@ -58,6 +58,7 @@ from pathlib import Path
 
 import numpy as np
 
+from lowmem_jax import cli_checks
 from lowmem_jax.memory import (MiB, error_line, format_table, peak_buffers, policy_list,
                                write_json)
 from lowmem_jax.policy import MemoryPolicy
@@ -437,10 +438,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                        "backend (lowmem_jax.gpu_target: h100; no GPU needed)")
   ap.add_argument("--peak-child", metavar="FILE", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
-  if args.steps < 1 or args.warmup < 1:
-    ap.error("--steps and --warmup must be >= 1")
-  if args.synthetic < 0:
-    ap.error("--synthetic must be >= 0")
+  cli_checks.at_least(ap, args, "--steps", "--warmup")
+  cli_checks.at_least(ap, args, "--synthetic", minimum=0)
+  cli_checks.output_file(ap, args, "--json", "--png")
   cfg = load_config(args.config_name, args.config, args.set)
   specs = parse_policies(args.policies)
 
