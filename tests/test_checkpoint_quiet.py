@@ -95,3 +95,22 @@ def test_loops_closed_during_a_restore_finish_their_pending_tasks_first(monkeypa
     loop.run_until_complete(asyncio.sleep(0))
     loop.close()
   assert loop.is_closed() and forever.cancelled()
+
+
+def test_an_unreadable_orbax_step_metadata_is_one_warning(finished_run, tmp_path, capsys,
+                                                          caplog):
+  """A truncated ``_CHECKPOINT_METADATA`` (orbax's bookkeeping; our arrays and metadata
+  intact) resumes, with one warning of ours instead of absl ERROR lines per read."""
+  from train.loop import train
+  run = _copy(finished_run, tmp_path / "run")
+  path = tmp_path / "run" / "checkpoints" / "4" / "_CHECKPOINT_METADATA"
+  path.write_text(path.read_text()[:20])
+  capsys.readouterr()
+  result = train(run.replace(resume=True))
+  err = capsys.readouterr().err
+  assert result["step"] == 4
+  assert not [r for r in caplog.records if "Failed to json parse" in r.getMessage()]
+  warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
+  assert warnings == [f"warning: {path} (orbax's save time and handler names) is unreadable; "
+                      "the arrays and metadata of step 4 passed their checksum, so the run "
+                      "resumes from it"], err

@@ -11,10 +11,11 @@ missing array files, garbage metadata) or whose arrays fail the checksum is rena
 A checkpoint whose arrays have other shapes than the model's is no corruption but a
 changed config: :class:`StateMismatchError`.
 
-A failed read is quiet: orbax runs each restore on a fresh event loop and closes it as soon
-as the first array read fails, with the other reads still in flight; their TensorStore
-callbacks then hit the closed loop ("RuntimeError: Event loop is closed" tracebacks) and
-their coroutines are collected half-run ("Exception ignored in: <coroutine object
+A failed read is quiet. An unparsable ``_CHECKPOINT_METADATA`` (orbax's bookkeeping) is
+one warning of ours, not absl ERROR lines per read. And orbax runs each restore on a fresh
+event loop and closes it as soon as the first array read fails, with the other reads still
+in flight; their TensorStore callbacks then hit the closed loop ("RuntimeError: Event loop
+is closed" tracebacks) and their coroutines are collected half-run ("Exception ignored in: <coroutine object
 _read_array_index_and_device_put ...>" with a spec dump), pages of stderr around the one
 warning. Restores here run under :func:`_reads_finish_before_loops_close`, so a loop
 orbax closes first lets its pending reads finish (their errors collected and dropped).
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 import time
@@ -167,6 +169,28 @@ def _reads_finish_before_loops_close():
     asyncio.set_event_loop_policy(base)
 
 
+class _UnreadableStepMetadata(logging.Filter):
+  """Takes orbax's absl ERROR lines about a step's unparsable ``_CHECKPOINT_METADATA``
+  (its bookkeeping: save time, handler names; each read logs it again) off the log; the
+  folders they name are collected for one warning of ours."""
+  PREFIX = "Failed to json parse Metadata file: "
+
+  def __init__(self):
+    super().__init__()
+    self.files: set[str] = set()
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if message.startswith(self.PREFIX):
+      self.files.add(message[len(self.PREFIX):].split(",", 1)[0])
+      return False
+    return True
+
+
+_UNREADABLE = _UnreadableStepMetadata()
+logging.getLogger("absl").addFilter(_UNREADABLE)
+
+
 class Checkpoints:
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3):
@@ -217,6 +241,7 @@ class Checkpoints:
               f"renamed it {b}.corrupt and resumed from step {step} instead",
               file=sys.stderr, flush=True)
         self._set_aside(b)
+      self._warn_unreadable_metadata(step)
       return out
     raise NoIntactCheckpointError(
         f"no intact checkpoint in {self.directory}: steps "
@@ -270,6 +295,17 @@ class Checkpoints:
         name = names[i] if names else f"array {i}"
         raise StateMismatchError(step, f"{name} is {s[1]}{list(s[0])} in the checkpoint, "
                                        f"{w[1]}{list(w[0])} in this run")
+
+  def _warn_unreadable_metadata(self, step: int) -> None:
+    """One warning when orbax could not parse the restored step's ``_CHECKPOINT_METADATA``
+    (absl's ERROR lines for it are filtered): the arrays and our metadata passed their
+    checks, so the resume goes on; the next save writes a fresh one."""
+    path = os.path.join(self.directory, str(step), "_CHECKPOINT_METADATA")
+    if path in _UNREADABLE.files:
+      _UNREADABLE.files.discard(path)
+      print(f"warning: {path} (orbax's save time and handler names) is unreadable; the "
+            f"arrays and metadata of step {step} passed their checksum, so the run resumes "
+            "from it", file=sys.stderr, flush=True)
 
   def _set_aside(self, step: int) -> None:
     """Renames a corrupt step folder so orbax no longer sees it (kept for inspection)."""
