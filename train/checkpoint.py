@@ -15,10 +15,11 @@ A failed read is quiet. An unparsable ``_CHECKPOINT_METADATA`` (orbax's bookkeep
 one warning of ours, not absl ERROR lines per read. And orbax runs each restore on a fresh
 event loop and closes it as soon as the first array read fails, with the other reads still
 in flight; their TensorStore callbacks then hit the closed loop ("RuntimeError: Event loop
-is closed" tracebacks) and their coroutines are collected half-run ("Exception ignored in: <coroutine object
-_read_array_index_and_device_put ...>" with a spec dump), pages of stderr around the one
-warning. Restores here run under :func:`_reads_finish_before_loops_close`, so a loop
-orbax closes first lets its pending reads finish (their errors collected and dropped).
+is closed" tracebacks) and their coroutines are collected half-run ("Exception ignored in:
+<coroutine object _read_array_index_and_device_put ...>" with a spec dump), pages of
+stderr around the one warning. Restores here run under
+:func:`_reads_finish_before_loops_close`, so a loop orbax closes first lets its pending
+reads finish (their errors collected and dropped).
 """
 
 from __future__ import annotations

@@ -64,10 +64,7 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
     train_set, eval_set = make_datasets(
         cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
     kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
-    if kept is not None:
-      cfg = kept
-    else:
-      cfg, plan = _plan(cfg, train_set, budget)
+    cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, budget)
     model = build_model(cfg)
   batches = Batches(train_set, cfg.batch_size, seed=cfg.seed, example_ids=cfg.grad_norm_cache)
   if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
