@@ -178,8 +178,16 @@ def check_inputs(cfg: TrainConfig) -> None:
     path = resolve_path(value)  # a pkg: that is not installed is an error here
     if not os.path.exists(path):
       raise ValueError(f"{field}={value!r}: no such file or folder")
-  if cfg.export_dir and os.path.exists(cfg.export_dir) and not os.path.isdir(cfg.export_dir):
-    raise ValueError(f"export_dir={cfg.export_dir!r} is a file; name a folder")
+  for field in ("export_dir", "profile_dir"):  # folders made when written
+    value = getattr(cfg, field)
+    if value and os.path.exists(value) and not os.path.isdir(value):
+      raise ValueError(f"{field}={value!r} is a file; name a folder")
+  if cfg.memory_profile:  # a file, written after step 1
+    parent = os.path.dirname(os.path.abspath(cfg.memory_profile))
+    if os.path.isdir(cfg.memory_profile):
+      raise ValueError(f"memory_profile={cfg.memory_profile!r} is a folder; name a file")
+    if not os.path.isdir(parent):
+      raise ValueError(f"memory_profile={cfg.memory_profile!r}: no such folder {parent}")
   if not cfg.pretrained:
     model_config(cfg)
   sharding.make_mesh(cfg.mesh)  # raises when the mesh needs more devices than there are
