@@ -323,6 +323,7 @@ def test_config_errors():
     ("trainable=frozen:nomatch", "trainable='frozen:nomatch' matches no parameter path"),
     ("export_dir=/etc/passwd", "export_dir='/etc/passwd' is a file; name a folder"),
     ("profile_dir=/etc/passwd", "profile_dir='/etc/passwd' is a file; name a folder"),
+    ("task=text,tokenizer=README.md", "README.md: not a tokenizers tokenizer.json ("),
     ("memory_profile=/etc", "memory_profile='/etc' is a folder; name a file"),
     ("memory_profile=/nonexistent/m.prof",
      "memory_profile='/nonexistent/m.prof': no such folder /nonexistent"),
@@ -334,7 +335,7 @@ def test_config_errors():
 ])
 def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_path):
   out = tmp_path / "run"
-  cfg = config_lib.load_config(overrides=[override, f"out_dir={out}"])
+  cfg = config_lib.load_config(overrides=[*override.split(","), f"out_dir={out}"])
   with pytest.raises(ValueError, match=re.escape(message)):
     train(cfg)
   assert not out.exists()

@@ -28,6 +28,7 @@ from train.memory_report import print_memory
 from train.metrics import Log, finished_result
 from train.model import build_model, model_config, resolve_path
 from train.optim import make_schedule
+from train.tokenize import load_tokenizer
 from train.trainer import Trainer
 
 
@@ -188,6 +189,8 @@ def check_inputs(cfg: TrainConfig) -> None:
       raise ValueError(f"memory_profile={cfg.memory_profile!r} is a folder; name a file")
     if not os.path.isdir(parent):
       raise ValueError(f"memory_profile={cfg.memory_profile!r}: no such folder {parent}")
+  if cfg.tokenizer and cfg.task != "image":
+    load_tokenizer(resolve_path(cfg.tokenizer))  # raises on a file that is no tokenizer
   if not cfg.pretrained:
     model_config(cfg)
   sharding.make_mesh(cfg.mesh)  # raises when the mesh needs more devices than there are

@@ -24,7 +24,10 @@ def load_tokenizer(tokenizer):
       p = p / "tokenizer.json"
     if not p.is_file():
       raise MissingFileError(f"tokenizer file not found: {p}")
-    tok = Tokenizer.from_file(str(p))
+    try:
+      tok = Tokenizer.from_file(str(p))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
+      raise ValueError(f"{p}: not a tokenizers tokenizer.json ({e})") from None
   else:
     tok = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if not isinstance(tok, Tokenizer):
