@@ -6,9 +6,15 @@ A model directory holds ``config.json`` and ``model.safetensors`` (or shards lis
 the map from HF names to our variables (``hf_map``), which one generic reader/writer
 (:mod:`models.hf_state`) applies; when the policy uses MS norms it merges each norm's
 affine into the linear(s) reading it (float64, then cast). ``save_pretrained`` writes HF
-names back so HF transformers loads the same function: pre-LN models export merged norms as weight 1, bias 0 with the
-merged linears; post-LN models (BERT/RoBERTa), whose residual path keeps gamma/beta,
-export those and un-merge the linears.
+names back so HF transformers loads the same function: pre-LN models export merged norms
+as weight 1, bias 0 with the merged linears; post-LN models (BERT/RoBERTa), whose
+residual path keeps gamma/beta, export those and un-merge the linears.
+
+Bad input is one :class:`CheckpointError` line naming the file or tensor, before any
+tensor is read: a path that is no directory, a config.json that is no JSON object or
+lacks a field its family needs, an unsupported ``model_type``, a truncated or corrupt
+safetensors file, a shard index naming a missing shard or a tensor its shard lacks, and
+(from the file headers) every missing, unexpected, mis-shaped or non-float tensor.
 
 Host memory of a streamed load (``load_pretrained(store=...)``, as ``train.model.
 build_model`` does with ``base_dtype``), measured by tests/test_hf_stream.py: peak RSS
@@ -42,28 +48,56 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
-from models.hf_state import (CheckpointError, StateReader, init_unread, read_state,
-                             write_state)
+from models.hf_state import (CheckpointError, StateReader, expected_tensors, init_unread,
+                             read_state, write_state)
 from models.hf_state import Linear as MapLinear
+
+
+# safetensors dtypes our float models read (bf16 through JAX); an int or bool tensor is
+# not a weight of theirs
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 
 
 class SafetensorsFiles(Mapping):
   """The tensors of a model directory (single file or shards), read one at a time on
   access (``safetensors.safe_open``): nothing is held but the tensor asked for. bf16
-  tensors (which numpy lacks) come as float32."""
+  tensors (which numpy lacks) come as float32. Opening checks every file's header (a
+  missing shard, a truncated or corrupt file, an index naming a tensor its shard lacks
+  are a :class:`CheckpointError` naming the file) and keeps each tensor's shape and dtype
+  (:meth:`header`), so a load checks them before it reads any tensor."""
 
   def __init__(self, path: str | os.PathLike):
-    path = Path(path)
+    path = _directory(path)
     index = path / "model.safetensors.index.json"
     if index.exists():
-      weight_map = json.loads(index.read_text())["weight_map"]
+      weight_map = _weight_map(index)
     elif (path / "model.safetensors").exists():
-      from safetensors import safe_open
-      with safe_open(str(path / "model.safetensors"), framework="numpy") as f:
-        weight_map = {key: "model.safetensors" for key in f.keys()}
+      weight_map = None
     else:
       raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    files = ["model.safetensors"] if weight_map is None else sorted(set(weight_map.values()))
+    self.headers: dict[str, tuple[tuple[int, ...], str]] = {}
+    for name in files:
+      file = path / name
+      if weight_map is None:
+        header = _header(file)
+        weight_map = {key: name for key in header}
+      else:
+        keys = sorted(k for k, v in weight_map.items() if v == name)
+        if not file.is_file():
+          raise CheckpointError(f"{index}: shard {name} does not exist (it holds "
+                                f"{len(keys)} tensors, e.g. {keys[0]})")
+        header = _header(file)
+        lacking = [k for k in keys if k not in header]
+        if lacking:
+          raise CheckpointError(f"{file} lacks {len(lacking)} tensor(s) that {index.name} "
+                                f"maps to it: {', '.join(lacking[:5])}")
+      self.headers.update({k: header[k] for k, v in weight_map.items() if v == name})
     self.path, self.weight_map = path, dict(weight_map)
+
+  def header(self, key: str) -> tuple[tuple[int, ...], str]:
+    """``(shape, safetensors dtype name)`` of ``key``, from its file's header (no read)."""
+    return self.headers[key]
 
   def __getitem__(self, key: str) -> np.ndarray:
     from safetensors import safe_open
@@ -86,26 +120,80 @@ class SafetensorsFiles(Mapping):
     return key in self.weight_map
 
 
+def _directory(path: str | os.PathLike) -> Path:
+  """``path`` as a Path if it is a directory; else a CheckpointError saying what it is."""
+  path = Path(path)
+  if not path.exists():
+    raise CheckpointError(f"{path}: no such directory")
+  if not path.is_dir():
+    raise CheckpointError(f"{path} is a file; give the model directory (config.json and "
+                          "model.safetensors)")
+  return path
+
+
+def _json(file: Path):
+  try:
+    return json.loads(file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+  """The ``weight_map`` of a shard index: tensor name -> shard file name."""
+  data = _json(index)
+  weight_map = data.get("weight_map") if isinstance(data, dict) else None
+  if not isinstance(weight_map, dict) or not weight_map or not all(
+      isinstance(v, str) for v in weight_map.values()):
+    raise CheckpointError(f"{index}: no \"weight_map\" object (tensor name -> shard file)")
+  return weight_map
+
+
+def _header(file: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+  """Each tensor's ``(shape, dtype name)`` in a safetensors file (its header only)."""
+  from safetensors import SafetensorError, safe_open
+  try:
+    with safe_open(str(file), framework="numpy") as f:
+      return {key: (tuple(f.get_slice(key).get_shape()), f.get_slice(key).get_dtype())
+              for key in f.keys()}
+  except SafetensorError as e:  # truncated, corrupt, or not safetensors at all
+    raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
 def read_safetensors(path: str | os.PathLike) -> SafetensorsFiles:
   """All tensors of a model directory (single file or shards): a mapping HF name ->
   numpy array that reads each tensor when asked (``dict(...)`` reads them all)."""
   return SafetensorsFiles(path)
 
 
-def _read_config(path: Path):
+def _read_config(path: Path, overrides: dict):
+  """``(family, our config)`` of the HF directory ``path`` with ``overrides``; a bad
+  ``config.json`` is a CheckpointError naming it and what is wrong."""
+  path = _directory(path)
   config_file = path / "config.json"
   if not config_file.exists():
     raise CheckpointError(f"{path}: no config.json")
-  hf_config = json.loads(config_file.read_text())
-  return hf_config, registry.hf_family(hf_config.get("model_type", ""))
+  hf_config = _json(config_file)
+  if not isinstance(hf_config, dict):
+    raise CheckpointError(f"{config_file}: expected a JSON object, got "
+                          f"{type(hf_config).__name__}")
+  if "model_type" not in hf_config:
+    raise CheckpointError(f"{config_file}: no model_type; supported: "
+                          f"{', '.join(registry.hf_model_types())}")
+  try:
+    family = registry.hf_family(hf_config["model_type"])
+    return family, family.module.config_from_hf(hf_config, **overrides)
+  except KeyError as e:
+    raise CheckpointError(f"{config_file}: no {e.args[0]!r}, which a "
+                          f"{hf_config['model_type']} config needs") from None
+  except (CheckpointError, TypeError) as e:
+    raise CheckpointError(f"{config_file}: {e}") from None
 
 
 def init_from_config(path: str | os.PathLike, *, policy: MemoryPolicy | str = "baseline",
                      dtype=jnp.float32, seed: int = 0, **overrides):
   """The architecture of a HF model directory, randomly initialised (no weights read):
   for shapes and compiled-memory estimates (e.g. under ``nnx.eval_shape``)."""
-  hf_config, family = _read_config(Path(path))
-  cfg = family.module.config_from_hf(hf_config, **overrides)
+  family, cfg = _read_config(path, overrides)
   return family.build(cfg, MemoryPolicy.parse(policy), dtype=dtype, rngs=nnx.Rngs(seed))
 
 
@@ -123,9 +211,7 @@ def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "ba
   updates). Variables the checkpoint does not fill (policy state, a fresh head) are
   initialised by one jitted build that returns only them. Host memory: one tensor in
   flight beyond what the device holds (module docstring: measured)."""
-  path = Path(path)
-  hf_config, family = _read_config(path)
-  cfg = family.module.config_from_hf(hf_config, **overrides)
+  family, cfg = _read_config(path, overrides)
   policy = MemoryPolicy.parse(policy)
 
   def build():
@@ -136,7 +222,7 @@ def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "ba
   # a map entry that reads the model's own initial weights needs them built for real
   fresh = any(isinstance(e, MapLinear) and e.keep_weights for e in entries)
   model = build() if fresh else nnx.eval_shape(build)
-  _read(model, state, entries, store)
+  _read(model, state, entries, store, source=str(path))
   init_unread(model, build)
   return model
 
@@ -149,9 +235,12 @@ def load_state(model, state: Mapping[str, np.ndarray], *, store: Callable | None
   _read(model, state, module.hf_map(model.cfg, frozenset(state)), store)
 
 
-def _read(model, state, entries, store) -> None:
+def _read(model, state, entries, store, source: str = "") -> None:
+  """Checks ``state`` against the map (names, shapes, dtypes: from file headers, before
+  any tensor is read), then reads it into ``model``."""
   module = registry.hf_family(model.cfg.model_type).module
-  reader = StateReader(state, ignore=module.HF_IGNORED_KEYS)
+  reader = StateReader(state, ignore=module.HF_IGNORED_KEYS, source=source)
+  reader.check(expected_tensors(model, entries))
   read_state(model, entries, reader, store=store)
   reader.finish()
 

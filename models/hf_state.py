@@ -38,17 +38,51 @@ class CheckpointError(ValueError):
   """A checkpoint does not match the model: names the missing/unexpected/mis-shaped keys."""
 
 
-class StateReader:
+# dtype names (numpy's, safetensors') of the float tensors a weight may be stored in
+_FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16",
+                           "F64", "F32", "F16", "BF16"})
 
-  def __init__(self, state: Mapping[str, np.ndarray], *, ignore: Sequence[str] = ()):
+
+def _shape_dtype(state: Mapping, key: str) -> tuple[tuple[int, ...], str]:
+  """``(shape, dtype name)`` of ``state[key]``: from the file header where ``state`` has
+  one (``models.hf.SafetensorsFiles``: no read), else from the array."""
+  if hasattr(state, "header"):
+    return state.header(key)
+  value = state[key]
+  return tuple(np.shape(value)), np.asarray(value).dtype.name
+
+
+class StateReader:
+  """Reads a state dict for :func:`read_state`, recording what is missing, unexpected or
+  mis-shaped. ``source`` (the checkpoint's path) heads every error."""
+
+  def __init__(self, state: Mapping[str, np.ndarray], *, ignore: Sequence[str] = (),
+               source: str = ""):
     self.state = state
     self.ignore = tuple(ignore)  # key substrings that may be present and unused
+    self.source = source
     self.used: set[str] = set()
     self.missing: list[str] = []
     self.misshaped: list[str] = []
 
   def has(self, key: str) -> bool:
     return key in self.state
+
+  def check(self, expected: Mapping[str, Sequence[int] | None]) -> None:
+    """Before any tensor is read: raises :class:`CheckpointError` naming every tensor of
+    ``expected`` (name -> shape, None for any) that is missing, mis-shaped or not a float
+    tensor, and every unexpected one (shapes and dtypes from the file headers)."""
+    missing, misshaped, not_float = [], [], []
+    for key, shape in expected.items():
+      if key not in self.state:
+        missing.append(key)
+        continue
+      have, dtype = _shape_dtype(self.state, key)
+      if shape is not None and have != tuple(shape):
+        misshaped.append(f"{key}: checkpoint {list(have)}, model {list(shape)}")
+      if dtype not in _FLOAT_DTYPES:
+        not_float.append(f"{key}: {dtype}")
+    self._raise(missing, self._unexpected(set(expected)), misshaped, not_float)
 
   def take(self, key: str, shape: Sequence[int] | None = None) -> np.ndarray:
     """The tensor ``key`` as numpy in the checkpoint's dtype (no float64 copy of it in
@@ -66,18 +100,27 @@ class StateReader:
 
   def finish(self) -> None:
     """Raises :class:`CheckpointError` naming every problem found while reading."""
-    unexpected = sorted(k for k in self.state if k not in self.used
-                        and not any(s in k for s in self.ignore))
+    self._raise(self.missing, self._unexpected(self.used), self.misshaped, [])
+
+  def _unexpected(self, used) -> list[str]:
+    return sorted(k for k in self.state if k not in used
+                  and not any(s in k for s in self.ignore))
+
+  def _raise(self, missing, unexpected, misshaped, not_float) -> None:
     problems = []
-    if self.missing:
-      problems.append(f"missing keys ({len(self.missing)}): {', '.join(self.missing[:20])}")
+    if missing:
+      problems.append(f"missing keys ({len(missing)}): {', '.join(missing[:20])}")
     if unexpected:
       problems.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:20])}")
-    if self.misshaped:
-      problems.append(f"mis-shaped keys ({len(self.misshaped)}): "
-                      + "; ".join(self.misshaped[:20]))
+    if misshaped:
+      problems.append(f"mis-shaped keys ({len(misshaped)}): " + "; ".join(misshaped[:20]))
+    if not_float:
+      problems.append(f"keys not of a float dtype ({len(not_float)}): "
+                      + "; ".join(not_float[:20]))
     if problems:
-      raise CheckpointError("checkpoint does not match the model: " + " | ".join(problems))
+      head = f"{self.source}: " if self.source else ""
+      raise CheckpointError(f"{head}checkpoint does not match the model: "
+                            + " | ".join(problems))
 
 
 # ----------------------------------------------------------------------------- the map
@@ -242,6 +285,40 @@ def _kernel_dims(module, layer) -> tuple[tuple[int, ...], int]:
   return shape, module.kernel_axes()[0]
 
 
+def _hf_shape(e: Tensor, ours: tuple) -> tuple:
+  """The HF shape of a Tensor entry whose variable row has shape ``ours`` (``to_hf``
+  applied to a zero-stride view: no array of that size is made)."""
+  if e.to_hf is None:
+    return ours
+  return tuple(e.to_hf(np.broadcast_to(np.zeros((), np.float32), ours)).shape)
+
+
+def expected_tensors(model, entries: Sequence[Entry]) -> dict[str, tuple | None]:
+  """Every HF tensor :func:`read_state` reads for ``entries`` and the shape it must have
+  (None: a tied copy, compared with its original), from ``model``'s (possibly abstract)
+  variables: for :meth:`StateReader.check` before any tensor is read."""
+  out: dict[str, tuple | None] = {}
+  for e in entries:
+    if isinstance(e, Norm):
+      d = _resolve(model, e.path).dim
+      out[f"{e.hf}.weight"] = (d,)
+      if e.bias:
+        out[f"{e.hf}.bias"] = (d,)
+    elif isinstance(e, Tensor) and e.copy_of is not None:
+      out.setdefault(e.hf, None)
+    elif isinstance(e, Tensor):
+      ours = tuple(_value(_resolve(model, e.path)).shape)[0 if e.layer is None else 1:]
+      out[e.hf] = _hf_shape(e, ours)
+    elif isinstance(e, Linear) and not e.keep_weights:
+      module = _resolve(model, e.path)
+      shape, n_in = _kernel_dims(module, e.layer)
+      d_in, d_out = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
+      out[f"{e.hf}.weight"] = (d_out, d_in)
+      if getattr(module, "bias", None) is not None:
+        out[f"{e.hf}.bias"] = (d_out,)
+  return out
+
+
 def _format(store, path: str, module) -> str:
   """``store``'s storage name for ``module``'s weight ("float32" without a store)."""
   return "float32" if store is None else (store(tuple(path.split(".")), module)
@@ -281,8 +358,7 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
     elif isinstance(e, Tensor):
       var = _resolve(model, e.path)
       ours = tuple(_value(var).shape)[0 if e.layer is None else 1:]
-      hf_shape = ours if e.to_hf is None else e.to_hf(np.zeros(ours)).shape
-      value = reader.take(e.hf, hf_shape)
+      value = reader.take(e.hf, _hf_shape(e, ours))
       value = value if e.to_ours is None else e.to_ours(value)
       owner, name = e.path.rpartition(".")[::2]
       module = _resolve(model, owner) if owner else model

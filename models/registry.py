@@ -78,15 +78,19 @@ def family_of(model: nnx.Module) -> Family:
   raise ValueError(f"{type(model).__name__} is not a registered model family")
 
 
+def hf_model_types() -> tuple[str, ...]:
+  """Every HF ``model_type`` some family loads."""
+  return tuple(t for f in FAMILIES for t in f.hf_model_types)
+
+
 def hf_family(model_type: str) -> Family:
   """The family that loads HF checkpoints of ``model_type``."""
   from models.hf_state import CheckpointError
   for f in FAMILIES:
     if model_type in f.hf_model_types:
       return f
-  supported = [t for f in FAMILIES for t in f.hf_model_types]
   raise CheckpointError(f"unsupported model_type {model_type!r}; supported: "
-                        f"{', '.join(supported)}")
+                        f"{', '.join(hf_model_types())}")
 
 
 def config(preset: str, **overrides):

@@ -17,8 +17,8 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import check_positive, init_model, make_config
-from models.hf_state import Linear as HFLinear, Norm as HFNorm, Tensor
+from models.config import check_positive, init_model, make_config, replace_fields
+from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import Mlp
 from models.norm import Norm
@@ -140,8 +140,9 @@ def config_from_hf(hf: dict, **overrides) -> ViTConfig:
                 mlp_dim=hf["intermediate_size"], eps=hf.get("layer_norm_eps", 1e-12),
                 qkv_bias=hf.get("qkv_bias", True), num_labels=num_labels)
   if hf.get("hidden_act", "gelu") != "gelu":
-    raise ValueError(f"ViT: hidden_act {hf['hidden_act']!r} unsupported (exact GELU only)")
-  return dataclasses.replace(ViTConfig(**fields), **overrides)
+    raise CheckpointError(f"config_from_hf: hidden_act {hf['hidden_act']!r} is not "
+                          "supported; only the exact-erf 'gelu'")
+  return replace_fields(ViTConfig(**fields), overrides)
 
 
 def config_to_hf(cfg: ViTConfig) -> dict:

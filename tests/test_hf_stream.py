@@ -5,6 +5,7 @@ measured in a fresh process against the fp32 model's size."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -212,3 +213,116 @@ def test_streamed_load_host_peak_is_below_the_fp32_model(big_checkpoint):
   assert peak["float32"] > 1.0, peak
   assert peak["bfloat16"] < 0.65, peak
   assert peak["nf4"] < 0.33, peak
+
+
+# ----------------------------------------------------------------------- bad checkpoints
+# What a user points load_pretrained at by mistake: one CheckpointError line naming the
+# file (or tensor) and what is wrong, before any tensor is read.
+SRC = fx.DATA / "llama_untied"
+
+
+def _copy(tmp_path, name="ckpt"):
+  import shutil
+  return pathlib.Path(shutil.copytree(SRC, tmp_path / name))
+
+
+def _error(path, **kw) -> str:
+  with pytest.raises(hf.CheckpointError) as e:
+    hf.load_pretrained(path, **kw)
+  return str(e.value)
+
+
+def _edit_config(path, change):
+  config = json.loads((path / "config.json").read_text())
+  change(config)
+  (path / "config.json").write_text(json.dumps(config))
+
+
+def test_bad_directory_and_config_are_one_line_errors(tmp_path):
+  assert _error(tmp_path / "nope") == f"{tmp_path / 'nope'}: no such directory"
+  assert _error(SRC / "config.json") == (
+      f"{SRC / 'config.json'} is a file; give the model directory (config.json and "
+      "model.safetensors)")
+  assert _error(tmp_path) == f"{tmp_path}: no config.json"
+  path = _copy(tmp_path)
+  config = path / "config.json"
+  config.write_text("{not json")
+  assert _error(path) == (f"{config}: not valid JSON (Expecting property name enclosed in "
+                          "double quotes: line 1 column 2 (char 1))")
+  config.write_text("[1, 2]")
+  assert _error(path) == f"{config}: expected a JSON object, got list"
+  config.write_text(json.dumps(llama.config_to_hf(llama.config())))
+  _edit_config(path, lambda c: c.pop("model_type"))
+  assert _error(path) == f"{config}: no model_type; supported: vit, llama, bert, roberta"
+  _edit_config(path, lambda c: c.update(model_type="gpt2"))
+  assert _error(path) == (f"{config}: unsupported model_type 'gpt2'; supported: vit, llama, "
+                          "bert, roberta")
+  _edit_config(path, lambda c: c.update(model_type="llama") or c.pop("hidden_size"))
+  assert _error(path) == f"{config}: no 'hidden_size', which a llama config needs"
+  with pytest.raises(hf.CheckpointError) as e:  # the architecture alone reads it too
+    hf.init_from_config(path)
+  assert str(e.value) == f"{config}: no 'hidden_size', which a llama config needs"
+
+
+def test_corrupt_safetensors_names_the_file(tmp_path):
+  path = _copy(tmp_path)
+  file = path / "model.safetensors"
+  data = file.read_bytes()
+  for content, why in [(data[:len(data) // 2], "incomplete metadata, file not fully covered"),
+                       (data[:20], "invalid header length"), (b"", "header too small"),
+                       (b"not a safetensors file at all", "header too large")]:
+    file.write_bytes(content)
+    assert _error(path) == (f"{file}: not a readable safetensors file (Error while "
+                            f"deserializing header: {why})")
+  file.unlink()
+  assert _error(path) == f"{path}: no model.safetensors or model.safetensors.index.json"
+
+
+def test_bad_shard_index_names_the_shard(tmp_path):
+  from safetensors.numpy import load_file, save_file
+  path = _copy(tmp_path)
+  state = load_file(str(path / "model.safetensors"))
+  (path / "model.safetensors").unlink()
+  keys = sorted(state)
+  names = {k: f"model-0000{1 + i % 2}-of-00002.safetensors" for i, k in enumerate(keys)}
+  index = path / "model.safetensors.index.json"
+  index.write_text(json.dumps({"metadata": {}, "weight_map": names}))
+  first = [k for k in keys if names[k].startswith("model-00001")]
+  save_file({k: state[k] for k in first}, str(path / names[first[0]]))
+  second = [k for k in keys if k not in first]
+  assert _error(path) == (f"{index}: shard model-00002-of-00002.safetensors does not exist "
+                          f"(it holds {len(second)} tensors, e.g. {second[0]})")
+  save_file({k: state[k] for k in second}, str(path / names[second[0]]))
+  assert hf.load_pretrained(path).cfg == llama.config_from_hf(
+      json.loads((path / "config.json").read_text()))  # complete: it loads
+  save_file({k: state[k] for k in first[1:]}, str(path / names[first[0]]))
+  assert _error(path) == (f"{path / names[first[0]]} lacks 1 tensor(s) that "
+                          f"model.safetensors.index.json maps to it: {first[0]}")
+  index.write_text("{}")
+  assert _error(path) == (f'{index}: no "weight_map" object (tensor name -> shard file)')
+  index.write_text("{")
+  assert _error(path).startswith(f"{index}: not valid JSON (")
+
+
+def test_mismatches_are_found_before_any_tensor_is_read(tmp_path, monkeypatch):
+  """A mis-shaped, a non-float and a missing tensor, and one the model has no place for,
+  all named from the file's header: load_pretrained reads nothing (a 7B load would read
+  and quantize every tensor before finding a wrong config)."""
+  from safetensors.numpy import load_file, save_file
+  path = _copy(tmp_path)
+  state = load_file(str(path / "model.safetensors"))
+  state["model.layers.0.mlp.up_proj.weight"] = np.zeros((8, 32), np.float32)
+  state["model.layers.1.mlp.up_proj.weight"] = np.zeros((48, 32), np.int32)
+  state["model.layers.2.mlp.up_proj.weight"] = state.pop("model.layers.1.mlp.down_proj.weight")
+  save_file(state, str(path / "model.safetensors"))
+  reads = []
+  original = hf.SafetensorsFiles.__getitem__
+  monkeypatch.setattr(hf.SafetensorsFiles, "__getitem__",
+                      lambda self, key: reads.append(key) or original(self, key))
+  assert _error(path, store=lambda *_: "nf4") == (
+      f"{path}: checkpoint does not match the model: "
+      "missing keys (1): model.layers.1.mlp.down_proj.weight | "
+      "unexpected keys (1): model.layers.2.mlp.up_proj.weight | "
+      "mis-shaped keys (1): model.layers.0.mlp.up_proj.weight: checkpoint [8, 32], "
+      "model [48, 32] | keys not of a float dtype (1): model.layers.1.mlp.up_proj.weight: I32")
+  assert reads == []

@@ -4,6 +4,7 @@ norms), gradients, export round trip, remat, config and checkpoint errors.
 The HF checkpoint and its logits are golden files (tests/make_hf_fixtures.py), so only
 the tests that run transformers live need torch."""
 
+import json
 
 import jax
 import jax.numpy as jnp
@@ -125,6 +126,19 @@ def test_missing_unexpected_and_misshaped_keys(hf_dir, tmp_path):
     save_file(bad, str(d / "model.safetensors"))
     with pytest.raises(CheckpointError, match=case.replace("misshaped", "mis-shaped")):
       hf.load_pretrained(d)
+
+
+def test_hf_config_errors(hf_dir):
+  """Overrides are checked as preset overrides are (a dataclass TypeError before); an
+  unsupported activation is a CheckpointError naming config.json, as LLaMA's and BERT's."""
+  with pytest.raises(ValueError) as e:
+    hf.load_pretrained(hf_dir, depth=3)
+  assert str(e.value).startswith("unknown ViTConfig field(s) depth; valid: channels, dim,")
+  config = json.loads((hf_dir / "config.json").read_text())
+  with pytest.raises(CheckpointError) as e:
+    vit.config_from_hf({**config, "hidden_act": "relu"})
+  assert str(e.value) == ("config_from_hf: hidden_act 'relu' is not supported; only the "
+                          "exact-erf 'gelu'")
 
 
 def test_config_presets_and_errors():
