@@ -189,6 +189,12 @@ def _read_config(path: Path, overrides: dict):
     raise CheckpointError(f"{config_file}: {e}") from None
 
 
+def config_from_pretrained(path: str | os.PathLike, **overrides):
+  """Our config of a HF model directory (its config.json) with ``overrides``: checks
+  both without building anything."""
+  return _read_config(path, overrides)[1]
+
+
 def init_from_config(path: str | os.PathLike, *, policy: MemoryPolicy | str = "baseline",
                      dtype=jnp.float32, seed: int = 0, **overrides):
   """The architecture of a HF model directory, randomly initialised (no weights read):

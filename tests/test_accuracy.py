@@ -119,6 +119,48 @@ def test_cli_errors_name_the_bad_argument(fakes, capsys, argv, message):
     accuracy.run_config("nope")
 
 
+BERT_FIELDS = ("dim, eps, initializer_range, max_positions, mlp_dim, model_type, num_heads, "
+               "num_labels, num_layers, pad_token_id, type_vocab_size, vocab_size")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--runs", ","], "--runs ',' names no run; valid: digits-vit, digits-revvit, "
+     "minilm-text, minilm-lora"),
+    (["--bench-steps", "0"], "--bench-steps must be >= 1, got 0"),
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--json", "/nonexistent-dir/a.json"],
+     "--json /nonexistent-dir/a.json: the directory /nonexistent-dir does not exist"),
+    (["--markdown", "."], "--markdown . is a directory; give a file name"),
+    (["--set", "policy=lowmembp"],
+     "--set policy=lowmembp: the sweep sets policy itself for every fine-tune"),
+    (["--set", "steps=abc"], "run digits-vit: steps expects an int, got 'abc'"),
+    # the second run's model has no such field: found before the first run trains
+    (["--runs", "digits-vit,minilm-text", "--set", "model.patch_size=4"],
+     f"run minilm-text: unknown BertConfig field(s) patch_size; valid: {BERT_FIELDS}"),
+])
+def test_cli_refuses_before_the_first_fine_tune(fakes, capsys, argv, message):
+  """Each was found only after fine-tunes (a bad --set of a later run, --json/--markdown
+  written after the first run) or never (--runs ',' printed an empty table, --bench-steps
+  0 and --warmup -1 went to the bench, --set policy was silently overridden)."""
+  with pytest.raises(SystemExit) as e:
+    accuracy.main(argv)
+  assert e.value.code == 2
+  assert capsys.readouterr().err.splitlines()[-1] == f"python -m train.accuracy: error: {message}"
+  assert fakes == ([], [])
+
+
+def test_resume_from_a_file_that_is_no_sweep(fakes, capsys, tmp_path):
+  bad = tmp_path / "acc.json"
+  bad.write_text("{")
+  with pytest.raises(SystemExit):
+    accuracy.main(["--runs", "digits-vit", "--json", str(bad), "--resume"])
+  assert capsys.readouterr().err.splitlines()[-1] == (
+      f"python -m train.accuracy: error: --resume: {bad} is not valid JSON (Expecting "
+      "property name enclosed in double quotes: line 1 column 2 (char 1)); name the sweep's "
+      "--json file, or drop --resume to start afresh")
+  assert fakes == ([], [])
+
+
 def test_resume_trains_only_what_the_file_lacks(fakes, tmp_path, monkeypatch):
   """A sweep killed after 5 fine-tunes, resumed: the 5 are not redone, the file and table
   equal an uninterrupted sweep's, and finished runs of earlier invocations stay in them."""

@@ -82,13 +82,24 @@ def spread(values: Sequence[float]) -> dict:
           "min": float(v.min()), "max": float(v.max()), "n": int(v.size)}
 
 
+# the fields every fine-tune of the sweep sets itself (train_seed): a --set of one is refused
+SWEEP_FIELDS = ("policy", "seed", "out_dir", "compare_baseline", "save_every", "eval_every",
+                "export_dir", "resume", "overwrite")
+
+
+def seed_config(cfg, spec: str, seed: int, out: str | None):
+  """``cfg`` as one fine-tune of the sweep runs it: policy ``spec``, ``seed``, folder
+  ``out``, evaluated once at the end, nothing saved."""
+  return cfg.replace(policy=spec, seed=seed, out_dir=out, compare_baseline=False,
+                     save_every=0, eval_every=cfg.steps, export_dir=None, resume=False,
+                     overwrite=False)
+
+
 def train_seed(cfg, spec: str, seed: int) -> dict:
   """One fine-tune of ``cfg`` under policy ``spec`` and ``seed``, in a throwaway folder."""
   from train.loop import train
   with tempfile.TemporaryDirectory() as out:
-    result = train(cfg.replace(policy=spec, seed=seed, out_dir=out, compare_baseline=False,
-                               save_every=0, eval_every=cfg.steps, export_dir=None,
-                               resume=False))
+    result = train(seed_config(cfg, spec, seed, out))
   jax.clear_caches()  # this run's compiled steps: a sweep would hold dozens of them
   return {"seed": seed, "eval_accuracy": result.get("eval_accuracy"),
           "eval_loss": result.get("eval_loss"), "train_loss": result["loss"]}
@@ -199,7 +210,14 @@ class Progress:
     saved = {}
     if resume and os.path.exists(path):
       with open(path) as f:
-        saved = json.load(f)
+        try:
+          saved = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+          raise ValueError(f"--resume: {path} is not valid JSON ({e}); name the sweep's "
+                           "--json file, or drop --resume to start afresh") from None
+      if not isinstance(saved, dict):
+        raise ValueError(f"--resume: {path} holds no sweep (a JSON object with "
+                         "\"results\")")
     self.results = [r for r in saved.get("results", [])
                     if self._same_run(r) and r["seeds"] == self.seeds]
     self.partial = [p for p in saved.get("partial", [])
@@ -249,6 +267,21 @@ class Progress:
     write_json(self.path, data, announce=False)  # atomic: a kill leaves the previous file
 
 
+def check_run(name: str, overrides: Sequence[str], seeds: Sequence[int]) -> None:
+  """Raises ValueError on what would stop run ``name`` with ``overrides`` after earlier
+  fine-tunes: a bad override, a file the config names that is missing, a model field its
+  model (preset or pretrained config.json) lacks, a policy the config refuses."""
+  from train.loop import check_inputs
+  from train.model import resolve_path
+  cfg = run_config(name, overrides)
+  check_inputs(cfg)
+  if cfg.pretrained:
+    from models import hf
+    hf.config_from_pretrained(resolve_path(cfg.pretrained), **cfg.model_overrides)
+  for spec in RUNS[name].policies:
+    seed_config(cfg, spec, seeds[0], None)
+
+
 def parse_seeds(text: str) -> list[int]:
   """``"1,2,3"`` -> ``[1, 2, 3]``; distinct non-negative integers."""
   try:
@@ -271,25 +304,43 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                   help="config override for every run (repeatable; not seed: use --seeds)")
   ap.add_argument("--bench-steps", type=int, default=20, help="timed steps per policy")
-  ap.add_argument("--warmup", type=int, default=3)
+  ap.add_argument("--warmup", type=int, default=3, help="untimed steps per policy first")
   ap.add_argument("--json", metavar="FILE", help="results, written after every fine-tune")
   ap.add_argument("--resume", action="store_true", help="reuse what --json FILE holds for "
                   "these seeds and overrides (finished runs, fine-tunes of a partial run)")
   ap.add_argument("--markdown", metavar="FILE")
   args = ap.parse_args(argv)
+  from lowmem_jax import cli_checks
   names = [n.strip() for n in args.runs.split(",") if n.strip()]
   if args.resume and not args.json:
     ap.error("--resume reads --json FILE: name it")
+  if not names:
+    ap.error(f"--runs {args.runs!r} names no run; valid: {', '.join(RUNS)}")
   for n in names:
     if n not in RUNS:
       ap.error(f"unknown run {n!r}; valid: {', '.join(RUNS)}")
-  if any(item.partition("=")[0].strip() == "seed" for item in args.set):
-    ap.error("--set seed=N: the seeds come from --seeds (e.g. --seeds N)")
+  cli_checks.at_least(ap, args, "--bench-steps")
+  cli_checks.at_least(ap, args, "--warmup", minimum=0)
+  cli_checks.output_file(ap, args, "--json", "--markdown")
+  for item in args.set:
+    key = item.partition("=")[0].strip()
+    if key == "seed":
+      ap.error("--set seed=N: the seeds come from --seeds (e.g. --seeds N)")
+    if key in SWEEP_FIELDS:
+      ap.error(f"--set {item}: the sweep sets {key} itself for every fine-tune")
   try:
     seeds = parse_seeds(args.seeds)
   except ValueError as e:
     ap.error(str(e))
-  state = Progress(args.json, seeds, args.set, resume=args.resume)
+  for n in names:  # before the first fine-tune: a later run's bad config wastes the sweep
+    try:
+      check_run(n, args.set, seeds)
+    except ValueError as e:
+      ap.error(f"run {n}: {e}")
+  try:
+    state = Progress(args.json, seeds, args.set, resume=args.resume)
+  except ValueError as e:
+    ap.error(str(e))
   for n in names:
     if state.result(n) is None:
       state.finished(run_one(n, args.set, args.bench_steps, args.warmup, seeds,
