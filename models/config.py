@@ -78,8 +78,22 @@ def init_model(model, cfg, config_fn, cfg_cls, policy, dtype, rngs, *, reversibl
   model.cfg = cfg
   model.policy = MemoryPolicy.parse(policy)
   model.policy.check_architecture(name, reversible=reversible)
-  model.dtype = jnp.dtype(dtype)
+  model.dtype = compute_dtype(name, dtype)
   return nnx.Rngs(0) if rngs is None else rngs
+
+
+def compute_dtype(model: str, dtype):
+  """``dtype`` as a float ``jnp.dtype`` (the compute dtype of ``model``), or a ValueError
+  naming it: a typo or an int dtype failed deep in numpy or in the first layer's init."""
+  try:
+    value = jnp.dtype(dtype)
+  except TypeError:
+    value = None
+  if value is None or not jnp.issubdtype(value, jnp.floating):
+    shown = repr(dtype) if value is None else value.name
+    raise ValueError(f"{model}: dtype {shown} is not a float dtype; use jnp.float32, "
+                     "jnp.bfloat16 or jnp.float16 (or their names)")
+  return value
 
 
 def derived_presets(prefix: str, base_presets, base_config, model: str):

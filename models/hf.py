@@ -251,9 +251,26 @@ def _read(model, state, entries, store, source: str = "") -> None:
   reader.finish()
 
 
+def _export_family(model) -> registry.Family:
+  """``model``'s family, if it has a HF format and holds plain linears (no adapters);
+  else a ValueError saying what to do."""
+  from models.lora import LoRALinear
+  family = registry.family_of(model)
+  if not family.hf_model_types:
+    formats = ", ".join(f.class_name for f in registry.FAMILIES if f.hf_model_types)
+    raise ValueError(f"save_pretrained: {family.class_name} has no Hugging Face format "
+                     f"(those with one: {formats})")
+  adapted = sorted({p[-1] for p, n in nnx.iter_graph(model) if isinstance(n, LoRALinear)})
+  if adapted:
+    raise ValueError(f"save_pretrained: the model has LoRA adapters (on "
+                     f"{', '.join(map(str, adapted))}), which HF's format has no place for: "
+                     "export lora.strip_lora(model) (merges them)")
+  return family
+
+
 def hf_state(model) -> dict[str, np.ndarray]:
   """``model``'s tensors under HF names (torch layout, float32)."""
-  module = registry.hf_family(model.cfg.model_type).module
+  module = _export_family(model).module
   return write_state(model, module.hf_map(model.cfg))
 
 
@@ -261,10 +278,12 @@ def save_pretrained(model, path: str | os.PathLike) -> None:
   """Writes ``config.json`` and ``model.safetensors`` in HF format (atomically)."""
   from safetensors.numpy import save_file
 
-  module = registry.hf_family(model.cfg.model_type).module
+  module = _export_family(model).module
   path = Path(path)
-  path.mkdir(parents=True, exist_ok=True)
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"save_pretrained: {path} is a file; name a directory")
   state = hf_state(model)
+  path.mkdir(parents=True, exist_ok=True)
   tmp = path / "model.safetensors.tmp"
   save_file(state, str(tmp), metadata={"format": "pt"})
   umask = os.umask(0)

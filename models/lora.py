@@ -21,6 +21,7 @@ from the rank-sized ``x @ A``, kept). Every other linear is marked frozen too
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import jax
@@ -45,8 +46,7 @@ def trainable_filter():
 class LoRALinear(nnx.Module):
 
   def __init__(self, base, *, rank: int, alpha: float, rngs: nnx.Rngs):
-    if rank < 1:
-      raise ValueError(f"LoRA rank must be positive, got {rank}")
+    _check_rank_alpha(rank, alpha)
     kernel_shape = tuple(base.kernel[...].shape)
     axis = getattr(base, "axis", (-1,))
     self.n_in = len(axis) if isinstance(axis, tuple) else 1
@@ -91,6 +91,17 @@ class LoRALinear(nnx.Module):
                 ).astype(y.dtype)
 
 
+def _check_rank_alpha(rank, alpha) -> None:
+  """A positive int rank and a positive finite alpha (the adapter's scale is alpha / rank:
+  at 0 the adapters change nothing, negative flips their sign), else a ValueError."""
+  if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or rank < 1:
+    raise ValueError(f"LoRA rank must be a positive int, got {rank!r}")
+  if (isinstance(alpha, bool) or not isinstance(alpha, numbers.Real)
+      or not math.isfinite(alpha) or alpha <= 0):
+    raise ValueError(f"LoRA alpha must be a positive number (the adapter's scale is "
+                     f"alpha / rank), got {alpha!r}")
+
+
 def _targets(model, targets: Sequence[str]):
   for path, node in nnx.iter_graph(model):
     if path and path[-1] in targets and isinstance(node, (Linear, LinearGeneral)):
@@ -113,7 +124,15 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
   freezes the base model: under LoRA only the adapters train, so no strategy keeps
   anything for those linears' weight gradients (none samples them, and the MLP does not
   recompute for a frozen last linear, ``hidden=recompute``). Their gradients stay exact
-  if taken anyway. False leaves them as they are (some of them to train in full)."""
+  if taken anyway. False leaves them as they are (some of them to train in full).
+  ``targets``: attribute names, or one comma-separated string (``"query,value"``)."""
+  if isinstance(targets, str):
+    targets = [t.strip() for t in targets.split(",") if t.strip()]
+  _check_rank_alpha(rank, alpha)
+  adapted = sorted({p[-1] for p, n in nnx.iter_graph(model) if isinstance(n, LoRALinear)})
+  if adapted:
+    raise ValueError(f"apply_lora: the model has LoRA adapters already (on "
+                     f"{', '.join(map(str, adapted))}); strip_lora(model) merges them first")
   found = list(_targets(model, tuple(targets)))
   if not found:
     names = sorted({p[-1] for p, n in nnx.iter_graph(model)

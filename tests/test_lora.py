@@ -76,8 +76,34 @@ def test_adapter_shares_the_norm_output():
   assert totals[True] - totals[False] == vit.config("vit-tiny").num_layers * extra_per_layer
 
 
+def _lora_error(model, **kw) -> str:
+  with pytest.raises(ValueError) as e:
+    lora.apply_lora(model, **kw)
+  return str(e.value)
+
+
 def test_bad_targets_and_rank_are_clear_errors():
-  with pytest.raises(ValueError, match="no linear named.*query"):
-    lora.apply_lora(_model(), targets=("q_proj",))
-  with pytest.raises(ValueError, match="rank must be positive"):
-    lora.apply_lora(_model(), rank=0)
+  assert _lora_error(_model(), targets=("q_proj",)) == (
+      "apply_lora: no linear named ['q_proj']; this model has fc1, fc2, head, key, out, "
+      "query, value")
+  # a float, str or bool rank failed in jax.random ('Shapes must be 1D sequences...') or
+  # with '<' between str and int; True and alpha <= 0 built adapters that do nothing or
+  # train with the sign flipped
+  for rank in (0, 2.5, "8", True):
+    assert _lora_error(_model(), rank=rank) == f"LoRA rank must be a positive int, got {rank!r}"
+  for alpha in (0, -16.0, float("nan")):
+    assert _lora_error(_model(), alpha=alpha) == (
+        "LoRA alpha must be a positive number (the adapter's scale is alpha / rank), got "
+        f"{alpha!r}")
+
+
+def test_targets_as_one_string_and_a_second_apply():
+  """``targets="query,value"`` (as the CLI's lora_targets) was read letter by letter
+  ('no linear named ['q', 'u', ...]'); a second apply_lora said 'no linear named query'
+  (the first had wrapped them)."""
+  model = lora.apply_lora(_model(), targets="query, value")
+  assert sorted(p[-1] for p, n in nnx.iter_graph(model) if isinstance(n, lora.LoRALinear)) \
+      == ["query", "value"]
+  assert _lora_error(model, targets=("key",)) == (
+      "apply_lora: the model has LoRA adapters already (on query, value); strip_lora(model) "
+      "merges them first")

@@ -248,3 +248,28 @@ def test_misuse_is_one_line_naming_the_problem(case):
   with pytest.raises((ValueError, TypeError), match=match) as info:
     call()
   assert len(str(info.value).splitlines()) == 1
+
+
+def test_model_dtype_and_export_misuse_name_the_problem(tmp_path):
+  """A dtype typo or an int dtype (numpy's 'data type not understood', jax's 'Dtype must
+  be inexact'), and save_pretrained of a LoRA model, of a RevViT (AttributeErrors deep in
+  models.hf_state) or into a file (FileExistsError): one ValueError line each."""
+  from models import hf, lora, registry, vit
+  for dtype, shown in (("float33", "'float33'"), (jnp.int32, "int32")):
+    with pytest.raises(ValueError) as e:
+      vit.ViT("vit-tiny", dtype=dtype)
+    assert str(e.value) == (f"ViT: dtype {shown} is not a float dtype; use jnp.float32, "
+                            "jnp.bfloat16 or jnp.float16 (or their names)")
+  cases = [
+      (lora.apply_lora(vit.ViT("vit-tiny")), tmp_path / "out",
+       "save_pretrained: the model has LoRA adapters (on query, value), which HF's format "
+       "has no place for: export lora.strip_lora(model) (merges them)"),
+      (registry.build("revvit-tiny"), tmp_path / "out",
+       "save_pretrained: RevViT has no Hugging Face format (those with one: ViT, Llama, "
+       "Bert)"),
+      (vit.ViT("vit-tiny"), README, f"save_pretrained: {README} is a file; name a directory")]
+  for model, path, message in cases:
+    with pytest.raises(ValueError) as e:
+      hf.save_pretrained(model, path)
+    assert str(e.value) == message
+  assert not (tmp_path / "out").exists()  # nothing written
