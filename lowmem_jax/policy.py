@@ -103,6 +103,9 @@ class _PolicyMethods:
     fields: dict[str, object] = {}
     origin: dict[str, str] = {}
     for token in (t.strip() for t in spec.split("+")):
+      if not token:  # a stray '+': it read as the unknown preset ""
+        raise ValueError(f"MemoryPolicy: {spec!r} has an empty part; join presets and "
+                         "field=value by single '+' (e.g. 'lowmembp+remat')")
       for field, value in _token_fields(token).items():
         value = FIELDS[field].normalise(value, _EXTRA_VALUES.get(field, ()))
         if field in fields and fields[field] != value:

@@ -93,6 +93,15 @@ def test_bad_specs_are_clear_errors(spec, match):
     MemoryPolicy.parse(spec)
 
 
+@pytest.mark.parametrize("spec", ["lowmembp+", "+remat", "lowmembp++remat", "+"])
+def test_an_empty_part_is_named(spec):
+  """A stray '+' said "unknown preset ''; valid presets: ..." (no hint where)."""
+  with pytest.raises(ValueError) as e:
+    MemoryPolicy.parse(spec)
+  assert str(e.value) == (f"MemoryPolicy: {spec!r} has an empty part; join presets and "
+                          "field=value by single '+' (e.g. 'lowmembp+remat')")
+
+
 def test_bad_constructor_values_are_errors():
   with pytest.raises(ValueError, match="unknown norm"):
     MemoryPolicy(norm="MS")
