@@ -324,6 +324,9 @@ def test_config_errors():
     ("export_dir=/etc/passwd", "export_dir='/etc/passwd' is a file; name a folder"),
     ("profile_dir=/etc/passwd", "profile_dir='/etc/passwd' is a file; name a folder"),
     ("task=text,tokenizer=README.md", "README.md: not a tokenizers tokenizer.json ("),
+    ("model=revvit-tiny,export_dir=hf", "export_dir='hf': model revvit-tiny (RevViT) has no "
+     "Hugging Face format to export to"),
+    ("pretrained=tests/data/hf/vit,model.depth=3", "unknown ViTConfig field(s) depth"),
     ("memory_profile=/etc", "memory_profile='/etc' is a folder; name a file"),
     ("memory_profile=/nonexistent/m.prof",
      "memory_profile='/nonexistent/m.prof': no such folder /nonexistent"),
@@ -333,12 +336,12 @@ def test_config_errors():
                  marks=pytest.mark.skipif(jax.default_backend() == "gpu",
                                           reason="cuDNN runs on a GPU")),
 ])
-def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_path):
+def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_path, capsys):
   out = tmp_path / "run"
   cfg = config_lib.load_config(overrides=[*override.split(","), f"out_dir={out}"])
   with pytest.raises(ValueError, match=re.escape(message)):
     train(cfg)
-  assert not out.exists()
+  assert not out.exists() and "run folder" not in capsys.readouterr().out  # none made
 
 
 def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path, monkeypatch, capsys):

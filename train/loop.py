@@ -18,7 +18,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models import lora, sites
+from models import lora, registry, sites
 from train import planner, runs, sharding
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
@@ -26,7 +26,7 @@ from train.config import PATH_FIELDS, TrainConfig, config_diff
 from train.datasets import make_datasets
 from train.memory_report import print_memory
 from train.metrics import Log, finished_result
-from train.model import build_model, model_config, resolve_path
+from train.model import build_model, model_config, resolve_path, split_trainable
 from train.optim import make_schedule
 from train.tokenize import load_tokenizer
 from train.trainer import Trainer
@@ -191,9 +191,16 @@ def check_inputs(cfg: TrainConfig) -> None:
       raise ValueError(f"memory_profile={cfg.memory_profile!r}: no such folder {parent}")
   if cfg.tokenizer and cfg.task != "image":
     load_tokenizer(resolve_path(cfg.tokenizer))  # raises on a file that is no tokenizer
-  if not cfg.pretrained:
-    model_config(cfg)
+  model_cfg = model_config(cfg)  # the preset's or the pretrained config.json, overridden
+  family = registry.hf_family(model_cfg.model_type) if cfg.pretrained else registry.family(
+      cfg.model)
+  if cfg.export_dir and not family.hf_model_types:
+    raise ValueError(f"export_dir={cfg.export_dir!r}: model {cfg.model} ({family.class_name}) "
+                     "has no Hugging Face format to export to")
   sharding.make_mesh(cfg.mesh)  # raises when the mesh needs more devices than there are
+  # the model's shapes, nothing materialized or read: the policy's sites take the backend
+  # (attention=cudnn off a GPU), the trainable split its parameter paths
+  split_trainable(cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
 
 
 def profile_window(cfg: TrainConfig, start: int) -> tuple[int, int] | None:

@@ -6,6 +6,7 @@ import functools
 import importlib.resources
 import re
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -30,7 +31,11 @@ def resolve_path(path: str) -> str:
 
 
 def model_config(cfg: TrainConfig):
-  """The config of ``cfg``'s model preset with ``cfg.model_overrides`` applied."""
+  """The config of ``cfg``'s model (the pretrained directory's config.json, else the
+  preset) with ``cfg.model_overrides`` applied; nothing built or read but the config."""
+  if cfg.pretrained:
+    from models import hf
+    return hf.config_from_pretrained(resolve_path(cfg.pretrained), **cfg.model_overrides)
   return registry.config(cfg.model, **cfg.model_overrides)
 
 
@@ -100,3 +105,17 @@ def trainable_filter(cfg: TrainConfig):
   pattern = re.compile(cfg.trainable[len("frozen:"):])
   return lambda path, x: (isinstance(x, nnx.Param)
                           and not pattern.search("/".join(map(str, path))))
+
+
+def split_trainable(cfg: TrainConfig, model):
+  """``nnx.split(model, trainable_filter(cfg), ...)``: graphdef, trainable parameters, the
+  rest; a ValueError when nothing trains, or a ``frozen:<regex>`` matches no parameter
+  (which would train them all). ``model`` may be abstract (``nnx.eval_shape``)."""
+  graphdef, params, rest = nnx.split(model, trainable_filter(cfg), ...)
+  if not jax.tree.leaves(params):
+    raise ValueError(f"trainable={cfg.trainable!r} leaves no parameter to train")
+  if cfg.trainable.startswith("frozen:") and len(jax.tree.leaves(params)) == len(
+      jax.tree.leaves(nnx.state(model, nnx.Param))):
+    raise ValueError(f"trainable={cfg.trainable!r} matches no parameter path (paths such as "
+                     "stack/blocks/attn/query/kernel); it would train them all")
+  return graphdef, params, rest

@@ -30,7 +30,7 @@ from train import sharding
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig
 from train.loss import loss_and_metrics
-from train.model import build_model, trainable_filter
+from train.model import build_model, split_trainable, trainable_filter
 from train.optim import make_optimizer
 
 
@@ -72,13 +72,7 @@ class Trainer:
   @classmethod
   def create(cls, cfg: TrainConfig, model=None) -> "Trainer":
     model = build_model(cfg) if model is None else model
-    graphdef, params, rest = nnx.split(model, trainable_filter(cfg), ...)
-    if not jax.tree.leaves(params):
-      raise ValueError(f"trainable={cfg.trainable!r} leaves no parameter to train")
-    if cfg.trainable.startswith("frozen:") and len(jax.tree.leaves(params)) == len(
-        jax.tree.leaves(nnx.state(model, nnx.Param))):
-      raise ValueError(f"trainable={cfg.trainable!r} matches no parameter path (paths such as "
-                       "stack/blocks/attn/query/kernel); it would train them all")
+    graphdef, params, rest = split_trainable(cfg, model)
     tx = make_optimizer(cfg)
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
              "opt": tx.init(params)}
