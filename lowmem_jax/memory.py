@@ -297,8 +297,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
     specs = policy_list(args.policies)
   except ValueError as e:
     ap.error(f"--policies: {e}")
-  if not specs:
-    ap.error(f"--policies names no policy, got {args.policies!r}")
   cli_checks.output_file(ap, args, "--json")
   cfg = StackConfig(kind=args.kind, num_layers=args.layers, dim=args.dim,
                     num_heads=args.heads, num_kv_heads=args.kv_heads, mlp_dim=args.mlp_dim)
@@ -337,9 +335,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def policy_list(text: str) -> list[str]:
-  """:func:`split_policies`, each spec checked: ValueError naming an invalid one."""
+  """:func:`split_policies`, each spec checked: ValueError naming an invalid one, or an
+  empty list."""
   from lowmem_jax.policy import MemoryPolicy
   specs = split_policies(text)
+  if not specs:
+    raise ValueError(f"names no policy, got {text!r}")
   for spec in specs:
     try:
       MemoryPolicy.parse(spec)

@@ -114,7 +114,7 @@ BAD_ARGS = [
     (["--dim", "-8"], "--dim must be >= 1, got -8"),
     (["--policies", "nope"], "--policies: invalid policy 'nope': MemoryPolicy: unknown "
      "preset 'nope'"),
-    (["--policies", ","], "--policies names no policy, got ','"),
+    (["--policies", ","], "--policies: names no policy, got ','"),
     (["--policies", "baseline,mesa8"], "--policies: the block stack cannot take 'mesa8': "
      "MemoryPolicy 'mesa8': its norm keeps state (CodedNorm), so it has no plain function "
      "(python -m models.step_memory measures it on a model)"),

@@ -96,7 +96,7 @@ BAD_ARGS = [
     (["--set", "num_layers"], "--set: expects key=value, got 'num_layers'"),
     (["--model", "llama-tiny", "--seq", "300"], "--seq 300 exceeds the 256 positions of "
      "llama-tiny"),
-    (["--policies", ","], "--policies names no policy, got ','"),
+    (["--policies", ","], "--policies: names no policy, got ','"),
     (["--json", "{tmp}"], "--json {tmp} is a directory; give a file name"),
     (["--json", "{tmp}/no/m.json"], "--json {tmp}/no/m.json: the directory {tmp}/no does not "
      "exist"),

@@ -75,8 +75,6 @@ def parse_policies(text: str | Sequence[str]) -> list[str]:
   """Policy specs from a comma-separated list (``remat:save=a,b`` kept whole), checked;
   ``baseline`` is put first when missing. ValueError naming an unknown or repeated one."""
   specs = policy_list(text if isinstance(text, str) else ",".join(text))
-  if not specs:
-    raise ValueError("no policy given: --policies expects e.g. baseline,lowmembp")
   seen: dict[MemoryPolicy, str] = {}
   for spec in specs:
     policy = MemoryPolicy.parse(spec)
