@@ -289,6 +289,9 @@ class Bert(nnx.Module):
 # pooler is always read, so a BERT checkpoint without one is still an error.
 HF_IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "pooler.dense.",
                    "lm_head.", "cls.predictions.", "cls.seq_relationship.")
+# the classification head (RoBERTa's dense + out_proj), replaced by a fresh one under
+# ``load_pretrained(new_head=True)``; a checkpoint without it keeps the fresh one anyway
+HF_HEAD_KEYS = ("classifier.",)
 
 _ARCHITECTURES = {"bert": "BertForSequenceClassification",
                   "roberta": "RobertaForSequenceClassification"}

@@ -14,7 +14,13 @@ Bad input is one :class:`CheckpointError` line naming the file or tensor, before
 tensor is read: a path that is no directory, a config.json that is no JSON object or
 lacks a field its family needs, an unsupported ``model_type``, a truncated or corrupt
 safetensors file, a shard index naming a missing shard or a tensor its shard lacks, and
-(from the file headers) every missing, unexpected, mis-shaped or non-float tensor.
+(from the file headers) every missing, unexpected, mis-shaped or non-float tensor; a
+mis-shaped classification head says to load with ``new_head=True``.
+
+Heads: a checkpoint with none (HF's ``ViTModel`` / ``BertModel`` saves: names without
+the ``vit.``/``bert.`` prefix or no ``classifier``) keeps the model's fresh head of
+``seed``, merged with the final norm under MS norms as a loaded one is; ``new_head=True``
+treats a checkpoint's head (the family's ``HF_HEAD_KEYS``) as absent.
 
 Host memory of a streamed load (``load_pretrained(store=...)``, as ``train.model.
 build_model`` does with ``base_dtype``), measured by tests/test_hf_stream.py: peak RSS
@@ -48,8 +54,8 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
-from models.hf_state import (CheckpointError, StateReader, expected_tensors, init_unread,
-                             read_state, write_state)
+from models.hf_state import (CheckpointError, StateReader, expected_tensors, header_of,
+                             init_unread, read_state, write_state)
 from models.hf_state import Linear as MapLinear
 
 
@@ -205,10 +211,12 @@ def init_from_config(path: str | os.PathLike, *, policy: MemoryPolicy | str = "b
 
 def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "baseline",
                     dtype=jnp.float32, seed: int = 0, store: Callable | None = None,
-                    **overrides):
+                    new_head: bool = False, **overrides):
   """Builds our model from a HF model directory. ``overrides`` change config fields
   (e.g. ``num_labels``); parameters the checkpoint lacks (a new head) are initialised
   from ``seed`` only where the architecture module allows it, otherwise it is an error.
+  ``new_head``: the checkpoint's classification head (for other labels) is not read,
+  the model's fresh one kept (``transformers``' ``ignore_mismatched_sizes`` for a head).
 
   Streamed: the model is built abstractly, each tensor is read when its variable is
   filled and put in its final form at once: ``store(path, module)`` names the storage
@@ -223,14 +231,63 @@ def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "ba
   def build():
     return family.build(cfg, policy, dtype=dtype, rngs=nnx.Rngs(seed))
 
-  state = read_safetensors(path)
+  state, ignore = _pretrained_state(path, family, new_head)
   entries = family.module.hf_map(cfg, frozenset(state))
   # a map entry that reads the model's own initial weights needs them built for real
   fresh = any(isinstance(e, MapLinear) and e.keep_weights for e in entries)
   model = build() if fresh else nnx.eval_shape(build)
-  _read(model, state, entries, store, source=str(path))
+  _read(model, state, entries, store, source=str(path), ignore=ignore)
   init_unread(model, build)
   return model
+
+
+def check_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "baseline",
+                     new_head: bool = False, **overrides) -> None:
+  """What :func:`load_pretrained` would refuse, from the config and the file headers
+  alone (nothing built, no tensor read): a :class:`CheckpointError` naming it."""
+  family, cfg = _read_config(path, overrides)
+  policy = MemoryPolicy.parse(policy)
+  state, ignore = _pretrained_state(path, family, new_head)
+  model = nnx.eval_shape(lambda: family.build(cfg, policy, dtype=jnp.float32,
+                                              rngs=nnx.Rngs(0)))
+  _reader(model, state, family.module.hf_map(cfg, frozenset(state)), str(path), ignore)
+
+
+class _Without(Mapping):
+  """``state`` less the keys that start with ``prefixes`` (file headers kept)."""
+
+  def __init__(self, state, prefixes: tuple[str, ...]):
+    self.state, self.prefixes = state, prefixes
+
+  def header(self, key: str):
+    return self.state.header(key)
+
+  def __getitem__(self, key: str):
+    if key.startswith(self.prefixes):
+      raise KeyError(key)
+    return self.state[key]
+
+  def __iter__(self):
+    return (k for k in self.state if not k.startswith(self.prefixes))
+
+  def __len__(self) -> int:
+    return sum(1 for _ in self)
+
+  def __contains__(self, key) -> bool:
+    return key in self.state and not key.startswith(self.prefixes)
+
+
+def _pretrained_state(path, family: registry.Family, new_head: bool):
+  """The tensors of ``path`` a load reads (less the head under ``new_head``), and the
+  key prefixes it may leave unread."""
+  state = read_safetensors(path)
+  head = getattr(family.module, "HF_HEAD_KEYS", ())
+  if not new_head:
+    return state, ()
+  if not head:
+    raise CheckpointError(f"new_head: a {family.class_name} has no classification head "
+                          "to replace")
+  return _Without(state, head), head
 
 
 def load_state(model, state: Mapping[str, np.ndarray], *, store: Callable | None = None) -> None:
@@ -241,12 +298,28 @@ def load_state(model, state: Mapping[str, np.ndarray], *, store: Callable | None
   _read(model, state, module.hf_map(model.cfg, frozenset(state)), store)
 
 
-def _read(model, state, entries, store, source: str = "") -> None:
-  """Checks ``state`` against the map (names, shapes, dtypes: from file headers, before
-  any tensor is read), then reads it into ``model``."""
+def _reader(model, state, entries, source: str, ignore=()) -> StateReader:
+  """A reader of ``state`` for ``entries``, checked against the map (names, shapes,
+  dtypes: from file headers, before any tensor is read). A mis-shaped head says how to
+  replace it."""
   module = registry.hf_family(model.cfg.model_type).module
-  reader = StateReader(state, ignore=module.HF_IGNORED_KEYS, source=source)
-  reader.check(expected_tensors(model, entries))
+  reader = StateReader(state, ignore=module.HF_IGNORED_KEYS + tuple(ignore), source=source)
+  expected = expected_tensors(model, entries)
+  try:
+    reader.check(expected)
+  except CheckpointError as e:
+    head = getattr(module, "HF_HEAD_KEYS", ())
+    if head and any(k.startswith(head) and k in state and expected[k] is not None
+                    and header_of(state, k)[0] != tuple(expected[k]) for k in expected):
+      raise CheckpointError(f"{e} (the checkpoint's head is for other labels: load with "
+                            "new_head=True, or train with new_head=true)") from None
+    raise
+  return reader
+
+
+def _read(model, state, entries, store, source: str = "", ignore=()) -> None:
+  """Checks ``state`` against the map (:func:`_reader`), then reads it into ``model``."""
+  reader = _reader(model, state, entries, source, ignore)
   read_state(model, entries, reader, store=store)
   reader.finish()
 

@@ -43,7 +43,7 @@ _FLOAT_DTYPES = frozenset({"float64", "float32", "float16", "bfloat16",
                            "F64", "F32", "F16", "BF16"})
 
 
-def _shape_dtype(state: Mapping, key: str) -> tuple[tuple[int, ...], str]:
+def header_of(state: Mapping, key: str) -> tuple[tuple[int, ...], str]:
   """``(shape, dtype name)`` of ``state[key]``: from the file header where ``state`` has
   one (``models.hf.SafetensorsFiles``: no read), else from the array."""
   if hasattr(state, "header"):
@@ -77,7 +77,7 @@ class StateReader:
       if key not in self.state:
         missing.append(key)
         continue
-      have, dtype = _shape_dtype(self.state, key)
+      have, dtype = header_of(self.state, key)
       if shape is not None and have != tuple(shape):
         misshaped.append(f"{key}: checkpoint {list(have)}, model {list(shape)}")
       if dtype not in _FLOAT_DTYPES:

@@ -129,7 +129,12 @@ def embed(model: nnx.Module, images):
 
 
 # ----------------------------------------------------------------------------- HF interop
-HF_IGNORED_KEYS = ("vit.pooler.",)
+# ViTModel's pooler (dense + tanh on the class token): ViTForImageClassification has none
+# and its head reads the normed class token, as ours does
+HF_IGNORED_KEYS = ("pooler.",)
+# the classification head: absent from a ViTModel checkpoint (e.g. ImageNet-21k
+# pretraining), replaced by a fresh one under ``load_pretrained(new_head=True)``
+HF_HEAD_KEYS = ("classifier.",)
 
 
 def config_from_hf(hf: dict, **overrides) -> ViTConfig:
@@ -157,9 +162,11 @@ def config_to_hf(cfg: ViTConfig) -> dict:
 
 
 def hf_map(cfg: ViTConfig, keys=None) -> list:
-  """HF ``ViTForImageClassification`` names of our variables (:mod:`models.hf_state`)."""
-  del keys
-  emb = "vit.embeddings"
+  """HF ``ViTForImageClassification`` names of our variables (:mod:`models.hf_state`);
+  a ``ViTModel`` checkpoint (names without ``vit.``, no ``classifier``) keeps the
+  model's fresh head, merged with the final norm like a loaded one under MS norms."""
+  prefix = "" if keys is not None and "embeddings.cls_token" in keys else "vit."
+  emb = f"{prefix}embeddings"
   entries = [
       Tensor(f"{emb}.cls_token", "cls_token"),
       Tensor(f"{emb}.position_embeddings", "pos_embed"),
@@ -167,7 +174,7 @@ def hf_map(cfg: ViTConfig, keys=None) -> list:
              to_ours=lambda w: w.transpose(2, 3, 1, 0), to_hf=lambda w: w.transpose(3, 2, 0, 1)),
       Tensor(f"{emb}.patch_embeddings.projection.bias", "patch_embed.bias")]
   for i in range(cfg.num_layers):
-    hf, ours = f"vit.encoder.layer.{i}", "stack.blocks"
+    hf, ours = f"{prefix}encoder.layer.{i}", "stack.blocks"
     norm1, norm2 = f"{hf}.layernorm_before", f"{hf}.layernorm_after"
     entries += [HFNorm(norm1, f"{ours}.norm1", i), HFNorm(norm2, f"{ours}.norm2", i)]
     entries += [HFLinear(f"{hf}.attention.attention.{n}", f"{ours}.attn.{n}", i, norm=norm1)
@@ -175,5 +182,7 @@ def hf_map(cfg: ViTConfig, keys=None) -> list:
     entries += [HFLinear(f"{hf}.attention.output.dense", f"{ours}.attn.out", i),
                 HFLinear(f"{hf}.intermediate.dense", f"{ours}.mlp.fc1", i, norm=norm2),
                 HFLinear(f"{hf}.output.dense", f"{ours}.mlp.fc2", i)]
-  return entries + [HFNorm("vit.layernorm", "norm"),
-                    HFLinear("classifier", "head", norm="vit.layernorm")]
+  headless = keys is not None and not any(k.startswith(HF_HEAD_KEYS) for k in keys)
+  return entries + [HFNorm(f"{prefix}layernorm", "norm"),
+                    HFLinear("classifier", "head", norm=f"{prefix}layernorm",
+                             keep_weights=headless)]

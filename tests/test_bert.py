@@ -289,7 +289,8 @@ def test_checkpoint_key_errors(hf_checkpoint, tmp_path, case):
 
 def test_headless_checkpoint_gets_a_fresh_head(hf_checkpoint, tmp_path):
   """No classification head (a plain encoder checkpoint, RoBERTa's with its unused
-  pooler): loads without errors; the fresh head is the same function under every policy."""
+  pooler): loads without errors; the fresh head is the same function under every policy,
+  and ``new_head=True`` gives it to a checkpoint whose head is for other labels."""
   arch, path, ref = hf_checkpoint
 
   def edit(state):
@@ -307,6 +308,13 @@ def test_headless_checkpoint_gets_a_fresh_head(hf_checkpoint, tmp_path):
          for p in ("baseline", "lowmembp")}
   assert max_diff(out["baseline"][0][mask], hf_hidden[mask]) < 1e-4
   assert max_diff(out["lowmembp"][1], out["baseline"][1]) < 1e-5
+  # new_head=True: the checkpoint's head (3 labels) is dropped, as if it had none
+  with pytest.raises(CheckpointError, match="load with new_head=True"):
+    hf.load_pretrained(path, num_labels=2)
+  for p in ("baseline", "lowmembp"):
+    new = forward_fn(hf.load_pretrained(path, policy=p, seed=3, num_labels=2, new_head=True))
+    same = forward_fn(hf.load_pretrained(headless, policy=p, seed=3, num_labels=2))
+    np.testing.assert_array_equal(new(*batch)[1], same(*batch)[1])
 
 
 # ----------------------------------------------------------------------------- real MiniLM

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import CPU_TEST_XLA_FLAGS, TINY_TRAIN, set_args, with_test_xla_flags
+from models import hf
 from train import config as config_lib
 from train import loop
 from train import model as model_lib
@@ -327,6 +328,10 @@ def test_config_errors():
     ("model=revvit-tiny,export_dir=hf", "export_dir='hf': model revvit-tiny (RevViT) has no "
      "Hugging Face format to export to"),
     ("pretrained=tests/data/hf/vit,model.depth=3", "unknown ViTConfig field(s) depth"),
+    ("pretrained=tests/data/hf/vit,model.num_labels=10", "classifier.bias: checkpoint [5], "
+     "model [10] (the checkpoint's head is for other labels: load with new_head=True, or "
+     "train with new_head=true)"),
+    ("new_head=true", "new_head=true replaces a pretrained model's head; set pretrained="),
     ("memory_profile=/etc", "memory_profile='/etc' is a folder; name a file"),
     ("memory_profile=/nonexistent/m.prof",
      "memory_profile='/nonexistent/m.prof': no such folder /nonexistent"),
@@ -342,6 +347,18 @@ def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_pa
   with pytest.raises(ValueError, match=re.escape(message)):
     train(cfg)
   assert not out.exists() and "run folder" not in capsys.readouterr().out  # none made
+
+
+def test_new_head_trains_a_pretrained_body_for_other_labels():
+  """``new_head=true``: the checked inputs pass and the model has a fresh 10-label head
+  on the checkpoint's body (tests/data/hf/vit's head has 5)."""
+  cfg = config_lib.load_config(overrides=["pretrained=tests/data/hf/vit", "new_head=true",
+                                          "model.num_labels=10", "trainable=lora"])
+  loop.check_inputs(cfg)
+  model = model_lib.build_model(cfg)
+  assert model.head.kernel.shape == (64, 10)
+  body = hf.load_pretrained(ROOT / "tests/data/hf/vit", policy=cfg.policy)
+  np.testing.assert_array_equal(model.cls_token[...], body.cls_token[...])
 
 
 def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path, monkeypatch, capsys):

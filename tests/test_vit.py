@@ -178,3 +178,84 @@ def test_sharded_checkpoint_loads(hf_dir, images, tmp_path):
   shutil.copy(hf_dir / "config.json", tmp_path / "config.json")
   np.testing.assert_array_equal(_ours(tmp_path, "lowmembp")(images),
                                 _ours(hf_dir, "lowmembp")(images))
+
+
+def _vit_model_checkpoint(hf_dir, out):
+  """``hf_dir`` saved as HF's headless ``ViTModel`` does: names without ``vit.``, no
+  ``classifier``, a pooler (dense + tanh, which ViTForImageClassification lacks)."""
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  state = load_file(str(hf_dir / "model.safetensors"))
+  base = {k.removeprefix("vit."): v for k, v in state.items() if k.startswith("vit.")}
+  assert len(base) == len(state) - 2  # all but classifier.weight and .bias
+  d = state["classifier.weight"].shape[1]
+  base |= {"pooler.dense.weight": np.ones((d, d), np.float32),
+           "pooler.dense.bias": np.ones(d, np.float32)}
+  out.mkdir()
+  save_file(base, str(out / "model.safetensors"))
+  shutil.copy(hf_dir / "config.json", out / "config.json")
+  return out
+
+
+def _head_of(model):
+  return np.asarray(model.head.kernel[...]), np.asarray(model.head.bias[...])
+
+
+@pytest.mark.parametrize("policy", ["baseline", "lowmembp"])
+def test_headless_checkpoint_keeps_a_fresh_head(hf_dir, images, tmp_path, policy):
+  """A ViTModel checkpoint (ImageNet-21k pretraining is one) loads: every tensor but
+  the head is read, the head is the fresh one of ``seed`` (under MS norms merged with
+  the final norm's affine, so each policy computes the same function)."""
+  headless = _vit_model_checkpoint(hf_dir, tmp_path / "vit-model")
+  ours = hf.load_pretrained(headless, policy=policy, dtype=jnp.float32, seed=3,
+                            num_labels=7)
+  fresh = vit.ViT(vit.config_from_hf(json.loads((hf_dir / "config.json").read_text()),
+                                     num_labels=7), dtype=jnp.float32, rngs=nnx.Rngs(3))
+  full = _ours(hf_dir, "baseline")  # the same body, the fresh head put in
+  full.head = fresh.head
+  assert ours(images).shape == (len(images), 7)
+  np.testing.assert_allclose(ours(images), full(images), atol=1e-5, rtol=1e-5)
+  if policy == "baseline":
+    np.testing.assert_array_equal(_head_of(ours)[0], _head_of(fresh)[0])
+
+
+def test_new_head_replaces_a_head_for_other_labels(hf_dir, images, tmp_path):
+  """A head trained for 5 labels does not load into a 3-label model unless asked, and
+  the error says how; ``new_head=True`` keeps the fresh head, as a headless checkpoint
+  would, and reads every other tensor."""
+  with pytest.raises(CheckpointError) as e:
+    hf.load_pretrained(hf_dir, num_labels=3)
+  assert "classifier.weight: checkpoint [5, 64], model [3, 64]" in str(e.value)
+  assert str(e.value).endswith("(the checkpoint's head is for other labels: load with "
+                               "new_head=True, or train with new_head=true)")
+  with pytest.raises(CheckpointError, match="new_head=True"):
+    hf.check_pretrained(hf_dir, num_labels=3)
+  hf.check_pretrained(hf_dir, num_labels=3, new_head=True)
+  headless = _vit_model_checkpoint(hf_dir, tmp_path / "vit-model")
+  for policy in ("baseline", "lowmembp"):
+    new = hf.load_pretrained(hf_dir, policy=policy, dtype=jnp.float32, seed=1,
+                             num_labels=3, new_head=True)
+    same = hf.load_pretrained(headless, policy=policy, dtype=jnp.float32, seed=1,
+                              num_labels=3)
+    np.testing.assert_array_equal(new(images), same(images))
+  # the same number of labels: new_head=True still drops the trained head
+  kept, new = _ours(hf_dir, "baseline"), hf.load_pretrained(hf_dir, new_head=True)
+  assert not np.allclose(_head_of(kept)[0], _head_of(new)[0])
+  with pytest.raises(CheckpointError, match="a Llama has no classification head to replace"):
+    hf.load_pretrained(fixtures.DATA / "llama_tied", new_head=True)
+
+
+@requires_torch
+def test_a_vit_model_saved_by_hf_loads_headless(hf_dir, images, tmp_path):
+  """The names HF's ViTModel.save_pretrained writes (with its pooler) are the ones the
+  headless map reads: our logits are HF's normed class token through our fresh head."""
+  import torch
+  import transformers
+  body = transformers.ViTModel.from_pretrained(hf_dir).eval()  # the fixture's body
+  body.save_pretrained(tmp_path / "vit-model")
+  ours = hf.load_pretrained(tmp_path / "vit-model", dtype=jnp.float32, num_labels=5)
+  with torch.no_grad():
+    out = body(pixel_values=torch.from_numpy(images.transpose(0, 3, 1, 2)))
+  kernel, bias = _head_of(ours)
+  np.testing.assert_allclose(ours(images), out.last_hidden_state[:, 0].numpy() @ kernel + bias,
+                             atol=1e-4, rtol=1e-4)

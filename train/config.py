@@ -41,6 +41,8 @@ class TrainConfig:
   model: str = "vit-digits"           # a preset of models.vit / llama / bert
   model_overrides: dict = dataclasses.field(default_factory=dict)
   pretrained: str | None = None       # a Hugging Face model directory (overrides `model`)
+  new_head: bool = False              # pretrained: a fresh classifier head, not the one the
+                                      # checkpoint has (trained for other labels)
   policy: str = "lowmembp"            # a MemoryPolicy spec
   dtype: str = "bfloat16"             # compute dtype; parameters stay fp32
   precision: str = "default"          # fp32 matmuls: "default" (JAX's: TF32 on NVIDIA

@@ -197,6 +197,12 @@ def check_inputs(cfg: TrainConfig) -> None:
   if cfg.export_dir and not family.hf_model_types:
     raise ValueError(f"export_dir={cfg.export_dir!r}: model {cfg.model} ({family.class_name}) "
                      "has no Hugging Face format to export to")
+  if cfg.pretrained:  # its tensors' names and shapes, from the file headers
+    from models import hf
+    hf.check_pretrained(resolve_path(cfg.pretrained), policy=cfg.policy, new_head=cfg.new_head,
+                        **cfg.model_overrides)
+  elif cfg.new_head:
+    raise ValueError("new_head=true replaces a pretrained model's head; set pretrained=<dir>")
   sharding.make_mesh(cfg.mesh)  # raises when the mesh needs more devices than there are
   # the model's shapes, nothing materialized or read: the policy's sites take the backend
   # (attention=cudnn off a GPU), the trainable split its parameter paths

@@ -49,9 +49,10 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
   if cfg.pretrained:
     from models import hf
     load = hf.load_pretrained if load_weights else hf.init_from_config
-    store = {"store": functools.partial(base_format, cfg)} if load_weights else {}
+    read = (dict(store=functools.partial(base_format, cfg), new_head=cfg.new_head)
+            if load_weights else {})
     model = load(resolve_path(cfg.pretrained), policy=policy, dtype=dtype, seed=cfg.seed,
-                 **store, **cfg.model_overrides)
+                 **read, **cfg.model_overrides)
   else:
     model = registry.build(cfg.model, policy, dtype=dtype, rngs=rngs, **cfg.model_overrides)
   if cfg.trainable == "lora":
