@@ -54,8 +54,8 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
-from models.hf_state import (CheckpointError, StateReader, expected_tensors, header_of,
-                             init_unread, read_state, write_state)
+from models.hf_state import (CheckpointError, StateReader, check_store, expected_tensors,
+                             header_of, init_unread, read_state, write_state)
 from models.hf_state import Linear as MapLinear
 
 
@@ -320,13 +320,15 @@ def _reader(model, state, entries, source: str, ignore=()) -> StateReader:
 def _read(model, state, entries, store, source: str = "", ignore=()) -> None:
   """Checks ``state`` against the map (:func:`_reader`), then reads it into ``model``."""
   reader = _reader(model, state, entries, source, ignore)
+  check_store(model, entries, store)
   read_state(model, entries, reader, store=store)
   reader.finish()
 
 
 def _export_family(model) -> registry.Family:
-  """``model``'s family, if it has a HF format and holds plain linears (no adapters);
-  else a ValueError saying what to do."""
+  """``model``'s family, if it has a HF format and holds plain fp32 weights (no adapters,
+  none stored in a base dtype); else a ValueError saying what to do."""
+  from models.linear import FrozenKernel
   from models.lora import LoRALinear
   family = registry.family_of(model)
   if not family.hf_model_types:
@@ -338,6 +340,13 @@ def _export_family(model) -> registry.Family:
     raise ValueError(f"save_pretrained: the model has LoRA adapters (on "
                      f"{', '.join(map(str, adapted))}), which HF's format has no place for: "
                      "export lora.strip_lora(model) (merges them)")
+  stored = [(".".join(map(str, p)), v.get_value().storage) for p, v in nnx.iter_graph(model)
+            if isinstance(v, FrozenKernel)]
+  if stored:
+    raise ValueError(f"save_pretrained: {len(stored)} frozen weight(s) are stored in a base "
+                     f"dtype (e.g. {stored[0][0]} as {stored[0][1]}); the export would hold "
+                     "their dequantized values, not the checkpoint's: export a model loaded "
+                     "with base_dtype float32 (no store)")
   return family
 
 

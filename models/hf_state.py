@@ -325,6 +325,28 @@ def _format(store, path: str, module) -> str:
                                           or "float32")
 
 
+def _stored_weights(model, entries: Sequence[Entry]):
+  """``(path, module)`` of each weight of the map a ``store`` may name a storage for: a
+  linear's kernel, an embedding's table."""
+  for e in entries:
+    if isinstance(e, Linear) and not e.keep_weights:
+      yield e.path, _resolve(model, e.path)
+    elif isinstance(e, Tensor) and e.copy_of is None and e.path.endswith(".embedding"):
+      owner = e.path.rpartition(".")[0]
+      if isinstance(_resolve(model, owner), Embed):
+        yield owner, _resolve(model, owner)
+
+
+def check_store(model, entries: Sequence[Entry], store: Callable | None) -> None:
+  """Every storage ``store`` names for the map's weights is one of
+  ``quantized_weight.FORMATS``: a ValueError naming the weight otherwise,
+  before any tensor is read."""
+  for path, module in _stored_weights(model, entries) if store is not None else ():
+    if (format := _format(store, path, module)) not in quantized_weight.FORMATS:
+      raise ValueError(f"store: {format!r} (for {path}) is not a storage; valid: "
+                       f"{', '.join(quantized_weight.FORMATS)}")
+
+
 def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
                store: Callable | None = None) -> None:
   """Loads every entry of the map from ``reader`` into ``model`` (in place; ``model`` may

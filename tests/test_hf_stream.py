@@ -326,3 +326,19 @@ def test_mismatches_are_found_before_any_tensor_is_read(tmp_path, monkeypatch):
       "mis-shaped keys (1): model.layers.0.mlp.up_proj.weight: checkpoint [8, 32], "
       "model [48, 32] | keys not of a float dtype (1): model.layers.1.mlp.up_proj.weight: I32")
   assert reads == []
+
+
+def test_an_unknown_storage_is_refused_before_any_tensor_is_read(monkeypatch):
+  """``store`` naming no storage (a typo) is a ValueError naming the weight and the
+  valid ones before any tensor is read (it came from the quantizer, after the norms and
+  the first tensors were read)."""
+  reads = []
+  original = hf.SafetensorsFiles.__getitem__
+  monkeypatch.setattr(hf.SafetensorsFiles, "__getitem__",
+                      lambda self, key: reads.append(key) or original(self, key))
+  store = lambda path, module: "nf5" if path[-1] == "down" else "nf4"
+  with pytest.raises(ValueError) as e:
+    hf.load_pretrained(SRC, store=store)
+  assert str(e.value) == ("store: 'nf5' (for stack.blocks.mlp.down) is not a storage; valid: "
+                          "float32, bfloat16, int8, nf4, nf4-dq")
+  assert reads == []

@@ -250,10 +250,17 @@ def test_misuse_is_one_line_naming_the_problem(case):
   assert len(str(info.value).splitlines()) == 1
 
 
+def _stored(model):
+  """``model`` with its MLPs' first kernel frozen and stored as nf4."""
+  model.stack.blocks.mlp.fc1.store_kernel("nf4")
+  return model
+
+
 def test_model_dtype_and_export_misuse_name_the_problem(tmp_path):
   """A dtype typo or an int dtype (numpy's 'data type not understood', jax's 'Dtype must
   be inexact'), and save_pretrained of a LoRA model, of a RevViT (AttributeErrors deep in
-  models.hf_state) or into a file (FileExistsError): one ValueError line each."""
+  models.hf_state), into a file (FileExistsError) or of nf4-stored weights (written
+  dequantized, silently): one ValueError line each."""
   from models import hf, lora, registry, vit
   for dtype, shown in (("float33", "'float33'"), (jnp.int32, "int32")):
     with pytest.raises(ValueError) as e:
@@ -267,7 +274,11 @@ def test_model_dtype_and_export_misuse_name_the_problem(tmp_path):
       (registry.build("revvit-tiny"), tmp_path / "out",
        "save_pretrained: RevViT has no Hugging Face format (those with one: ViT, Llama, "
        "Bert)"),
-      (vit.ViT("vit-tiny"), README, f"save_pretrained: {README} is a file; name a directory")]
+      (vit.ViT("vit-tiny"), README, f"save_pretrained: {README} is a file; name a directory"),
+      (_stored(vit.ViT("vit-tiny")), tmp_path / "out",
+       "save_pretrained: 1 frozen weight(s) are stored in a base dtype (e.g. stack.blocks.mlp."
+       "fc1.kernel as nf4); the export would hold their dequantized values, not the "
+       "checkpoint's: export a model loaded with base_dtype float32 (no store)")]
   for model, path, message in cases:
     with pytest.raises(ValueError) as e:
       hf.save_pretrained(model, path)
