@@ -18,7 +18,9 @@ numerical stability"); we store an untied head in the base dtype like any frozen
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from lowmem_jax import quantized_weight
@@ -34,6 +36,22 @@ def table_value(table, dtype=jnp.float32):
   if isinstance(table, quantized_weight.QuantizedKernel):
     return quantized_weight.dequantize(table, dtype)
   return table.astype(dtype)
+
+
+def check_ids(ids, rows: int) -> None:
+  """A ValueError if concrete ``ids`` (an eager call) index past a table of ``rows``:
+  under ``jit`` (traced ids) a gather out of range gives NaN rows, not an error, so
+  ``train`` checks its data before step 1."""
+  if isinstance(ids, jax.core.Tracer) or not hasattr(ids, "dtype"):
+    return
+  if not jnp.issubdtype(ids.dtype, jnp.integer) or np.size(ids) == 0:
+    return
+  ids = np.asarray(ids)  # on the host: a jnp reduction inside a trace would be traced
+  low, high = int(ids.min()), int(ids.max())
+  if low < 0 or high >= rows:
+    bad = low if low < 0 else high
+    raise ValueError(f"Embed: index {bad} is out of range for a table of {rows} rows "
+                     f"(ids must be 0..{rows - 1})")
 
 
 class Embed(nnx.Embed):
@@ -56,6 +74,7 @@ class Embed(nnx.Embed):
 
   def __call__(self, inputs, out_sharding=None):
     table = self.embedding[...]
+    check_ids(inputs, self.num_embeddings)
     if not isinstance(table, quantized_weight.QuantizedKernel):
       return super().__call__(inputs, out_sharding=out_sharding)
     inputs = jnp.asarray(inputs)

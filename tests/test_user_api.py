@@ -284,3 +284,25 @@ def test_model_dtype_and_export_misuse_name_the_problem(tmp_path):
       hf.save_pretrained(model, path)
     assert str(e.value) == message
   assert not (tmp_path / "out").exists()  # nothing written
+
+
+def test_token_ids_past_a_table_are_an_error_in_eager_calls():
+  """An eager call with an id past the vocabulary, a negative id or a BERT token type
+  past its types names the index and the table (under jit a gather out of range is NaN
+  rows, silently); ids in range and jitted calls are untouched."""
+  from models import bert, llama
+  model = llama.Llama(llama.config("llama-tiny"), "baseline", dtype=jnp.float32)
+  for ids, bad in (([[1, 2, 256]], 256), ([[1, -1]], -1)):
+    with pytest.raises(ValueError) as e:
+      model(jnp.asarray(ids))
+    assert str(e.value) == (f"Embed: index {bad} is out of range for a table of 256 rows "
+                            "(ids must be 0..255)")
+  model.embed.store_table("int8")  # a stored table is checked the same way
+  with pytest.raises(ValueError, match="index 256 is out of range"):
+    model(jnp.asarray([[256]]))
+  assert model(jnp.asarray([[0, 255]])).shape == (1, 2, 256)
+  assert np.isnan(nnx.jit(lambda m, t: m(t))(model, jnp.asarray([[256]]))).all()
+  encoder = bert.Bert(bert.config("bert-tiny"), dtype=jnp.float32)
+  tokens = jnp.ones((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="index 2 is out of range for a table of 2 rows"):
+    encoder(tokens, jnp.ones_like(tokens), token_types=2 * tokens)  # BERT has 2 types
