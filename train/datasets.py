@@ -16,7 +16,8 @@ def make_datasets(cfg: TrainConfig, model=None):
   """(train dataset, eval dataset or None) for the config's task. Class labels are checked
   against the model's ``num_labels`` (``model`` given, or the preset's), and, ``model``
   given, ``max_len`` and the token ids against its positions and vocabulary; string labels
-  and class folders map to ids from the training set, which the eval set reuses."""
+  and class folders map to ids from the training set, which the eval set reuses. A
+  pretrained model's images are normalized as its ``preprocessor_config.json`` says."""
   model_cfg = getattr(model, "cfg", None)
   if cfg.task == "image":
     if model_cfg is None:  # the image size of the model
@@ -33,7 +34,13 @@ def make_datasets(cfg: TrainConfig, model=None):
     train = folder(cfg.data)
     test = None if cfg.eval_data is None else folder(
         cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
-    return train, test
+    stats = images.pixel_normalization(resolve_path(cfg.pretrained)) if cfg.pretrained else None
+    if stats is None:
+      return train, test
+    print(f"images: normalized as {cfg.pretrained}'s preprocessor_config.json says: mean "
+          f"{stats[0].tolist()}, std {stats[1].tolist()}", flush=True)
+    return (images.normalized(train, *stats),
+            None if test is None else images.normalized(test, *stats))
   if model_cfg is not None and cfg.max_len > model_cfg.max_tokens:
     raise ValueError(f"max_len={cfg.max_len} exceeds the {model_cfg.max_tokens} positions "
                      f"of model {cfg.pretrained or cfg.model}; set max_len <= "

@@ -1,11 +1,13 @@
 """Image data: scikit-learn's digits and ImageNet-style class folders.
 
 Both return an ``ArrayDataset`` with ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32,
-and the class names by label id on ``class_names``.
+and the class names by label id on ``class_names``. A pretrained model's pixels are
+normalized as its HF image processor does (:func:`pixel_normalization`, :func:`normalized`).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -172,3 +174,48 @@ def _resize_weights(n_in: int, n_out: int) -> np.ndarray:
   centres = (np.arange(n_out) + 0.5) * scale
   w = np.maximum(0.0, 1.0 - np.abs((np.arange(n_in)[None, :] + 0.5 - centres[:, None]) / support))
   return (w / w.sum(1, keepdims=True)).astype(np.float32)  # every row has a pixel within 0.5
+
+
+def pixel_normalization(model_dir) -> tuple[np.ndarray, np.ndarray] | None:
+  """``(mean, std)`` per channel with which the HF image processor of ``model_dir``
+  (``preprocessor_config.json``: ``image_mean``, ``image_std``) normalizes pixels in
+  [0, 1], as the model was pretrained; None without that file or with ``do_normalize``
+  false. A bad file is a ValueError naming it."""
+  file = Path(model_dir) / "preprocessor_config.json"
+  if not file.is_file():
+    return None
+  try:
+    config = json.loads(file.read_text())
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(config, dict):
+    raise ValueError(f"{file}: expected a JSON object, got {type(config).__name__}")
+  if not config.get("do_normalize", True):
+    return None
+  if config.get("do_rescale", True) and abs(config.get("rescale_factor", 1 / 255)
+                                            - 1 / 255) > 1e-9:
+    raise ValueError(f"{file}: rescale_factor {config['rescale_factor']} is not 1/255; "
+                     "only 8-bit pixel scaling is supported")
+  stats = []
+  for key in ("image_mean", "image_std"):
+    value = config.get(key)
+    if (not isinstance(value, list) or not value or not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) for v in value)):
+      raise ValueError(f"{file}: {key} must be a list of numbers (one per channel), "
+                       f"got {value!r}")
+    stats.append(np.asarray(value, np.float32))
+  if len(stats[0]) != len(stats[1]) or not (stats[1] > 0).all():
+    raise ValueError(f"{file}: image_std must be positive, one per image_mean channel; got "
+                     f"image_mean {config['image_mean']}, image_std {config['image_std']}")
+  return stats[0], stats[1]
+
+
+def normalized(ds: ArrayDataset, mean: np.ndarray, std: np.ndarray) -> ArrayDataset:
+  """``ds`` with ``image`` as ``(image - mean) / std`` per channel (class names kept)."""
+  channels = ds.arrays["image"].shape[-1]
+  if len(mean) not in (1, channels):
+    raise ValueError(f"image normalization has {len(mean)} channels, the images {channels}")
+  out = ArrayDataset({**ds.arrays, "image": ((ds.arrays["image"] - mean) / std).astype(
+      np.float32)})
+  out.class_names = ds.class_names
+  return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import PATH_FIELDS, TrainConfig, config_diff
 from train.datasets import make_datasets
+from train.images import pixel_normalization
 from train.memory_report import print_memory
 from train.metrics import Log, finished_result
 from train.model import build_model, model_config, resolve_path, split_trainable
@@ -157,16 +159,34 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
   return result
 
 
+# a pretrained directory's files that say how to feed the model (HF's tokenizer and image
+# processor): an export carries them, so it is a pretrained directory of its own
+INPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+               "vocab.txt", "preprocessor_config.json")
+
+
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
   """Writes the trainer's model as HF safetensors to ``cfg.export_dir`` (LoRA merged into
-  the base), if set."""
+  the base), if set, with the pretrained directory's :data:`INPUT_FILES` (the run's
+  ``tokenizer`` as tokenizer.json where one is set)."""
   if not cfg.export_dir:
     return
   from models import hf
   model = lora.strip_lora(nnx.merge(trainer.graphdef, trainer.state["params"],
                                     trainer.state["rest"]))
   hf.save_pretrained(model, cfg.export_dir)
-  print(f"exported HF safetensors to {cfg.export_dir}", flush=True)
+  files = {name: os.path.join(resolve_path(cfg.pretrained), name)
+           for name in INPUT_FILES} if cfg.pretrained else {}
+  if cfg.tokenizer and cfg.task != "image":
+    files = {k: v for k, v in files.items() if k == "preprocessor_config.json"}
+    files["tokenizer.json"] = resolve_path(cfg.tokenizer)
+  copied = [name for name, source in files.items() if os.path.isfile(source)]
+  for name in copied:  # each whole or not at all, as save_pretrained's files
+    target = os.path.join(cfg.export_dir, name)
+    shutil.copyfile(files[name], target + ".tmp")
+    os.replace(target + ".tmp", target)
+  print(f"exported HF safetensors to {cfg.export_dir}"
+        + (f" (with {', '.join(copied)})" if copied else ""), flush=True)
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -201,6 +221,8 @@ def check_inputs(cfg: TrainConfig) -> None:
     from models import hf
     hf.check_pretrained(resolve_path(cfg.pretrained), policy=cfg.policy, new_head=cfg.new_head,
                         **cfg.model_overrides)
+    if cfg.task == "image":
+      pixel_normalization(resolve_path(cfg.pretrained))  # raises on a bad processor file
   elif cfg.new_head:
     raise ValueError("new_head=true replaces a pretrained model's head; set pretrained=<dir>")
   sharding.make_mesh(cfg.mesh)  # raises when the mesh needs more devices than there are
