@@ -3,8 +3,10 @@
 ``apply_lora(model, rank=8, alpha=16, targets=("query", "value"))`` replaces, in place,
 each of our linears (:mod:`models.linear`) whose attribute name is in ``targets`` by a
 :class:`LoRALinear`: ``y = base(x) + (alpha / rank) * (x @ A) @ B`` with ``B = 0`` at
-start, so the function is unchanged. Adapter weights are :class:`LoRAParam`, the only
-trainable set (``nnx.Optimizer(model, tx, wrt=LoRAParam)``, ``trainable_filter()``).
+start, so the function is unchanged. Adapter weights are :class:`LoRAParam`, the
+trainable set (``nnx.Optimizer(model, tx, wrt=LoRAParam)``, ``trainable_filter()``),
+with the linears trained in full beside them (``modules_to_save``: by default the
+classification head, which a fresh head needs).
 The adapter's ``x @ A`` is the trained linear now: it takes over the base's linear site
 (the policy's strategy for a trained linear of that name, and its state), and the base is
 frozen (``freeze_kernel``: the policy's strategy for a frozen linear, whose backward needs
@@ -35,7 +37,8 @@ from models.sites import as_array
 
 
 class LoRAParam(nnx.Param):
-  """A LoRA adapter weight: the trainable set under LoRA fine-tuning."""
+  """A weight that trains under LoRA fine-tuning: an adapter's, or one of a module
+  trained in full beside them (``apply_lora(modules_to_save=...)``)."""
 
 
 def trainable_filter():
@@ -117,18 +120,26 @@ def _parent(model, path):
 
 def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
                targets: Sequence[str] = ("query", "value"), seed: int = 0,
-               freeze_rest: bool = True):
+               freeze_rest: bool = True, modules_to_save: Sequence[str] | None = None):
   """Wraps the target linears in LoRA adapters, in place; returns the model.
 
+  ``modules_to_save`` (peft's name): linears of the model (attribute names) that train in
+  full beside the adapters, their parameters made :class:`LoRAParam`. None: the model's
+  classification head (:func:`classifier_head`: ViT's ``head``, BERT's
+  ``classifier``, RoBERTa's ``pooler`` and ``classifier``, as peft's SEQ_CLS task saves
+  ``classifier``); a fresh head that did not train would stay random. LLaMA's LM head
+  does not train (peft's CAUSAL_LM). ``()``: the adapters alone.
   ``freeze_rest``: marks every other linear frozen too (``freeze_kernel``), as peft
-  freezes the base model: under LoRA only the adapters train, so no strategy keeps
-  anything for those linears' weight gradients (none samples them, and the MLP does not
-  recompute for a frozen last linear, ``hidden=recompute``). Their gradients stay exact
-  if taken anyway. False leaves them as they are (some of them to train in full).
+  freezes the base model: under LoRA only the adapters (and the saved modules) train, so
+  no strategy keeps anything for those linears' weight gradients (none samples them, and
+  the MLP does not recompute for a frozen last linear, ``hidden=recompute``). Their
+  gradients stay exact if taken anyway. False leaves them as they are (some of them to
+  train in full).
   ``targets``: attribute names, or one comma-separated string (``"query,value"``)."""
   if isinstance(targets, str):
     targets = [t.strip() for t in targets.split(",") if t.strip()]
   _check_rank_alpha(rank, alpha)
+  saved = _modules_to_save(model, modules_to_save)
   adapted = sorted({p[-1] for p, n in nnx.iter_graph(model) if isinstance(n, LoRALinear)})
   if adapted:
     raise ValueError(f"apply_lora: the model has LoRA adapters already (on "
@@ -146,11 +157,44 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
   rngs = nnx.Rngs(seed)
   for path, node in found:
     setattr(_parent(model, path), path[-1], LoRALinear(node, rank=rank, alpha=alpha, rngs=rngs))
+  for node in saved:  # trained in full: LoRA's trainable set
+    node.kernel = LoRAParam(node.kernel[...])
+    if node.bias is not None:
+      node.bias = LoRAParam(node.bias[...])
   if freeze_rest:
     for _, node in list(nnx.iter_graph(model)):
-      if isinstance(node, (Linear, LinearGeneral)) and not node.frozen:
+      if (isinstance(node, (Linear, LinearGeneral)) and not node.frozen
+          and not any(node is n for n in saved)):
         node.freeze_kernel()
   return model
+
+
+def classifier_head(model) -> tuple[str, ...]:
+  """The names of ``model``'s classification-head linears (its family module's
+  ``classifier_head(cfg)``; none for a model without one, as LLaMA with its LM head, or
+  a module that is not one of our model families)."""
+  from models import registry
+  try:
+    module = registry.family_of(model).module
+  except ValueError:  # a module of the user's own: no head we know of
+    return ()
+  return module.classifier_head(model.cfg) if hasattr(module, "classifier_head") else ()
+
+
+def _modules_to_save(model, names: Sequence[str] | None) -> list:
+  """The model's top-level linears ``names`` (None: its classification head), or a
+  ValueError naming those it has."""
+  if names is None:
+    names = classifier_head(model)
+  if isinstance(names, str):
+    names = [n.strip() for n in names.split(",") if n.strip()]
+  linears = {name: getattr(model, name) for name in vars(model)
+             if isinstance(getattr(model, name), (Linear, LinearGeneral))}
+  unknown = [n for n in names if n not in linears]
+  if unknown:
+    raise ValueError(f"apply_lora: modules_to_save names {unknown}, not linears of the model "
+                     f"({', '.join(linears)})")
+  return [linears[n] for n in names]
 
 
 def _adapters(model):

@@ -105,7 +105,6 @@ class ViT(nnx.Module):
     x = self.stack(embed(self, images))
     return self.head(self.norm(x[:, 0])).astype(jnp.float32)
 
-
 def init_embeddings(model: nnx.Module, c: ViTConfig, dtype, rngs: nnx.Rngs) -> None:
   """Gives ``model`` ViT's patch embedding, class token and position embedding."""
   model.patch_embed = nnx.Conv(c.channels, c.dim, kernel_size=(c.patch_size, c.patch_size),
@@ -126,6 +125,13 @@ def embed(model: nnx.Module, images):
   x = x.reshape(x.shape[0], -1, c.dim)
   cls = jnp.broadcast_to(model.cls_token[...].astype(model.dtype), (x.shape[0], 1, c.dim))
   return jnp.concatenate([cls, x], axis=1) + model.pos_embed[...].astype(model.dtype)
+
+
+def classifier_head(cfg: ViTConfig) -> tuple[str, ...]:
+  """The model's linears that make its classification head (trained in full under LoRA:
+  ``models.lora.apply_lora``'s ``modules_to_save``)."""
+  del cfg
+  return ("head",)
 
 
 # ----------------------------------------------------------------------------- HF interop

@@ -1,5 +1,6 @@
-"""LoRA: unchanged function at start, only adapters trainable, merge/unmerge/strip, and
-the adapter reads the shared norm output (no second copy saved)."""
+"""LoRA: unchanged function at start, only adapters (and the classification head)
+trainable, merge/unmerge/strip, and the adapter reads the shared norm output (no second
+copy saved)."""
 
 import jax
 import jax.numpy as jnp
@@ -25,16 +26,19 @@ def _perturb_adapters(model):
       var[...] = jax.random.normal(jax.random.key(len(path)), var[...].shape) * 0.1
 
 
-def test_starts_as_the_base_function_and_only_adapters_train():
+def test_starts_as_the_base_function_and_only_adapters_and_the_head_train():
   model, x = _model(), _images()
   before = model(x)
   lora.apply_lora(model, rank=4, alpha=8, targets=("query", "value", "fc1"))
   np.testing.assert_array_equal(model(x), before)
-  trainable = nnx.state(model, lora.trainable_filter())
-  leaves = jax.tree.leaves(trainable)
-  # A and B for 3 targets, each stacked over the layers
-  assert len(leaves) == 2 * 3
-  assert all(leaf.shape[0] == model.cfg.num_layers for leaf in leaves)
+  trainable = nnx.to_flat_state(nnx.state(model, lora.trainable_filter()))
+  # A and B for 3 targets, each stacked over the layers, and the head (peft's
+  # modules_to_save for a classifier): its kernel and bias, trained in full
+  head = {("head", "kernel"), ("head", "bias")}
+  assert len(trainable) == 2 * 3 + 2 and head <= {path for path, _ in trainable}
+  assert all(v.get_value().shape[0] == model.cfg.num_layers for p, v in trainable
+             if p not in head)
+  assert not model.head.frozen and model.stack.blocks.mlp.fc2.frozen
   grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2), argnums=nnx.DiffState(0, lora.LoRAParam))(model)
   assert {type(v) for v in jax.tree.leaves(grads, is_leaf=lambda v: isinstance(v, nnx.Variable))} \
       == {lora.LoRAParam}
@@ -107,3 +111,22 @@ def test_targets_as_one_string_and_a_second_apply():
   assert _lora_error(model, targets=("key",)) == (
       "apply_lora: the model has LoRA adapters already (on query, value); strip_lora(model) "
       "merges them first")
+
+
+def test_modules_to_save_train_in_full_and_default_to_the_classifier_head():
+  """A fresh head left frozen would stay random: by default it trains (peft's SEQ_CLS
+  saves ``classifier``); ``modules_to_save=()`` leaves the adapters alone, and a name
+  that is no linear of the model is refused."""
+  from models import bert, llama
+  for model, head in ((bert.Bert(bert.config("bert-tiny")), {"classifier"}),
+                      (bert.Bert(bert.config("roberta-tiny")), {"pooler", "classifier"}),
+                      (llama.Llama(llama.config("llama-tiny")), set())):
+    lora.apply_lora(model)
+    trained = {p[0] for p, _ in nnx.to_flat_state(nnx.state(model, lora.LoRAParam))
+               if not p[-1].startswith("lora_")}
+    assert trained == head, (model.cfg.model_type, trained)
+  model = lora.apply_lora(_model(), modules_to_save=())
+  assert model.head.frozen and not isinstance(model.head.kernel, lora.LoRAParam)
+  with pytest.raises(ValueError, match=r"modules_to_save names \['fc9'\], not linears of "
+                                       r"the model \(head\)"):
+    lora.apply_lora(_model(), modules_to_save=("fc9",))

@@ -254,7 +254,7 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
 
 
 @pytest.mark.parametrize("trainable,changes", [
-    ("lora", "lora_"),                 # only adapters train
+    ("lora", "lora_"),                 # only adapters and the classifier head train
     ("frozen:stack/blocks/attn", "not attn"),  # everything but attention (all layers)
 ])
 def test_trainable_sets(tmp_path, trainable, changes):
@@ -264,7 +264,7 @@ def test_trainable_sets(tmp_path, trainable, changes):
   paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(trainer.state["params"])]
   assert paths
   if changes == "lora_":
-    assert all("lora_" in p for p in paths)
+    assert {p for p in paths if "lora_" not in p} == {"head/kernel", "head/bias"}, paths
   else:
     assert not any(p.startswith("stack/blocks/attn") for p in paths)
     assert any(p.startswith("stack/blocks/mlp") for p in paths)

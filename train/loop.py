@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from models import lora, registry, sites
+from models import lora, sites
 from train import planner, runs, sharding
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
@@ -28,7 +28,8 @@ from train.datasets import make_datasets
 from train.images import pixel_normalization
 from train.memory_report import print_memory
 from train.metrics import Log, finished_result
-from train.model import build_model, model_config, resolve_path, split_trainable
+from train.model import (build_model, model_config, model_family, resolve_path,
+                         split_trainable)
 from train.optim import make_schedule
 from train.tokenize import load_tokenizer
 from train.trainer import Trainer
@@ -212,8 +213,7 @@ def check_inputs(cfg: TrainConfig) -> None:
   if cfg.tokenizer and cfg.task != "image":
     load_tokenizer(resolve_path(cfg.tokenizer))  # raises on a file that is no tokenizer
   model_cfg = model_config(cfg)  # the preset's or the pretrained config.json, overridden
-  family = registry.hf_family(model_cfg.model_type) if cfg.pretrained else registry.family(
-      cfg.model)
+  family = model_family(cfg, model_cfg)
   if cfg.export_dir and not family.hf_model_types:
     raise ValueError(f"export_dir={cfg.export_dir!r}: model {cfg.model} ({family.class_name}) "
                      "has no Hugging Face format to export to")

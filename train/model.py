@@ -39,6 +39,14 @@ def model_config(cfg: TrainConfig):
   return registry.config(cfg.model, **cfg.model_overrides)
 
 
+def model_family(cfg: TrainConfig, model_cfg=None) -> registry.Family:
+  """The family of ``cfg``'s model: its pretrained config's ``model_type`` (``model_cfg``,
+  read when not given), else its preset's."""
+  if cfg.pretrained:
+    return registry.hf_family((model_cfg or model_config(cfg)).model_type)
+  return registry.family(cfg.model)
+
+
 def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
                 load_weights: bool = True):
   """The model of ``cfg`` (pretrained or preset) under ``policy`` (default: cfg's).
@@ -74,12 +82,24 @@ def base_format(cfg: TrainConfig, path: tuple, module) -> str:
 
 
 def _trains(cfg: TrainConfig, path: tuple, module) -> bool:
-  """Whether the weight of ``module`` (a linear's kernel, an embedding's table) trains."""
+  """Whether the weight of ``module`` (a linear's kernel, an embedding's table) trains:
+  under LoRA the adapters and the classification head (``models.lora.apply_lora``'s
+  ``modules_to_save``, named here before the adapters exist: a streamed load stores)."""
   if cfg.trainable == "full":
+    return True
+  if cfg.trainable == "lora" and len(path) == 1 and path[0] in _classifier_head(cfg):
     return True
   name = "embedding" if isinstance(module, Embed) else "kernel"
   trains = nnx.filterlib.to_predicate(trainable_filter(cfg))
   return trains(tuple(path) + (name,), getattr(module, name))
+
+
+def _classifier_head(cfg: TrainConfig) -> tuple[str, ...]:
+  """The names of the classification-head linears of ``cfg``'s model
+  (``models.lora.classifier_head``) from its config alone."""
+  model_cfg = model_config(cfg)
+  module = model_family(cfg, model_cfg).module
+  return module.classifier_head(model_cfg) if hasattr(module, "classifier_head") else ()
 
 
 def store_frozen_kernels(model, cfg: TrainConfig) -> None:
