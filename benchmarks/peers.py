@@ -16,7 +16,8 @@ One case per process (the allocator's peak is per process). Cases:
   B ``r x 3D``). It has as many parameters as our two adapters on q and v (``r * 4D``) but
   also updates k; what backward keeps is the same up to rank-sized arrays (both adapters
   read the ``x`` the base projection reads; one ``[T, r]`` product where ours keep two).
-  ``out`` maps to ``attn.proj``, ``fc1``/``fc2`` to ``mlp.fc1``/``mlp.fc2``.
+  ``out`` maps to ``attn.proj``, ``fc1``/``fc2`` to ``mlp.fc1``/``mlp.fc2``. The
+  classifier ``head`` trains in full (peft's ``modules_to_save``), as ours does under LoRA.
 - ``llama-lora`` / ``llama-full``: HF ``LlamaForCausalLM`` from a ``LlamaConfig`` (no
   download; default 4 layers of LLaMA-7B widths, batch 4 x 1024), peft LoRA on
   ``q,k,v,o,gate,up,down`` (our ``query,key,value,out,gate,up,down``), next-token
@@ -218,7 +219,8 @@ def build_vit(args, device):
       set_reentrant(False)         # default, reentrant: LoRA's backward then fails loudly
     model.set_grad_checkpointing(True)
   modules = sorted({TARGET_MODULES["vit"][t] for t in args.targets})
-  model = _with_lora(model, args, r"blocks\.\d+\.(" + "|".join(modules) + ")")
+  model = _with_lora(model, args, r"blocks\.\d+\.(" + "|".join(modules) + ")",
+                     modules_to_save=["head"])
   model.to(device).train()
 
   def batch_loss(batch):
@@ -303,14 +305,16 @@ def _quantize_nf4(model, device) -> None:
     torch.cuda.empty_cache()  # the bf16 weights' blocks back to the driver
 
 
-def _with_lora(model, args, target_modules):
-  """peft LoRA (dropout 0, no bias) on ``target_modules`` when the case is LoRA, else
+def _with_lora(model, args, target_modules, modules_to_save=None):
+  """peft LoRA (dropout 0, no bias) on ``target_modules`` when the case is LoRA, with
+  ``modules_to_save`` trained in full (the classifier head, as ours under LoRA), else
   the model itself (every parameter trains)."""
   if not args.lora:
     return model
   import peft
   config = peft.LoraConfig(r=args.rank, lora_alpha=args.alpha, lora_dropout=0.0,
-                           bias="none", target_modules=target_modules)
+                           bias="none", target_modules=target_modules,
+                           modules_to_save=modules_to_save)
   return peft.get_peft_model(model, config)
 
 
