@@ -282,6 +282,7 @@ class Bert(nnx.Module):
     y, _ = self._encode(tokens, mask, token_types)
     return self._logits(y)
 
+
 def classifier_head(cfg: BertConfig) -> tuple[str, ...]:
   """The model's linears that make its classification head (trained in full under LoRA:
   ``models.lora.apply_lora``'s ``modules_to_save``): HF's ``classifier``, which for

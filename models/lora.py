@@ -32,7 +32,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.dense import Dense
-from models.linear import Linear, LinearGeneral
+from models.linear import FrozenKernel, Linear, LinearGeneral
 from models.sites import as_array
 
 
@@ -194,6 +194,10 @@ def _modules_to_save(model, names: Sequence[str] | None) -> list:
   if unknown:
     raise ValueError(f"apply_lora: modules_to_save names {unknown}, not linears of the model "
                      f"({', '.join(linears)})")
+  stored = [n for n in names if isinstance(linears[n].kernel, FrozenKernel)]
+  if stored:
+    raise ValueError(f"apply_lora: modules_to_save {stored} are stored in a base dtype "
+                     "(frozen); a module that trains needs its fp32 weights")
   return [linears[n] for n in names]
 
 

@@ -130,3 +130,8 @@ def test_modules_to_save_train_in_full_and_default_to_the_classifier_head():
   with pytest.raises(ValueError, match=r"modules_to_save names \['fc9'\], not linears of "
                                        r"the model \(head\)"):
     lora.apply_lora(_model(), modules_to_save=("fc9",))
+  stored = _model()
+  stored.head.store_kernel("int8")
+  with pytest.raises(ValueError, match=r"modules_to_save \['head'\] are stored in a base "
+                                       r"dtype"):
+    lora.apply_lora(stored)
