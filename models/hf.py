@@ -281,9 +281,9 @@ def _pretrained_state(path, family: registry.Family, new_head: bool):
   """The tensors of ``path`` a load reads (less the head under ``new_head``), and the
   key prefixes it may leave unread."""
   state = read_safetensors(path)
-  head = getattr(family.module, "HF_HEAD_KEYS", ())
   if not new_head:
     return state, ()
+  head = getattr(family.module, "HF_HEAD_KEYS", ())
   if not head:
     raise CheckpointError(f"new_head: a {family.class_name} has no classification head "
                           "to replace")

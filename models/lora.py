@@ -175,10 +175,10 @@ def classifier_head(model) -> tuple[str, ...]:
   a module that is not one of our model families)."""
   from models import registry
   try:
-    module = registry.family_of(model).module
+    family = registry.family_of(model)
   except ValueError:  # a module of the user's own: no head we know of
     return ()
-  return module.classifier_head(model.cfg) if hasattr(module, "classifier_head") else ()
+  return family.classifier_head(model.cfg)
 
 
 def _modules_to_save(model, names: Sequence[str] | None) -> list:

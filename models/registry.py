@@ -39,6 +39,13 @@ class Family:
   def presets(self) -> tuple[str, ...]:
     return tuple(self.module.PRESETS)
 
+  def classifier_head(self, cfg) -> tuple[str, ...]:
+    """The attribute names of the linears that make a model's classification head (its
+    module's ``classifier_head(cfg)``: trained in full under LoRA); none for a family
+    without one (LLaMA: an LM head, frozen under LoRA as peft's CAUSAL_LM leaves it)."""
+    head = getattr(self.module, "classifier_head", None)
+    return () if head is None else head(cfg)
+
   def config(self, preset: str, **overrides):
     """The preset's config with fields overridden (errors name the valid ones)."""
     return self.module.config(preset, **overrides)

@@ -272,12 +272,8 @@ def check_run(name: str, overrides: Sequence[str], seeds: Sequence[int]) -> None
   fine-tunes: a bad override, a file the config names that is missing, a model field its
   model (preset or pretrained config.json) lacks, a policy the config refuses."""
   from train.loop import check_inputs
-  from train.model import resolve_path
   cfg = run_config(name, overrides)
-  check_inputs(cfg)
-  if cfg.pretrained:
-    from models import hf
-    hf.config_from_pretrained(resolve_path(cfg.pretrained), **cfg.model_overrides)
+  check_inputs(cfg)  # a pretrained model's config.json and tensor headers too
   for spec in RUNS[name].policies:
     seed_config(cfg, spec, seeds[0], None)
 

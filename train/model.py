@@ -98,8 +98,7 @@ def _classifier_head(cfg: TrainConfig) -> tuple[str, ...]:
   """The names of the classification-head linears of ``cfg``'s model
   (``models.lora.classifier_head``) from its config alone."""
   model_cfg = model_config(cfg)
-  module = model_family(cfg, model_cfg).module
-  return module.classifier_head(model_cfg) if hasattr(module, "classifier_head") else ()
+  return model_family(cfg, model_cfg).classifier_head(model_cfg)
 
 
 def store_frozen_kernels(model, cfg: TrainConfig) -> None:
