@@ -1,6 +1,6 @@
 """The attention benchmark's CLI (smoke on CPU) and its timing arithmetic."""
 
-import time
+import types
 
 import jax
 import jax.numpy as jnp
@@ -27,15 +27,23 @@ def test_attention_bench_smoke(tmp_path, capsys):
   assert "ms fwd+bwd" in capsys.readouterr().out
 
 
-def test_time_per_call_differences_out_the_launch_cost():
-  per_call, launch = 0.002, 0.01
+def test_time_per_call_differences_out_the_launch_cost(monkeypatch):
+  """On a fake clock (a real sleep overshoots on a loaded machine): run(count) takes
+  launch + per_call * count, its first repeat a hiccup more; the best of the repeats of
+  two counts differences out the launch exactly."""
+  per_call, launch, hiccup = 0.002, 0.01, 0.05
+  clock, calls = [0.0], []
+  monkeypatch.setattr(attention_bench, "time", types.SimpleNamespace(
+      perf_counter=lambda: clock[0]))
 
   def run(count):
-    time.sleep(launch + per_call * count)
+    clock[0] += launch + per_call * count + (hiccup if len(calls) % 3 == 1 else 0.0)
+    calls.append(count)
     return jnp.zeros(())
 
   measured = attention_bench.time_per_call(run, smoke=False)
-  assert 0.7 * per_call < measured < 1.5 * per_call, measured
+  assert measured == pytest.approx(per_call, rel=1e-9), measured
+  assert len(calls) == 7 and calls[-1] > calls[1] == 2, calls  # warm-up, 3 + 3 repeats
 
 
 def test_loop_feeds_each_call_into_the_next():

@@ -19,7 +19,8 @@ is closed" tracebacks) and their coroutines are collected half-run ("Exception i
 <coroutine object _read_array_index_and_device_put ...>" with a spec dump), pages of
 stderr around the one warning. Restores here run under
 :func:`_reads_finish_before_loops_close`, so a loop orbax closes first lets its pending
-reads finish (their errors collected and dropped).
+reads finish (their errors collected and dropped), and the errors of reads that failed
+before it closed, never retrieved, are not logged when their tasks are collected.
 """
 
 from __future__ import annotations
@@ -122,6 +123,15 @@ def _finish_pending_tasks(loop: asyncio.AbstractEventLoop) -> None:
       return
 
 
+def _drop_unretrieved_read_errors(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+  """A restore loop's exception handler: a read that failed before the loop closed and whose
+  error orbax never retrieved (it waits on the first failure only) is logged by asyncio when
+  its task is collected, a traceback per read; dropped here (the restore's own error says
+  it). Anything else goes to asyncio's default handler."""
+  if context.get("message") != "Task exception was never retrieved":
+    loop.default_exception_handler(context)
+
+
 class _FinishPendingOnClose(asyncio.AbstractEventLoopPolicy):
   """``base``'s policy, except that the loops it makes finish their pending tasks when
   closed, before closing (asyncio.run() would cancel them; a bare loop.close() leaves them
@@ -146,6 +156,7 @@ class _FinishPendingOnClose(asyncio.AbstractEventLoopPolicy):
       close()
 
     loop.close = finish_then_close
+    loop.set_exception_handler(_drop_unretrieved_read_errors)
     return loop
 
   def get_child_watcher(self):
