@@ -121,8 +121,9 @@ def test_smoke_run_on_cpu_with_and_without_checkpointing(case, tmp_path):
     d, f, r = s["dim"], s["mlp_dim"], 8
     assert plain["trainable_params"] == s["layers"] * r * (4 * 2 * d + 3 * (d + f))
     assert plain["items_per_step"] == s["batch"] * s["seq"]
-  if case == "vit-lora":  # one adapter on the fused qkv: r*(D + 3D) per layer
-    assert plain["trainable_params"] == s["layers"] * 8 * 4 * s["dim"]
+  if case == "vit-lora":  # one adapter on the fused qkv: r*(D + 3D) per layer; the head
+    head = (s["dim"] + 1) * s["num_classes"]  # trains in full (modules_to_save)
+    assert plain["trainable_params"] == s["layers"] * 8 * 4 * s["dim"] + head
   if not plain["lora"]:
     assert plain["trainable_params"] == plain["total_params"]
   assert not math.isnan(plain["final_loss"])
