@@ -9,7 +9,8 @@ simulated NVIDIA H100 80GB HBM3 (:data:`TARGETS`) instead of the local backend:
   and the buffer-assignment dump are XLA:GPU's; nothing runs, nothing is copied);
 * :func:`platform` is what the dispatch decides for (``"gpu"``, with the target's cuDNN
   version and compute capability), so ``attention="auto"`` and ``kernels="auto"`` pick what
-  they would pick on that GPU.
+  they would pick on that GPU; jax's cuDNN attention checks its calls against the same
+  two (not a cuDNN library, which the plugin does not bring).
 
 What it gives: compiled memory (temp, arguments, outputs) and the live buffers at the peak,
 as XLA:GPU plans them. What it cannot give: autotuned kernel choices (nothing is measured:
@@ -158,9 +159,37 @@ def compiling_for(name: str | None) -> Iterator[Target | None]:
   device(name)  # fail here, before any work, if it cannot be had
   previous, _active = _active, target
   try:
-    yield target
+    with _cudnn_answers_for(target):
+      yield target
   finally:
     _active = previous
+
+
+@contextlib.contextmanager
+def _cudnn_answers_for(target: Target) -> Iterator[None]:
+  """Within: jax's cuDNN attention asks ``target`` for the cuDNN version and the compute
+  capability it checks a call against. Outside, it asks the cuDNN library installed here
+  (none with the plugin alone: "cuDNN not found") and the local backend (the CPU: never
+  Hopper). The target's are the ones the executable is for."""
+  from jax._src.cudnn import fused_attention_stablehlo as fmha
+
+  def at_least(capability: str) -> bool:
+    return target.compute_capability >= tuple(int(x) for x in capability.split("."))
+
+  def equal(capability: str) -> bool:
+    return target.compute_capability == tuple(int(x) for x in capability.split("."))
+
+  answers = {"check_cudnn_version": lambda: target.cudnn_version,
+             "check_compute_capability": at_least,
+             "is_cuda_compute_capability_equal": equal}
+  saved = {name: getattr(fmha, name) for name in answers if hasattr(fmha, name)}
+  for name in saved:
+    setattr(fmha, name, answers[name])
+  try:
+    yield
+  finally:
+    for name, fn in saved.items():
+      setattr(fmha, name, fn)
 
 
 def active() -> Target | None:

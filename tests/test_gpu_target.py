@@ -71,6 +71,22 @@ def test_dispatch_decides_for_the_target(as_h100):
   assert MemoryPolicy.parse("lowmembp+kernels=pallas").kernel_implementation() == "pallas"
 
 
+def test_jax_cudnn_attention_checks_its_calls_against_the_target():
+  """jax's cuDNN attention asks the installed cuDNN for its version (none with the plugin
+  alone: "cuDNN not found", every cuDNN compile failed) and the local backend for Hopper;
+  under the target both answer the target's, and nothing is left patched after."""
+  from jax._src.cudnn import fused_attention_stablehlo as fmha
+  before = (fmha.check_cudnn_version, fmha.check_compute_capability)
+  with gpu_target._cudnn_answers_for(H100):
+    assert fmha.check_cudnn_version() == H100.cudnn_version
+    assert fmha.check_compute_capability("9.0") and fmha.check_compute_capability("8.0")
+    assert not fmha.check_compute_capability("10.0")
+    assert fmha.is_cuda_compute_capability_equal("9.0")
+  assert (fmha.check_cudnn_version, fmha.check_compute_capability) == before
+  if jax.default_backend() != "gpu":
+    assert not fmha.check_compute_capability("9.0")
+
+
 def test_without_target_the_dispatch_is_local():
   local = jax.default_backend()
   assert gpu_target.backend() == local and attention._platform()[0] == local
