@@ -375,3 +375,21 @@ def test_base_dtype_config_errors():
     qw.quantize(W, "int8-dq")
   with pytest.raises(ValueError, match="quantize: format='int4'"):
     qw.quantize(W, "int4")
+
+
+@pytest.mark.parametrize("base_dtype", ["float32", "bfloat16", "int8"])
+def test_frozen_by_pattern_with_a_stored_base(base_dtype):
+  """trainable=frozen:<regex> with base_dtype: the matched kernels are stored (no longer
+  parameters) and the rest trains; before, the check that the regex matched counted
+  parameters only and refused every such run ("matches no parameter path")."""
+  from train.model import split_trainable
+  cfg = _cfg(base_dtype).replace(trainable="frozen:mlp")
+  _, params, rest = split_trainable(cfg, nnx.eval_shape(lambda: build_model(cfg)))
+  trained = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(params)}
+  assert trained and not any("mlp" in p for p in trained), trained
+  stored = [p for p, v in nnx.to_flat_state(rest) if isinstance(v, FrozenKernel)]
+  assert bool(stored) == (base_dtype != "float32"), stored
+  assert all("mlp" in "/".join(map(str, p)) for p in stored), stored
+  with pytest.raises(ValueError, match="matches no parameter path"):
+    split_trainable(cfg.replace(trainable="frozen:nomatch"),
+                    nnx.eval_shape(lambda: build_model(cfg.replace(trainable="frozen:nomatch"))))

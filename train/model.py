@@ -13,7 +13,7 @@ from flax import nnx
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, registry
 from models.embedding import TABLE_FORMATS, Embed
-from models.linear import Linear, LinearGeneral
+from models.linear import FrozenKernel, Linear, LinearGeneral
 from train.config import TrainConfig
 
 
@@ -134,8 +134,10 @@ def split_trainable(cfg: TrainConfig, model):
   graphdef, params, rest = nnx.split(model, trainable_filter(cfg), ...)
   if not jax.tree.leaves(params):
     raise ValueError(f"trainable={cfg.trainable!r} leaves no parameter to train")
+  # the weights: parameters, and frozen kernels a base_dtype stored (no longer parameters)
+  weights = nnx.state(model, nnx.Any(nnx.Param, FrozenKernel))
   if cfg.trainable.startswith("frozen:") and len(jax.tree.leaves(params)) == len(
-      jax.tree.leaves(nnx.state(model, nnx.Param))):
+      jax.tree.leaves(weights)):
     raise ValueError(f"trainable={cfg.trainable!r} matches no parameter path (paths such as "
                      "stack/blocks/attn/query/kernel); it would train them all")
   return graphdef, params, rest
