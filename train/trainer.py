@@ -139,13 +139,19 @@ class Trainer:
         micro = jax.tree.map(lambda x: x.reshape((cfg.grad_accum, -1) + x.shape[1:]), batch)
 
         def body(carry, mb):
+          # each micro-batch's mean loss and its gradient, weighted by its count of examples
+          # or masked tokens: the sums over the batch, so the step is the whole batch's mean
+          # (micro-batches of an LM batch hold different numbers of loss tokens)
           acc, rest = carry
           loss, aux, grads, rest = grads_of(params, rest, mb)
-          return (jax.tree.map(jnp.add, acc, (loss, aux, grads)), rest), None
+          count = aux[2]
+          sums = (loss * count, aux, jax.tree.map(lambda g: g * count.astype(g.dtype), grads))
+          return (jax.tree.map(jnp.add, acc, sums), rest), None
 
         zeros = jax.tree.map(jnp.zeros_like, (jnp.float32(0), (jnp.float32(0),) * 3, params))
         ((loss, aux, grads), rest), _ = jax.lax.scan(body, (zeros, rest), micro)
-        loss, grads = loss / cfg.grad_accum, jax.tree.map(lambda g: g / cfg.grad_accum, grads)
+        count = jnp.maximum(aux[2], 1.0)  # as loss_and_metrics' mean: none counted is 0
+        loss, grads = loss / count, jax.tree.map(lambda g: g / count.astype(g.dtype), grads)
       grad_norm = optax.tree.norm(grads)
       updates, opt = tx.update(grads, state["opt"], params)
       new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),

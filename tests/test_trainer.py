@@ -1,0 +1,48 @@
+"""train.trainer: the jitted train step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from train.config import TrainConfig
+from train.trainer import Trainer
+
+MODEL = {"num_layers": 1, "dim": 32, "mlp_dim": 64, "num_heads": 2, "num_kv_heads": 2}
+
+
+def _lm_batch(batch=4, seq=12, vocab=256):
+  """An LM batch whose rows count different numbers of loss tokens (3, 12, 7, 1)."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, vocab, (batch, seq), dtype=np.int32)
+  lengths = np.array([3, 12, 7, 1][:batch])
+  mask = (np.arange(seq)[None, :] < lengths[:, None]).astype(np.int32)
+  return {"tokens": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
+          "loss_mask": jnp.asarray(mask)}
+
+
+def test_grad_accum_keeps_the_whole_batch_mean():
+  """grad_accum splits the batch, not the loss: the loss is the mean over every loss token
+  of the batch and the gradient its gradient, whatever the split. Before, the step averaged
+  the micro-batches' means, which weighs a token of a short micro-batch more (here the
+  loss moved by 1e-3 relative); the planner changes grad_accum on its own."""
+  batch = _lm_batch()
+  out = {}
+  for accum in (1, 2, 4):
+    cfg = TrainConfig(name="t", task="lm", model="llama-tiny", model_overrides=MODEL,
+                      policy="baseline", dtype="float32", precision="highest",
+                      batch_size=4, grad_accum=accum, optimizer="sgd", lr=0.1,
+                      warmup_steps=0, eval_every=0, compare_baseline=False)
+    trainer = Trainer.create(cfg)
+    metrics = jax.device_get(trainer.step(batch))
+    out[accum] = (float(metrics["loss"]), float(metrics["grad_norm"]),
+                  float(metrics["count"]), jax.device_get(trainer.state["params"]))
+  loss, norm, count, params = out[1]
+  assert count == 3 + 12 + 7 + 1
+  for accum in (2, 4):
+    assert out[accum][2] == count
+    assert out[accum][0] == pytest.approx(loss, rel=1e-6), (accum, out[accum][0], loss)
+    assert out[accum][1] == pytest.approx(norm, rel=1e-5), (accum, out[accum][1], norm)
+    # SGD's update is linear in the gradient: the same parameters
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                 out[accum][3], params)
