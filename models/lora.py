@@ -145,11 +145,12 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
     raise ValueError(f"apply_lora: the model has LoRA adapters already (on "
                      f"{', '.join(map(str, adapted))}); strip_lora(model) merges them first")
   found = list(_targets(model, tuple(targets)))
-  if not found:
+  missing = [t for t in targets if t not in {p[-1] for p, _ in found}]
+  if missing or not found:  # a misspelt target would leave its linears without adapters
     names = sorted({p[-1] for p, n in nnx.iter_graph(model)
                     if p and isinstance(n, (Linear, LinearGeneral))})
-    raise ValueError(f"apply_lora: no linear named {list(targets)}; this model has "
-                     f"{', '.join(map(str, names))}")
+    raise ValueError(f"apply_lora: no linear named {missing or list(targets)}; this model "
+                     f"has {', '.join(map(str, names))}")
   from models.reversible_stack import ReversibleStack
   if any(isinstance(n, ReversibleStack) for _, n in nnx.iter_graph(model)):
     raise ValueError("apply_lora: reversible models (revvit-*, revllama-*) keep their "

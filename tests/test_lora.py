@@ -90,6 +90,10 @@ def test_bad_targets_and_rank_are_clear_errors():
   assert _lora_error(_model(), targets=("q_proj",)) == (
       "apply_lora: no linear named ['q_proj']; this model has fc1, fc2, head, key, out, "
       "query, value")
+  # one misspelt target among good ones left its linears without adapters, silently
+  assert _lora_error(_model(), targets="query,vlaue") == (
+      "apply_lora: no linear named ['vlaue']; this model has fc1, fc2, head, key, out, "
+      "query, value")
   # a float, str or bool rank failed in jax.random ('Shapes must be 1D sequences...') or
   # with '<' between str and int; True and alpha <= 0 built adapters that do nothing or
   # train with the sign flipped
