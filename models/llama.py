@@ -64,6 +64,11 @@ class LlamaConfig:
   eps: float = 1e-5            # rms_norm_eps
   tie_embeddings: bool = False
   model_type: str = "llama"
+  # special token ids, from a checkpoint's config.json and written back on export (HF's
+  # generate() stops on eos; Llama 3 has several): HF LlamaConfig's defaults
+  bos_token_id: int | None = 1
+  eos_token_id: int | tuple[int, ...] | None = 2
+  pad_token_id: int | None = None
 
   def __post_init__(self):
     check_positive(self, ints=("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",
@@ -85,6 +90,14 @@ class LlamaConfig:
                        f"{self.tie_embeddings!r}")
     if self.model_type != "llama":
       raise ValueError(f"LlamaConfig: model_type must be 'llama', got {self.model_type!r}")
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+      value = getattr(self, name)
+      ids = value if isinstance(value, tuple) else (value,)
+      if value is not None and not all(
+          isinstance(i, (int, np.integer)) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"LlamaConfig: {name} must be a token id >= 0"
+                         f"{' (or a tuple of them)' if name == 'eos_token_id' else ''} or "
+                         f"None, got {value!r}")
 
   @property
   def max_tokens(self) -> int:
@@ -288,8 +301,18 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
       mlp_dim=int(hf["intermediate_size"]),
       max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=float(theta),
       eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      **_special_tokens(hf))
   return _replace(cfg, overrides)
+
+
+def _special_tokens(hf: dict) -> dict:
+  """bos/eos/pad token ids of a HF config dict (absent: HF LlamaConfig's defaults; a list
+  of eos ids as a tuple)."""
+  eos = hf.get("eos_token_id", 2)
+  return {"bos_token_id": hf.get("bos_token_id", 1),
+          "eos_token_id": tuple(eos) if isinstance(eos, list) else eos,
+          "pad_token_id": hf.get("pad_token_id")}
 
 
 def config_to_hf(cfg: LlamaConfig) -> dict:
@@ -317,8 +340,10 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
       "initializer_range": 0.02,
       "pretraining_tp": 1,
       "use_cache": True,
-      "bos_token_id": 1,
-      "eos_token_id": 2,
+      "bos_token_id": cfg.bos_token_id,
+      "eos_token_id": (list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple)
+                       else cfg.eos_token_id),
+      "pad_token_id": cfg.pad_token_id,
       "torch_dtype": "float32",
   }
 

@@ -97,6 +97,25 @@ def test_golden_files_match_live_hf(name):
   fixtures.assert_golden(name, model, live)
 
 
+def test_special_token_ids_are_carried_to_the_export():
+  """bos/eos/pad ids come from config.json and go back to it: the export wrote bos 1, eos 2
+  and no pad whatever the checkpoint said (a Llama 3 export would stop generating on
+  token 2 and never on its own eos ids)."""
+  hf_cfg = llama.config_to_hf(llama.config("llama-tiny"))
+  assert (hf_cfg["bos_token_id"], hf_cfg["eos_token_id"], hf_cfg["pad_token_id"]) == (1, 2, None)
+  source = dict(hf_cfg, bos_token_id=5, eos_token_id=[6, 7], pad_token_id=8)
+  cfg = llama.config_from_hf(json.loads(json.dumps(source)))
+  assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (5, (6, 7), 8)
+  back = llama.config_to_hf(cfg)
+  assert (back["bos_token_id"], back["eos_token_id"], back["pad_token_id"]) == (5, [6, 7], 8)
+  assert llama.config_from_hf(json.loads(json.dumps(back))) == cfg
+  absent = {k: v for k, v in source.items() if not k.endswith("_token_id")}
+  cfg = llama.config_from_hf(absent)  # HF LlamaConfig's defaults
+  assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, 2, None)
+  with pytest.raises(ValueError, match=r"eos_token_id must be a token id >= 0 \(or a tuple"):
+    llama.config_from_hf(dict(source, eos_token_id=[6, -1]))
+
+
 def test_export_roundtrip(hf_ckpt, tmp_path):
   """lowmembp (merged norms) -> our save_pretrained -> our loader: the same function, in
   a HF config and state (merged norms written as 1; see the transformers twin below)."""

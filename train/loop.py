@@ -163,7 +163,7 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
 # a pretrained directory's files that say how to feed the model (HF's tokenizer and image
 # processor): an export carries them, so it is a pretrained directory of its own
 INPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "vocab.txt", "preprocessor_config.json")
+               "vocab.txt", "preprocessor_config.json", "generation_config.json")
 
 
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
