@@ -19,12 +19,14 @@ from flax import nnx
 @dataclasses.dataclass(frozen=True)
 class Family:
   """A model family. ``inputs``: "image" (``[B, H, W, C]`` floats -> class logits) or
-  "tokens" (``[B, T]`` ids, with a padding mask -> per-sequence or per-token logits).
+  "tokens" (``[B, T]`` ids, with a padding mask -> per-sequence or per-token logits);
+  ``tasks``: the train tasks it serves (``image``, ``text``: a class per sequence, ``lm``).
   ``hf_model_types``: the HF ``config.json`` ``model_type`` values it loads."""
   name: str
   module_name: str
   class_name: str
   inputs: str
+  tasks: tuple[str, ...]  # what train's ``task`` may be: image, text (classes), lm
   hf_model_types: tuple[str, ...] = ()
 
   @property
@@ -55,11 +57,11 @@ class Family:
 
 
 FAMILIES = (
-    Family("vit", "models.vit", "ViT", "image", ("vit",)),
-    Family("revvit", "models.revvit", "RevViT", "image"),
-    Family("llama", "models.llama", "Llama", "tokens", ("llama",)),
-    Family("revllama", "models.revllama", "RevLlama", "tokens"),
-    Family("bert", "models.bert", "Bert", "tokens", ("bert", "roberta")),
+    Family("vit", "models.vit", "ViT", "image", ("image",), ("vit",)),
+    Family("revvit", "models.revvit", "RevViT", "image", ("image",)),
+    Family("llama", "models.llama", "Llama", "tokens", ("lm",), ("llama",)),
+    Family("revllama", "models.revllama", "RevLlama", "tokens", ("lm",)),
+    Family("bert", "models.bert", "Bert", "tokens", ("text",), ("bert", "roberta")),
 )
 
 

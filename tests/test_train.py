@@ -332,6 +332,10 @@ def test_config_errors():
      "model [10] (the checkpoint's head is for other labels: load with new_head=True, or "
      "train with new_head=true)"),
     ("new_head=true", "new_head=true replaces a pretrained model's head; set pretrained="),
+    ("task=lm", "task='lm': model='vit-digits' is a ViT, which trains for task=image; set "
+     "task= to match, or pick another model"),
+    ("pretrained=tests/data/hf/llama_tied", "task='image': pretrained='tests/data/hf/llama_tied' "
+     "is a Llama, which trains for task=lm"),
     ("memory_profile=/etc", "memory_profile='/etc' is a folder; name a file"),
     ("memory_profile=/nonexistent/m.prof",
      "memory_profile='/nonexistent/m.prof': no such folder /nonexistent"),

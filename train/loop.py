@@ -214,6 +214,11 @@ def check_inputs(cfg: TrainConfig) -> None:
     load_tokenizer(resolve_path(cfg.tokenizer))  # raises on a file that is no tokenizer
   model_cfg = model_config(cfg)  # the preset's or the pretrained config.json, overridden
   family = model_family(cfg, model_cfg)
+  if cfg.task not in family.tasks:
+    source = f"pretrained={cfg.pretrained!r}" if cfg.pretrained else f"model={cfg.model!r}"
+    raise ValueError(f"task={cfg.task!r}: {source} is a {family.class_name}, which trains "
+                     f"for task={' or '.join(family.tasks)}; set task= to match, or pick "
+                     "another model")
   if cfg.export_dir and not family.hf_model_types:
     raise ValueError(f"export_dir={cfg.export_dir!r}: model {cfg.model} ({family.class_name}) "
                      "has no Hugging Face format to export to")
