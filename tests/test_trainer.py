@@ -46,3 +46,28 @@ def test_grad_accum_keeps_the_whole_batch_mean():
     # SGD's update is linear in the gradient: the same parameters
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                  out[accum][3], params)
+
+
+def test_a_stored_base_exports_the_fp32_base_with_the_adapters_merged(tmp_path):
+  """A QLoRA run (base_dtype nf4) exports LoRA merged into the fp32 base it came from (the
+  seed's init here, a pretrained checkpoint read again otherwise), as peft merges into the
+  original base: not into the nf4-dequantized one. It was refused at config time."""
+  from models import hf
+  from train.loop import export
+  from train.model import build_model
+  cfg = TrainConfig(name="t", task="lm", model="llama-tiny", model_overrides=MODEL,
+                    policy="baseline", dtype="float32", batch_size=4, trainable="lora",
+                    lora_targets="query,value", base_dtype="nf4", lr=0.05, warmup_steps=0,
+                    eval_every=0, compare_baseline=False, export_dir=str(tmp_path / "hf"))
+  trainer = Trainer.create(cfg)
+  trainer.step(_lm_batch())
+  export(trainer, cfg)
+  exported = hf.read_safetensors(tmp_path / "hf")
+  fp32 = hf.hf_state(build_model(cfg.replace(base_dtype="float32", trainable="full")))
+  # no adapter on key: the fp32 base exactly (nf4's dequantized value differs by ~1e-2)
+  name = "model.layers.0.self_attn.k_proj.weight"
+  np.testing.assert_array_equal(exported[name], fp32[name])
+  # query: the fp32 base plus the trained adapter's B A (nonzero after a step)
+  name = "model.layers.0.self_attn.q_proj.weight"
+  delta = exported[name] - fp32[name]
+  assert 1e-6 < np.abs(delta).max() < 1.0, np.abs(delta).max()

@@ -138,10 +138,6 @@ class TrainConfig:
     if self.base_dtype != "float32" and self.trainable == "full":
       raise ValueError(f"TrainConfig: base_dtype={self.base_dtype!r} needs frozen weights "
                        "(trainable=lora or frozen:<regex>); trainable=full trains them all")
-    if self.export_dir and self.base_dtype != "float32":
-      raise ValueError(f"TrainConfig: export_dir writes fp32 HF weights, which a base stored "
-                       f"as base_dtype={self.base_dtype!r} no longer holds (LoRA merges into "
-                       "an fp32 base); train with base_dtype=float32 to export")
     if self.resume and self.overwrite:
       raise ValueError("TrainConfig: resume=true and overwrite=true exclude each other")
     if self.overwrite and self.out_dir is None:

@@ -29,7 +29,7 @@ from train.images import pixel_normalization
 from train.memory_report import print_memory
 from train.metrics import Log, finished_result
 from train.model import (build_model, model_config, model_family, resolve_path,
-                         split_trainable)
+                         split_trainable, trainable_filter)
 from train.optim import make_schedule
 from train.tokenize import load_tokenizer
 from train.trainer import Trainer
@@ -166,6 +166,18 @@ INPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "vocab.txt", "preprocessor_config.json", "generation_config.json")
 
 
+def with_fp32_base(trained, cfg: TrainConfig):
+  """``trained``, whose frozen weights are stored in ``cfg.base_dtype``, rebuilt on the host
+  CPU with the fp32 base it came from (the pretrained checkpoint read again, or the seed's
+  init) and the run's trained parameters (adapters, head) put in: what LoRA merges into for
+  an export, as peft merges a QLoRA adapter into the original base. The stored base's
+  dequantized values are not the checkpoint's (nf4: about 13% of a weight's block absmax)."""
+  with jax.default_device(jax.devices("cpu")[0]):
+    model = build_model(cfg.replace(base_dtype="float32"))
+    nnx.update(model, jax.device_get(nnx.state(trained, trainable_filter(cfg))))
+  return model
+
+
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
   """Writes the trainer's model as HF safetensors to ``cfg.export_dir`` (LoRA merged into
   the base), if set, with the pretrained directory's :data:`INPUT_FILES` (the run's
@@ -173,9 +185,10 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
   if not cfg.export_dir:
     return
   from models import hf
-  model = lora.strip_lora(nnx.merge(trainer.graphdef, trainer.state["params"],
-                                    trainer.state["rest"]))
-  hf.save_pretrained(model, cfg.export_dir)
+  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  if cfg.base_dtype != "float32":
+    model = with_fp32_base(model, cfg)
+  hf.save_pretrained(lora.strip_lora(model), cfg.export_dir)
   files = {name: os.path.join(resolve_path(cfg.pretrained), name)
            for name in INPUT_FILES} if cfg.pretrained else {}
   if cfg.tokenizer and cfg.task != "image":
