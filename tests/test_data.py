@@ -467,7 +467,7 @@ def test_causal_lm_errors(tmp_path, tokenizer):
   with pytest.raises(ValueError, match="not found"):
     causal_lm(tmp_path / "none.txt", tokenizer, max_len=8)
   (tmp_path / "x.csv").write_text("a,b")
-  with pytest.raises(ValueError, match=".txt or .jsonl"):
+  with pytest.raises(ValueError, match=r"reads \.txt, \.jsonl or \.json \(an array of records\)"):
     causal_lm(tmp_path / "x.csv", tokenizer, max_len=8)
   (tmp_path / "empty.txt").write_text("  \n")
   with pytest.raises(ValueError, match="empty dataset"):
@@ -546,7 +546,8 @@ def test_batches_epoch_batches_and_errors():
   assert b.state() == before
   with pytest.raises(ValueError, match="batch_size"):
     Batches(index_dataset(4), 0)
-  with pytest.raises(ValueError, match="smaller than one batch"):
+  with pytest.raises(ValueError, match="smaller than one batch of 5; set batch_size <= 4, "
+                     "or give more data"):
     Batches(index_dataset(4), 5)
   assert Batches(index_dataset(4), 5, drop_last=False).steps_per_epoch == 1
 

@@ -31,8 +31,7 @@ class Batches:
       raise ValueError("empty dataset: nothing to batch")
     if drop_last and n < batch_size:
       raise ValueError(f"dataset of {n} examples is smaller than one batch of {batch_size}; "
-                       f"set batch_size <= {n} (Batches(..., drop_last=False) in Python "
-                       "keeps a short batch)")
+                       f"set batch_size <= {n}, or give more data")
     self.dataset = dataset
     self.batch_size = int(batch_size)
     self.seed = int(seed)

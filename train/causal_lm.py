@@ -62,7 +62,8 @@ def causal_lm(path, tokenizer, *, max_len: int,
   elif suffix_lower in (".jsonl", ".json"):
     rows = _causal_rows(p, tok, prefix, eos, prompt_template, max_len)
   else:
-    raise ValueError(f"causal_lm reads .txt or .jsonl files, got {p.name}")
+    raise ValueError(f"causal_lm reads .txt, .jsonl or .json (an array of records) files, "
+                     f"got {p.name}")
 
   n = len(rows)
   tokens = np.full((n, max_len), pad_id, np.int32)
