@@ -105,6 +105,7 @@ class ViT(nnx.Module):
     x = self.stack(embed(self, images))
     return self.head(self.norm(x[:, 0])).astype(jnp.float32)
 
+
 def init_embeddings(model: nnx.Module, c: ViTConfig, dtype, rngs: nnx.Rngs) -> None:
   """Gives ``model`` ViT's patch embedding, class token and position embedding."""
   model.patch_embed = nnx.Conv(c.channels, c.dim, kernel_size=(c.patch_size, c.patch_size),
