@@ -40,7 +40,7 @@ class SelfAttention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
     self.causal = causal
     self.policy = policy = MemoryPolicy.parse(policy)
-    proj = dict(use_bias=qkv_bias, dtype=dtype, rngs=rngs, policy=policy)
+    proj = dict(use_bias=qkv_bias, dtype=dtype, rngs=rngs, policy=policy, reads_norm=True)
     self.query = LinearGeneral(dim, (num_heads, head_dim), name="query", **proj)
     self.key = LinearGeneral(dim, (num_kv_heads, head_dim), name="key", **proj)
     self.value = LinearGeneral(dim, (num_kv_heads, head_dim), name="value", **proj)

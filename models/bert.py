@@ -224,7 +224,7 @@ class Bert(nnx.Module):
     head = dict(dtype=dtype, kernel_init=nnx.initializers.normal(cfg.initializer_range),
                 bias_init=nnx.initializers.zeros_init(), rngs=rngs)
     # Under MS norms the last LN2's affine is merged into ``pooler``.
-    self.pooler = Linear(cfg.dim, cfg.dim, policy=self.policy, **head)
+    self.pooler = Linear(cfg.dim, cfg.dim, policy=self.policy, reads_norm=True, **head)
     self.classifier = Linear(cfg.dim, cfg.num_labels, policy=self.policy, **head)
     seed_sites(self, rngs)
 

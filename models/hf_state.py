@@ -13,6 +13,8 @@ HF affine folded into every :class:`Linear` that names it as ``norm``
 (``lowmem_jax.norms.merge_norm_affine``, float64). Exported, such a norm is weight 1 /
 bias 0 with the merged linears, unless the entry names where the affine is ``kept``
 (BERT's residual path): then that affine is exported and the linears un-merged with it.
+Each merged linear also keeps the affine (``models.linear.NormAffine``), for what trains
+behind the norm (LoRA's adapters).
 Tensors stay numpy in the checkpoint's dtype until the model holds them (merges run in
 float64); each stacked variable is filled row by row in a device buffer (donated
 updates) and assigned once.
@@ -406,6 +408,7 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
                                          kernel.astype(np.float32, copy=False), bias)
         if bias is not None and not has_bias:
           raise CheckpointError(f"{e.hf}: merging the norm bias needs a bias on this linear")
+      _set_norm_affine(rows, module, e.layer, affines.get(e.norm))
       format = _format(store, e.path, module)
       if format == "float32":
         rows.set(module.kernel, e.layer, kernel)
@@ -415,6 +418,18 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
       if has_bias:
         rows.set(module.bias, e.layer, bias)
   rows.assign()
+
+
+def _set_norm_affine(rows: _Rows, module, layer: int | None, affine) -> None:
+  """Row ``layer`` of the merged norm's affine a linear keeps (``models.linear.NormAffine``):
+  ``affine`` (scale, shift or None), or the identity where no norm is merged into it."""
+  if getattr(module, "norm_scale", None) is None:
+    return
+  d = tuple(_value(module.norm_scale).shape)[0 if layer is None else 1:]
+  scale, shift = affine if affine is not None else (np.ones(d), None)
+  rows.set(module.norm_scale, layer, scale)
+  if module.norm_shift is not None:
+    rows.set(module.norm_shift, layer, np.zeros(d) if shift is None else shift)
 
 
 def write_state(model, entries: Sequence[Entry]) -> dict[str, np.ndarray]:

@@ -6,11 +6,19 @@ LoRA and sharding see no difference. The layer computes its dense function throu
 strategy (``policy.linear_strategy(name)``, held in ``self.saving``): the baseline
 keeps the input, or what a carried input carries (Mesa: its code); WTA-CRS keeps a
 sample of the token rows for the weight gradient.
+
+A linear that reads a norm's output (``reads_norm``) under MS norms has that norm's
+affine merged into its kernel (and bias) at load, and keeps the affine beside it as
+:class:`NormAffine` (identity until a checkpoint fills it). What trains behind the merged
+norm reads the norm's real output through it: LoRA's adapter (:mod:`models.lora`), and
+the linear itself once :meth:`_PolicyDense.unmerge_norm_affine` has put its kernel back
+in the unmerged form (a head trained in full beside the adapters).
 """
 
 from __future__ import annotations
 
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -26,14 +34,87 @@ class FrozenKernel(nnx.Variable):
   by a forward pass."""
 
 
+class NormAffine(nnx.Variable):
+  """The affine of the norm a linear reads (scale; shift where the linear has a bias),
+  merged into that linear's kernel under MS norms: fixed (neither trained nor written by a
+  forward pass), shaped like the linear's input features."""
+
+
+def fold_norm_affine(kernel, scale, shift, n_in: int, n_out: int):
+  """``(kernel * scale, shift . kernel)``: the kernel ``[lead..., in..., out...]`` and the
+  bias term that make ``x_hat @ k' + b'`` equal ``(scale * x_hat + shift) @ kernel``
+  (``scale``/``shift``: ``[lead..., in...]``; the bias term None without a shift).
+  Elementwise products and sums: exact fp32, whatever the matmul precision. Recomputed in
+  backward (``jax.checkpoint``), so nothing the size of the kernel is saved for it."""
+  ones = (1,) * n_out
+
+  @jax.checkpoint
+  def fold(kernel, scale, shift):
+    folded = kernel * scale.reshape(scale.shape + ones).astype(kernel.dtype)
+    if shift is None:
+      return folded, None
+    axes = tuple(range(kernel.ndim - n_in - n_out, kernel.ndim - n_out))
+    return folded, jnp.sum(shift.reshape(shift.shape + ones).astype(kernel.dtype) * kernel,
+                           axis=axes)
+  return fold(kernel, scale, shift)
+
+
 class _PolicyDense:
   """What our Linear and LinearGeneral add to Flax's: the policy's strategy."""
 
-  def _setup_policy(self, policy, name):
+  def _setup_policy(self, policy, name, reads_norm: bool, in_shape: tuple[int, ...]):
     self.policy = MemoryPolicy.parse(policy)
     self.role = name
     self.frozen = False
     self.saving = Site(self.policy.linear_strategy(name))
+    # the merged norm's affine (MS norms), and whether the kernel is held unmerged
+    merged = reads_norm and self.policy.merges_norm_affine
+    self.norm_scale = NormAffine(jnp.ones(in_shape, jnp.float32)) if merged else None
+    self.norm_shift = (NormAffine(jnp.zeros(in_shape, jnp.float32))
+                       if merged and self.bias is not None else None)
+    self.affine_at_call = False
+
+  def norm_affine(self):
+    """``(scale, shift or None)`` of the merged norm this linear reads, or None (no norm
+    merged into it)."""
+    if self.norm_scale is None:
+      return None
+    return self.norm_scale[...], None if self.norm_shift is None else self.norm_shift[...]
+
+  def unmerge_norm_affine(self) -> None:
+    """Holds the kernel and bias unmerged (``W = W' / scale``, ``b = b' - shift . W``) and
+    folds the norm's affine in at each call, so that a linear that trains behind a merged
+    norm trains the parameters a model with the norm's affine trains (peft's). A scale of
+    0 leaves that input row 0 (it reaches the output through the shift alone, as in the
+    unmerged model). Backward keeps what it kept: the norm's output ``x_hat``."""
+    if self.norm_scale is None or self.affine_at_call:
+      return
+    n_in, n_out = self.kernel_axes()
+    scale, shift = self.norm_affine()
+    safe = jnp.where(scale == 0, 1.0, scale)
+    kernel = self.kernel[...]
+    kernel = jnp.where((scale == 0).reshape(scale.shape + (1,) * n_out), 0.0,
+                       fold_norm_affine(kernel, 1 / safe, None, n_in, n_out)[0])
+    self.kernel[...] = kernel
+    if shift is not None:
+      self.bias[...] = self.bias[...] - fold_norm_affine(kernel, scale, shift, n_in, n_out)[1]
+    self.affine_at_call = True
+
+  def merge_norm_affine(self) -> None:
+    """Undoes :meth:`unmerge_norm_affine`: the kernel and bias merged again (for export)."""
+    if not self.affine_at_call:
+      return
+    kernel, bias = self._folded(self.kernel[...], None if self.bias is None else self.bias[...])
+    self.kernel[...] = kernel
+    if bias is not None:
+      self.bias[...] = bias
+    self.affine_at_call = False
+
+  def _folded(self, kernel, bias):
+    """The merged kernel and bias of an unmerged one (:meth:`unmerge_norm_affine`)."""
+    n_in, n_out = self.kernel_axes()
+    kernel_m, shifted = fold_norm_affine(kernel, *self.norm_affine(), n_in, n_out)
+    return kernel_m, bias if shifted is None else bias + shifted
 
   def freeze_kernel(self) -> None:
     """Marks the kernel as not trained (LoRA's base): the policy's strategy for a frozen
@@ -77,20 +158,25 @@ class _PolicyDense:
 
   def _policy_call(self, x, contract: int):
     dtype = self.dtype or jnp.result_type(as_array(x), self.kernel[...].dtype)
-    bias = None if self.bias is None else self.bias[...]
+    kernel, bias = self.kernel[...], None if self.bias is None else self.bias[...]
+    if self.affine_at_call:
+      kernel, bias = self._folded(kernel, bias)
     dense = Dense(contract, jnp.dtype(dtype), self.preferred_element_type)
-    y = self.saving(dense, x, self.kernel[...], bias, contract=contract)
+    y = self.saving(dense, x, kernel, bias, contract=contract)
     pref = self.preferred_element_type
     return y if pref is None else y.astype(pref)
 
 
 class Linear(nnx.Linear, _PolicyDense):
-  """``nnx.Linear`` that follows the memory policy; ``name`` is its role ("fc1", ...)."""
+  """``nnx.Linear`` that follows the memory policy; ``name`` is its role ("fc1", ...);
+  ``reads_norm``: its input is a norm's output (the norm's affine merged into it under
+  MS norms)."""
 
   def __init__(self, in_features: int, out_features: int, *,
-               policy: MemoryPolicy | str = "baseline", name: str | None = None, **kwargs):
+               policy: MemoryPolicy | str = "baseline", name: str | None = None,
+               reads_norm: bool = False, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
-    self._setup_policy(policy, name)
+    self._setup_policy(policy, name, reads_norm, (in_features,))
 
   def __call__(self, x):
     return self._policy_call(x, 1)
@@ -101,9 +187,10 @@ class LinearGeneral(nnx.LinearGeneral, _PolicyDense):
   the memory policy."""
 
   def __init__(self, in_features, out_features, *, policy: MemoryPolicy | str = "baseline",
-               name: str | None = None, **kwargs):
+               name: str | None = None, reads_norm: bool = False, **kwargs):
     super().__init__(in_features, out_features, **kwargs)
-    self._setup_policy(policy, name)
+    in_shape = tuple(in_features) if isinstance(in_features, tuple) else (in_features,)
+    self._setup_policy(policy, name, reads_norm, in_shape)
 
   def __call__(self, x):
     axis = self.axis if isinstance(self.axis, tuple) else (self.axis,)

@@ -175,7 +175,7 @@ class Llama(nnx.Module):
     else:
       self.lm_head = Linear(cfg.dim, cfg.vocab_size, use_bias=False, dtype=self.dtype,
                             preferred_element_type=jnp.float32, kernel_init=init,
-                            rngs=rngs, policy=self.policy)
+                            rngs=rngs, policy=self.policy, reads_norm=True)
       self.head_scale = None
     seed_sites(self, rngs)
 

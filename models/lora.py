@@ -17,6 +17,12 @@ their indices and scales, from which ``dA`` is estimated with ``A``'s output cot
 ``scale * g B^T`` (:mod:`lowmem_jax.sampling`). ``dx`` and ``dB`` are exact (``dB``
 from the rank-sized ``x @ A``, kept). Every other linear is marked frozen too
 (``freeze_rest``, as peft freezes the base model).
+Under MS norms a base linear that reads a norm has the norm's affine ``(g, s)`` merged
+into its kernel and reads the bare ``x_hat``; its adapter reads the norm's real output
+``g * x_hat + s``, as peft's does, computed as ``x_hat @ (g A) + s A``: the same function,
+parameters and gradients as under a policy that keeps the affine, and backward still keeps
+``x_hat`` alone (shared with the base). A linear trained in full behind such a norm (ViT's
+head) is held unmerged the same way (``unmerge_norm_affine``).
 ``merge_lora`` folds adapters into the base kernels (for export), ``unmerge_lora`` undoes it.
 """
 
@@ -32,7 +38,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.dense import Dense
-from models.linear import FrozenKernel, Linear, LinearGeneral
+from models.linear import FrozenKernel, Linear, LinearGeneral, fold_norm_affine
 from models.sites import as_array
 
 
@@ -69,12 +75,31 @@ class LoRALinear(nnx.Module):
                                               jnp.float32) / fan_in ** 0.5)
     self.lora_b = LoRAParam(jnp.zeros(lead + (rank,) + out_shape, jnp.float32))
 
+  def adapter_input(self):
+    """``(A', bias)`` of the adapter's first product as the base's input ``x`` sees it:
+    ``(A, None)``, or under a merged norm ``(g A, s A)`` (:mod:`models.lora`)."""
+    a = self.lora_a[...]
+    affine = self.base.norm_affine()
+    if affine is None:
+      return a, None
+    return fold_norm_affine(a, *affine, self.n_in, 1)
+
   def delta(self):
-    """``scale * A @ B`` shaped like the base kernel (fp32; per layer when stacked)."""
-    a, b = self.lora_a[...], self.lora_b[...]
+    """``scale * A' @ B`` shaped like the base kernel (fp32; per layer when stacked)."""
+    a, b = self.adapter_input()[0], self.lora_b[...]
     lead = a.shape[:self.lead]
     product = a.reshape(lead + (-1, a.shape[-1])) @ b.reshape(lead + (b.shape[self.lead], -1))
     return self.scale * product.reshape(self.base.kernel[...].shape)
+
+  def bias_delta(self):
+    """``scale * (s A) @ B`` shaped like the base bias, or None (no merged norm shift)."""
+    bias = self.adapter_input()[1]
+    if bias is None:
+      return None
+    b = self.lora_b[...]
+    lead = b.shape[:self.lead]
+    product = bias[..., None, :] @ b.reshape(lead + (b.shape[self.lead], -1))
+    return self.scale * product.reshape(self.base.bias[...].shape)
 
   @property
   def keeps_input(self) -> bool:
@@ -88,8 +113,8 @@ class LoRALinear(nnx.Module):
       return y
     # x @ A keeps what the policy keeps for a trained linear (of the base's name) reading x
     dense = Dense(self.n_in, as_array(x).dtype)
-    a = checkpoint_name(self.read_x(dense, x, self.lora_a[...], None, contract=self.n_in),
-                        "lora_a")
+    weight, bias = self.adapter_input()
+    a = checkpoint_name(self.read_x(dense, x, weight, bias, contract=self.n_in), "lora_a")
     return y + (self.scale * jnp.tensordot(a, self.lora_b[...].astype(a.dtype), axes=1)
                 ).astype(y.dtype)
 
@@ -158,7 +183,8 @@ def apply_lora(model, *, rank: int = 8, alpha: float = 16.0,
   rngs = nnx.Rngs(seed)
   for path, node in found:
     setattr(_parent(model, path), path[-1], LoRALinear(node, rank=rank, alpha=alpha, rngs=rngs))
-  for node in saved:  # trained in full: LoRA's trainable set
+  for node in saved:  # trained in full: LoRA's trainable set, behind a norm as peft's
+    node.unmerge_norm_affine()
     node.kernel = LoRAParam(node.kernel[...])
     if node.bias is not None:
       node.bias = LoRAParam(node.bias[...])
@@ -219,6 +245,8 @@ def merge_lora(model):
     if not lora.merged:
       _check_mergeable(lora)
       lora.base.kernel[...] = lora.base.kernel[...] + lora.delta()
+      if (bias := lora.bias_delta()) is not None:
+        lora.base.bias[...] = lora.base.bias[...] + bias
       lora.merged = True
   return model
 
@@ -228,13 +256,19 @@ def unmerge_lora(model):
   for lora in _adapters(model):
     if lora.merged:
       lora.base.kernel[...] = lora.base.kernel[...] - lora.delta()
+      if (bias := lora.bias_delta()) is not None:
+        lora.base.bias[...] = lora.base.bias[...] - bias
       lora.merged = False
   return model
 
 
 def strip_lora(model):
-  """Merges the adapters and puts the plain base linears back (for HF export), in place."""
+  """Merges the adapters and puts the plain base linears back, with the norms merged into
+  every linear trained in full behind one (for HF export), in place."""
   merge_lora(model)
+  for _, node in list(nnx.iter_graph(model)):
+    if isinstance(node, (Linear, LinearGeneral)):
+      node.merge_norm_affine()
   for path, node in list(nnx.iter_graph(model)):
     if isinstance(node, LoRALinear):
       setattr(_parent(model, path), path[-1], node.base)

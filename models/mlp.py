@@ -28,7 +28,7 @@ class Mlp(nnx.Module):
     self.activation = activation
     self.policy = policy = MemoryPolicy.parse(policy)
     dense = dict(use_bias=use_bias, dtype=dtype, rngs=rngs, policy=policy)
-    self.fc1 = Linear(dim, hidden, name="fc1", **dense)
+    self.fc1 = Linear(dim, hidden, name="fc1", reads_norm=True, **dense)
     self.fc2 = Linear(hidden, dim, name="fc2", **dense)
     self.shared_input = Site(policy.shared_strategy())
     self.act = Site(policy.activation_strategy(activation))
@@ -49,8 +49,8 @@ class GatedMlp(nnx.Module):
     self.activation = activation
     self.policy = policy = MemoryPolicy.parse(policy)
     dense = dict(use_bias=False, dtype=dtype, rngs=rngs, policy=policy)
-    self.gate = Linear(dim, hidden, name="gate", **dense)
-    self.up = Linear(dim, hidden, name="up", **dense)
+    self.gate = Linear(dim, hidden, name="gate", reads_norm=True, **dense)
+    self.up = Linear(dim, hidden, name="up", reads_norm=True, **dense)
     self.down = Linear(hidden, dim, name="down", **dense)
     self.shared_input = Site(policy.shared_strategy())
     self.act = Site(policy.activation_strategy(activation, gated=True))

@@ -23,11 +23,11 @@ import jax
 from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
-from models.linear import FrozenKernel
+from models.linear import FrozenKernel, NormAffine
 
 # Variables a forward pass never writes: scanned as inputs, not carried out of the scan
 # (a stored frozen kernel carried out would be a fresh copy of it per step).
-READ_ONLY = nnx.Any(nnx.Param, FrozenKernel)
+READ_ONLY = nnx.Any(nnx.Param, FrozenKernel, NormAffine)
 
 
 def stacked(make: Callable[[nnx.Rngs], nnx.Module], num_layers: int,

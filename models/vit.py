@@ -98,7 +98,8 @@ class ViT(nnx.Module):
     self.stack = BlockStack(lambda r: ViTBlock(c, self.policy, dtype, r), c.num_layers,
                             self.policy, rngs)
     self.norm = Norm(c.dim, eps=c.eps, policy=self.policy)
-    self.head = Linear(c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=self.policy)
+    self.head = Linear(c.dim, c.num_labels, dtype=dtype, rngs=rngs, policy=self.policy,
+                       reads_norm=True)
     seed_sites(self, rngs)
 
   def __call__(self, images):

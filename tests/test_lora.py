@@ -65,8 +65,10 @@ def test_merge_unmerge_and_strip_keep_the_function():
 
 def test_adapter_shares_the_norm_output():
   """Under MS norms the adapter's A matmul reads the saved norm output: adding LoRA to
-  q and v adds only the rank-sized x @ A arrays to the residuals."""
-  x, rank = _images(), 4
+  q and v adds to the residuals only the rank-sized x @ A arrays and, per adapter, the
+  weight its matmul reads (``g A``, the norm's scale folded in), plus the head's folded
+  kernel (it trains unmerged): nothing of the tokens' width."""
+  x, rank, c = _images(), 4, vit.config("vit-tiny")
   totals = {}
   for with_lora in (False, True):
     model = _model("lowmembp")
@@ -74,10 +76,11 @@ def test_adapter_shares_the_norm_output():
       lora.apply_lora(model, rank=rank, targets=("query", "value"))
     graphdef, state = nnx.split(model)
     res = saved_residuals(lambda s, x: nnx.merge(graphdef, s)(x).sum(), state, x)
-    totals[with_lora] = sum(r.nbytes for r in res.items if len(r.shape) >= 3)  # activations
-  tokens = x.shape[0] * (vit.config("vit-tiny").num_patches + 1)
-  extra_per_layer = 2 * tokens * rank * 4  # x @ A for q and v, fp32
-  assert totals[True] - totals[False] == vit.config("vit-tiny").num_layers * extra_per_layer
+    totals[with_lora] = sum(r.nbytes for r in res.items)
+  tokens = x.shape[0] * (c.num_patches + 1)
+  extra_per_layer = 2 * (tokens + c.dim) * rank * 4  # x @ A and g A for q and v, fp32
+  head = c.dim * c.num_labels * 4
+  assert totals[True] - totals[False] == c.num_layers * extra_per_layer + head
 
 
 def _lora_error(model, **kw) -> str:

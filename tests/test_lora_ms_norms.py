@@ -1,0 +1,227 @@
+"""LoRA under MS norms trains what peft trains: an adapter behind a merged norm reads the
+norm's real output (``x_hat @ (g A) + s A``) and a head trained in full behind one is held
+unmerged, so with the same checkpoint (non-trivial norm affines) and the same adapters,
+``ms-bp`` (MS norms alone: every other backward exact) gives ``baseline``'s function, LoRA gradients, steps and export. fp32,
+``highest`` matmul precision."""
+
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import make_hf_fixtures as fixtures
+from models import hf, lora
+
+HF = Path(__file__).parent / "data" / "hf"
+# Every linear of each family: adapters behind a merged norm and behind none.
+TARGETS = {"vit": "query,key,value,out,fc1,fc2",
+           "bert": "query,key,value,out,fc1,fc2",
+           "roberta": "query,key,value,out,fc1,fc2",
+           "llama_untied": "query,key,value,out,gate,up,down"}
+
+
+def _inputs(name):
+  if name == "vit":
+    return (jnp.asarray(fixtures.vit_images()),)
+  if name.startswith("llama"):
+    return (jnp.asarray(fixtures.llama_tokens()),)
+  cfg = hf.config_from_pretrained(HF / name)
+  tokens, mask, types = fixtures.bert_batch(cfg.vocab_size, cfg.pad_token_id,
+                                            cfg.type_vocab_size)
+  return jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(types)
+
+
+def _model(name, policy):
+  """The fixture under ``policy`` with LoRA r=4 on every linear (seed 0) and B made
+  non-zero (the same values under every policy)."""
+  model = hf.load_pretrained(HF / name, policy=policy, dtype=jnp.float32)
+  lora.apply_lora(model, rank=4, alpha=8, targets=TARGETS[name])
+  for path, var in nnx.iter_graph(model):
+    if isinstance(var, lora.LoRAParam) and path[-1] == "lora_b":
+      var[...] = 0.3 * jax.random.normal(jax.random.key(len(path)), var[...].shape)
+  return model
+
+
+def _loss(model, inputs):
+  out = model(*inputs)
+  probe = jax.random.normal(jax.random.key(7), out.shape)
+  return jnp.sum(out * probe) / out.size ** 0.5
+
+
+def _trained(model):
+  """``{path: value}`` of the LoRA trainables (adapters, a head trained in full)."""
+  return {p: np.asarray(v.get_value()) for p, v in
+          nnx.to_flat_state(nnx.state(model, lora.LoRAParam))}
+
+
+def _grads(model, inputs):
+  graphdef, params, rest = nnx.split(model, lora.LoRAParam, ...)
+  grads = jax.jit(jax.grad(lambda p: _loss(nnx.merge(graphdef, p, rest), inputs)))(params)
+  return {p: np.asarray(v.get_value()) for p, v in nnx.to_flat_state(grads)}
+
+
+def _adam_steps(model, inputs, steps=3):
+  """``steps`` AdamW steps on the LoRA trainables (in place); the losses."""
+  graphdef, params, rest = nnx.split(model, lora.LoRAParam, ...)
+  tx = optax.adamw(3e-2, weight_decay=0.1)
+  opt = tx.init(params)
+
+  @jax.jit
+  def step(params, opt):
+    loss, g = jax.value_and_grad(lambda p: _loss(nnx.merge(graphdef, p, rest), inputs))(params)
+    updates, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, updates), opt, loss
+
+  losses = []
+  for _ in range(steps):
+    params, opt, loss = step(params, opt)
+    losses.append(float(loss))
+  nnx.update(model, params)
+  return losses
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_lora_under_ms_norms_has_the_baseline_function_gradients_and_steps(name):
+  inputs = _inputs(name)
+  base, ms = _model(name, "baseline"), _model(name, "ms-bp")
+  assert ms.policy.merges_norm_affine and not base.policy.merges_norm_affine
+  # the same trainables, by path and value: the head is held unmerged under ms-bp
+  want, have = _trained(base), _trained(ms)
+  assert want.keys() == have.keys()
+  for path in want:
+    np.testing.assert_allclose(have[path], want[path], rtol=1e-5, atol=1e-6, err_msg=path)
+  np.testing.assert_allclose(_loss(ms, inputs), _loss(base, inputs), rtol=1e-5)
+  want, have = _grads(base, inputs), _grads(ms, inputs)
+  for path in want:  # before the fix, the adapters behind a norm were 28-62% apart
+    scale = np.abs(want[path]).max()
+    assert scale > 0, path
+    np.testing.assert_allclose(have[path], want[path], rtol=0, atol=2e-5 * scale,
+                               err_msg=str(path))
+  np.testing.assert_allclose(_adam_steps(ms, inputs), _adam_steps(base, inputs), rtol=1e-5)
+  want, have = _trained(base), _trained(ms)
+  for path in want:
+    np.testing.assert_allclose(have[path], want[path], rtol=0,
+                               atol=1e-4 * np.abs(want[path]).max(), err_msg=str(path))
+
+
+@pytest.mark.parametrize("name", ["vit", "bert"])
+def test_export_after_training_under_ms_norms_is_the_baseline_export(name, tmp_path):
+  """Stripped and exported, the trained ms-bp model reloads (under baseline) as the
+  trained baseline model: the adapters' ``g A`` and ``s A`` are merged, the head merged
+  back."""
+  inputs = _inputs(name)
+  outputs = {}
+  for policy in ("baseline", "ms-bp"):
+    model = _model(name, policy)
+    _adam_steps(model, inputs)
+    trained = np.asarray(model(*inputs))
+    hf.save_pretrained(lora.strip_lora(model), tmp_path / policy)
+    np.testing.assert_allclose(model(*inputs), trained, rtol=1e-5, atol=1e-5)
+    reloaded = hf.load_pretrained(tmp_path / policy, policy="baseline", dtype=jnp.float32)
+    outputs[policy] = np.asarray(reloaded(*inputs))
+    np.testing.assert_allclose(outputs[policy], trained, rtol=1e-5, atol=1e-5)
+  # fp32 rounding, through Adam's steps (which scale each coordinate's gradient to ~1):
+  # measured 1e-5 of the largest logit
+  np.testing.assert_allclose(outputs["ms-bp"], outputs["baseline"], rtol=0,
+                             atol=1e-4 * np.abs(outputs["baseline"]).max())
+
+
+def test_unmerged_head_round_trips_and_a_zero_scale_keeps_the_function():
+  """``unmerge_norm_affine`` then ``merge_norm_affine`` gives the merged kernel and bias
+  back; a channel whose norm scale is 0 keeps the function (its row is 0, its shift
+  contribution moved to the bias)."""
+  inputs = _inputs("vit")
+  model = hf.load_pretrained(HF / "vit", policy="ms-bp", dtype=jnp.float32)
+  scale = np.asarray(model.head.norm_scale[...]).copy()
+  scale[:3] = 0.0
+  kernel = np.asarray(model.head.kernel[...]) * np.where(scale == 0, 0.0, 1.0)[:, None]
+  model.head.norm_scale[...] = jnp.asarray(scale)
+  model.head.kernel[...] = jnp.asarray(kernel)
+  bias, before = np.asarray(model.head.bias[...]), np.asarray(model(*inputs))
+  model.head.unmerge_norm_affine()
+  assert model.head.affine_at_call
+  assert not np.asarray(model.head.kernel[...])[:3].any()
+  np.testing.assert_allclose(model(*inputs), before, rtol=1e-5, atol=1e-6)
+  model.head.merge_norm_affine()
+  np.testing.assert_allclose(model.head.kernel[...], kernel, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(model.head.bias[...], bias, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(model(*inputs), before, rtol=1e-5, atol=1e-6)
+
+
+def _peft_available():
+  try:
+    import peft  # noqa: F401
+  except ImportError:
+    return False
+  return fixtures.torch_available()
+
+
+@pytest.mark.skipif(not _peft_available(), reason="needs torch, transformers and peft: "
+                    "pip install -e '.[peers]'")
+@pytest.mark.parametrize("policy", ["baseline", "ms-bp"])
+def test_vit_lora_gradients_are_peft_s(policy):
+  """The same checkpoint and adapters in transformers + peft (LoRA on every linear, the
+  classifier in ``modules_to_save``): the same loss and the same gradient for every
+  adapter and the head, under MS norms too."""
+  import peft
+  import torch
+  import transformers
+  (images,) = _inputs("vit")
+  ours = _model("vit", policy)
+  theirs = transformers.ViTForImageClassification.from_pretrained(HF / "vit")
+  # transformers' module names for ours: before 5.x, and since
+  names = {"query": ("attention.attention.query", "attention.q_proj"),
+           "key": ("attention.attention.key", "attention.k_proj"),
+           "value": ("attention.attention.value", "attention.v_proj"),
+           "out": ("attention.output.dense", "attention.o_proj"),
+           "fc1": ("intermediate.dense", "mlp.fc1"), "fc2": ("output.dense", "mlp.fc2")}
+  suffixes = "|".join(n.replace(".", r"\.") for pair in names.values() for n in pair)
+  theirs = peft.get_peft_model(theirs, peft.LoraConfig(
+      r=4, lora_alpha=8, lora_dropout=0.0, target_modules=rf".*\.\d+\.({suffixes})",
+      modules_to_save=["classifier"]))
+  layers = ours.stack.blocks
+  ours_by_name = {"query": layers.attn.query, "key": layers.attn.key,
+                  "value": layers.attn.value, "out": layers.attn.out,
+                  "fc1": layers.mlp.fc1, "fc2": layers.mlp.fc2}
+  modules = dict(theirs.named_modules())
+
+  def module(i, name):
+    found = [m for key, m in modules.items() if hasattr(m, "lora_A")
+             and any(key.endswith(f".{i}.{n}") for n in names[name])]
+    assert len(found) == 1, (i, name, len(found))
+    return found[0]
+
+  with torch.no_grad():  # our adapters' values into peft's (torch layout: transposed)
+    for name, lin in ours_by_name.items():
+      a, b = np.asarray(lin.lora_a[...]), np.asarray(lin.lora_b[...])
+      for i in range(ours.cfg.num_layers):
+        m = module(i, name)
+        m.lora_A["default"].weight.copy_(torch.from_numpy(a[i].reshape(-1, 4).T.copy()))
+        m.lora_B["default"].weight.copy_(torch.from_numpy(b[i].reshape(4, -1).T.copy()))
+  logits = theirs(pixel_values=torch.from_numpy(np.asarray(images).transpose(0, 3, 1, 2)))
+  logits = logits.logits
+  probe = torch.from_numpy(np.asarray(jax.random.normal(jax.random.key(7), logits.shape)))
+  loss = (logits * probe).sum() / logits.numel() ** 0.5
+  loss.backward()
+  np.testing.assert_allclose(float(loss), float(_loss(ours, (images,))), rtol=1e-5)
+  grads = _grads(ours, (images,))
+  for name, lin in ours_by_name.items():
+    path = ("stack", "blocks") + (("attn",) if name in ("query", "key", "value", "out")
+                                  else ("mlp",)) + (name,)
+    dA, dB = grads[path + ("lora_a",)], grads[path + ("lora_b",)]
+    for i in range(ours.cfg.num_layers):
+      m = module(i, name)
+      want_a = m.lora_A["default"].weight.grad.numpy().T.reshape(dA[i].shape)
+      want_b = m.lora_B["default"].weight.grad.numpy().T.reshape(dB[i].shape)
+      for have, want, what in ((dA[i], want_a, "A"), (dB[i], want_b, "B")):
+        np.testing.assert_allclose(have, want, rtol=0, atol=2e-5 * np.abs(want).max(),
+                                   err_msg=f"{name} layer {i} {what}")
+  head = theirs.base_model.model.classifier.modules_to_save["default"]
+  np.testing.assert_allclose(grads[("head", "kernel")], head.weight.grad.numpy().T,
+                             rtol=0, atol=2e-5 * np.abs(head.weight.grad.numpy()).max())
+  np.testing.assert_allclose(grads[("head", "bias")], head.bias.grad.numpy(), rtol=0,
+                             atol=2e-5 * np.abs(head.bias.grad.numpy()).max())
