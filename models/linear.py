@@ -59,6 +59,23 @@ def fold_norm_affine(kernel, scale, shift, n_in: int, n_out: int):
   return fold(kernel, scale, shift)
 
 
+def read_through_norm_affine(x, kernel, bias, affine, n_in: int, n_out: int):
+  """``(x', kernel', bias')`` with ``x' @ kernel' + bias'`` equal to ``(g * x + s) @ kernel
+  + bias`` for ``affine = (g, s or None)`` (None: all as given). The affine is folded into
+  the smaller of the input and the kernel, since backward keeps what the matmul reads: an
+  adapter's ``g A`` (``d x r``) beside its input ``x_hat``, the norm's output the base
+  shares; a pooled head's ``g * x + s`` (``B x d``) rather than its whole kernel."""
+  if affine is None:
+    return x, kernel, bias
+  value = as_array(x)
+  if value.size < kernel.size:
+    scale, shift = affine
+    read = value * scale
+    return (read if shift is None else read + shift).astype(value.dtype), kernel, bias
+  folded, shifted = fold_norm_affine(kernel, *affine, n_in, n_out)
+  return x, folded, bias if shifted is None else (shifted if bias is None else bias + shifted)
+
+
 class _PolicyDense:
   """What our Linear and LinearGeneral add to Flax's: the policy's strategy."""
 
@@ -104,17 +121,12 @@ class _PolicyDense:
     """Undoes :meth:`unmerge_norm_affine`: the kernel and bias merged again (for export)."""
     if not self.affine_at_call:
       return
-    kernel, bias = self._folded(self.kernel[...], None if self.bias is None else self.bias[...])
-    self.kernel[...] = kernel
-    if bias is not None:
-      self.bias[...] = bias
-    self.affine_at_call = False
-
-  def _folded(self, kernel, bias):
-    """The merged kernel and bias of an unmerged one (:meth:`unmerge_norm_affine`)."""
     n_in, n_out = self.kernel_axes()
-    kernel_m, shifted = fold_norm_affine(kernel, *self.norm_affine(), n_in, n_out)
-    return kernel_m, bias if shifted is None else bias + shifted
+    kernel, shifted = fold_norm_affine(self.kernel[...], *self.norm_affine(), n_in, n_out)
+    self.kernel[...] = kernel
+    if shifted is not None:
+      self.bias[...] = self.bias[...] + shifted
+    self.affine_at_call = False
 
   def freeze_kernel(self) -> None:
     """Marks the kernel as not trained (LoRA's base): the policy's strategy for a frozen
@@ -160,7 +172,8 @@ class _PolicyDense:
     dtype = self.dtype or jnp.result_type(as_array(x), self.kernel[...].dtype)
     kernel, bias = self.kernel[...], None if self.bias is None else self.bias[...]
     if self.affine_at_call:
-      kernel, bias = self._folded(kernel, bias)
+      x, kernel, bias = read_through_norm_affine(x, kernel, bias, self.norm_affine(),
+                                                 contract, len(kernel.shape) - contract)
     dense = Dense(contract, jnp.dtype(dtype), self.preferred_element_type)
     y = self.saving(dense, x, kernel, bias, contract=contract)
     pref = self.preferred_element_type

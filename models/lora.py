@@ -38,7 +38,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.dense import Dense
-from models.linear import FrozenKernel, Linear, LinearGeneral, fold_norm_affine
+from models.linear import (FrozenKernel, Linear, LinearGeneral, fold_norm_affine,
+                           read_through_norm_affine)
 from models.sites import as_array
 
 
@@ -113,7 +114,8 @@ class LoRALinear(nnx.Module):
       return y
     # x @ A keeps what the policy keeps for a trained linear (of the base's name) reading x
     dense = Dense(self.n_in, as_array(x).dtype)
-    weight, bias = self.adapter_input()
+    x, weight, bias = read_through_norm_affine(x, self.lora_a[...], None,
+                                               self.base.norm_affine(), self.n_in, 1)
     a = checkpoint_name(self.read_x(dense, x, weight, bias, contract=self.n_in), "lora_a")
     return y + (self.scale * jnp.tensordot(a, self.lora_b[...].astype(a.dtype), axes=1)
                 ).astype(y.dtype)

@@ -66,8 +66,9 @@ def test_merge_unmerge_and_strip_keep_the_function():
 def test_adapter_shares_the_norm_output():
   """Under MS norms the adapter's A matmul reads the saved norm output: adding LoRA to
   q and v adds to the residuals only the rank-sized x @ A arrays and, per adapter, the
-  weight its matmul reads (``g A``, the norm's scale folded in), plus the head's folded
-  kernel (it trains unmerged): nothing of the tokens' width."""
+  weight its matmul reads (``g A``, the norm's scale folded in), plus what the head (trained
+  unmerged) reads through the final norm's affine: its pooled input ``g x + s`` and ``g``.
+  Nothing of the tokens' width beyond the rank."""
   x, rank, c = _images(), 4, vit.config("vit-tiny")
   totals = {}
   for with_lora in (False, True):
@@ -79,7 +80,7 @@ def test_adapter_shares_the_norm_output():
     totals[with_lora] = sum(r.nbytes for r in res.items)
   tokens = x.shape[0] * (c.num_patches + 1)
   extra_per_layer = 2 * (tokens + c.dim) * rank * 4  # x @ A and g A for q and v, fp32
-  head = c.dim * c.num_labels * 4
+  head = (x.shape[0] + 1) * c.dim * 4
   assert totals[True] - totals[False] == c.num_layers * extra_per_layer + head
 
 

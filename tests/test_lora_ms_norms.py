@@ -225,3 +225,30 @@ def test_vit_lora_gradients_are_peft_s(policy):
                              rtol=0, atol=2e-5 * np.abs(head.weight.grad.numpy()).max())
   np.testing.assert_allclose(grads[("head", "bias")], head.bias.grad.numpy(), rtol=0,
                              atol=2e-5 * np.abs(head.bias.grad.numpy()).max())
+
+
+@pytest.mark.parametrize("rows", [2, 40])  # x (2 x 8) or the kernel (8 x 32) is the smaller
+@pytest.mark.parametrize("shift", [True, False])
+def test_read_through_norm_affine_is_the_affine_then_the_matmul(rows, shift):
+  """Either fold gives ``(g x + s) @ W + b`` and its gradients (plain jnp reference)."""
+  from models.linear import read_through_norm_affine
+  keys = jax.random.split(jax.random.key(3), 5)
+  x = jax.random.normal(keys[0], (rows, 8))
+  w, b = jax.random.normal(keys[1], (8, 32)), jax.random.normal(keys[2], (32,))
+  g = jax.random.uniform(keys[3], (8,), minval=0.5, maxval=1.5)
+  s = jax.random.normal(keys[4], (8,)) if shift else None
+
+  def ours(x, w, b, g, s):
+    x2, w2, b2 = read_through_norm_affine(x, w, b, (g, s), 1, 1)
+    assert (x2 is x) == (rows * 8 >= 8 * 32)  # the affine went to the smaller side
+    return jnp.sum(jnp.sin(x2 @ w2 + b2))
+
+  def reference(x, w, b, g, s):
+    return jnp.sum(jnp.sin((g * x + (0 if s is None else s)) @ w + b))
+
+  args = (x, w, b, g, s)
+  np.testing.assert_allclose(ours(*args), reference(*args), rtol=1e-5)
+  argnums = (0, 1, 2, 3, 4) if shift else (0, 1, 2, 3)
+  for have, want in zip(jax.grad(ours, argnums)(*args), jax.grad(reference, argnums)(*args)):
+    # the two sum in another order: fp32 rounding of sums of 8-32 terms of size ~1
+    np.testing.assert_allclose(have, want, rtol=0, atol=1e-5 * np.abs(want).max())
