@@ -44,8 +44,9 @@ def fold_norm_affine(kernel, scale, shift, n_in: int, n_out: int):
   """``(kernel * scale, shift . kernel)``: the kernel ``[lead..., in..., out...]`` and the
   bias term that make ``x_hat @ k' + b'`` equal ``(scale * x_hat + shift) @ kernel``
   (``scale``/``shift``: ``[lead..., in...]``; the bias term None without a shift).
-  Elementwise products and sums: exact fp32, whatever the matmul precision. Recomputed in
-  backward (``jax.checkpoint``), so nothing the size of the kernel is saved for it."""
+  Elementwise products and sums: exact fp32, whatever the matmul precision. Its own
+  backward saves nothing the size of the kernel (``jax.checkpoint``); a matmul that reads
+  the folded kernel keeps it as it keeps any weight."""
   ones = (1,) * n_out
 
   @jax.checkpoint
@@ -103,7 +104,8 @@ class _PolicyDense:
     folds the norm's affine in at each call, so that a linear that trains behind a merged
     norm trains the parameters a model with the norm's affine trains (peft's). A scale of
     0 leaves that input row 0 (it reaches the output through the shift alone, as in the
-    unmerged model). Backward keeps what it kept: the norm's output ``x_hat``."""
+    unmerged model). Each call folds the affine into the smaller of the input and the
+    kernel (:func:`read_through_norm_affine`)."""
     if self.norm_scale is None or self.affine_at_call:
       return
     n_in, n_out = self.kernel_axes()
