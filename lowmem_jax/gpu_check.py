@@ -118,10 +118,10 @@ LLAMA_POLICIES = ("baseline", "lowmembp", "lowmem", "wta-crs", "remat",
 # policies (ViT-B LoRA, --peak); lowmem+offload: compiled for the H100 it is the one
 # combination under timm+peft+checkpointing's 1279 MiB (docs/h100_compiled.md), its speed
 # is the question; lowmem+attention_block=64: flash's score blocks of 50 keys in place of
-# one of 197 (compiled: 1380 against lowmem's 1583 MiB), what the more steps cost;
+# one of 197 (compiled: 1402 against lowmem's 1584 MiB), what the more steps cost;
 # lowmem+qkv=recompute: q, k, v recomputed from the norm output's code (compiled: 1211
 # MiB, without remat), and lowmembp+qkv=recompute+attention_block=64, with no Mesa codes at
-# all (1279 MiB): what the three recomputed matmuls per block cost
+# all (1280 MiB): what the three recomputed matmuls per block cost
 REMAT_POLICIES = ("baseline", "lowmem", "mesa8", "wta-crs", "remat", "remat:dots_saveable",
                   "remat:save=qkv_proj,attn_out", "offload", "lowmem+offload",
                   "lowmem+attention_block=64", "lowmem+qkv=recompute",
