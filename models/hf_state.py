@@ -408,6 +408,9 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
                                          kernel.astype(np.float32, copy=False), bias)
         if bias is not None and not has_bias:
           raise CheckpointError(f"{e.hf}: merging the norm bias needs a bias on this linear")
+        if getattr(module, "norm_scale", None) is None:  # the model and its map disagree
+          raise ValueError(f"{e.path}: the map merges {e.norm} into it, but the linear was "
+                           "not built with reads_norm=True (it keeps no NormAffine)")
       _set_norm_affine(rows, module, e.layer, affines.get(e.norm))
       format = _format(store, e.path, module)
       if format == "float32":

@@ -114,9 +114,10 @@ class _PolicyDense:
     kernel = self.kernel[...]
     kernel = jnp.where((scale == 0).reshape(scale.shape + (1,) * n_out), 0.0,
                        fold_norm_affine(kernel, 1 / safe, None, n_in, n_out)[0])
-    self.kernel[...] = kernel
+    self.kernel.set_value(kernel)
     if shift is not None:
-      self.bias[...] = self.bias[...] - fold_norm_affine(kernel, scale, shift, n_in, n_out)[1]
+      self.bias.set_value(self.bias[...] - fold_norm_affine(kernel, scale, shift, n_in,
+                                                             n_out)[1])
     self.affine_at_call = True
 
   def merge_norm_affine(self) -> None:
@@ -125,9 +126,9 @@ class _PolicyDense:
       return
     n_in, n_out = self.kernel_axes()
     kernel, shifted = fold_norm_affine(self.kernel[...], *self.norm_affine(), n_in, n_out)
-    self.kernel[...] = kernel
+    self.kernel.set_value(kernel)
     if shifted is not None:
-      self.bias[...] = self.bias[...] + shifted
+      self.bias.set_value(self.bias[...] + shifted)
     self.affine_at_call = False
 
   def freeze_kernel(self) -> None:

@@ -241,9 +241,10 @@ def plain_kernel(head):
   """``head``'s kernel ``[D, V]`` as stored (fp32 or a frozen ``QuantizedKernel``) when
   ``head`` computes exactly ``h @ kernel`` in its declared compute dtype (that of ``h``):
   our Linear with no bias whose strategy is the baseline's. None otherwise (LoRA-wrapped,
-  a sampled or stateful strategy)."""
+  held unmerged from the final norm, a sampled or stateful strategy)."""
   if (type(head) is not Linear or head.bias is not None or head.dtype is None
-      or head.saving.state_names or type(head.saving.strategy) is not baseline.Linear):
+      or head.affine_at_call or head.saving.state_names
+      or type(head.saving.strategy) is not baseline.Linear):
     return None
   return head.kernel[...]
 

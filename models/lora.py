@@ -20,9 +20,11 @@ from the rank-sized ``x @ A``, kept). Every other linear is marked frozen too
 Under MS norms a base linear that reads a norm has the norm's affine ``(g, s)`` merged
 into its kernel and reads the bare ``x_hat``; its adapter reads the norm's real output
 ``g * x_hat + s``, as peft's does, computed as ``x_hat @ (g A) + s A``: the same function,
-parameters and gradients as under a policy that keeps the affine, and backward still keeps
-``x_hat`` alone (shared with the base). A linear trained in full behind such a norm (ViT's
-head) is held unmerged the same way (``unmerge_norm_affine``).
+parameters and gradients as under a policy that keeps the affine. Backward keeps of the
+input the ``x_hat`` the base shares, and ``g A`` (``d x r``) per adapter
+(:func:`models.linear.read_through_norm_affine`). A linear trained in full behind such a
+norm (ViT's head) is held unmerged (``unmerge_norm_affine``) and folds the affine in at
+each call.
 ``merge_lora`` folds adapters into the base kernels (for export), ``unmerge_lora`` undoes it.
 """
 
@@ -77,11 +79,13 @@ class LoRALinear(nnx.Module):
     self.lora_b = LoRAParam(jnp.zeros(lead + (rank,) + out_shape, jnp.float32))
 
   def adapter_input(self):
-    """``(A', bias)`` of the adapter's first product as the base's input ``x`` sees it:
-    ``(A, None)``, or under a merged norm ``(g A, s A)`` (:mod:`models.lora`)."""
+    """``(A', bias)`` of the adapter's first product in the space of the base's kernel:
+    ``(A, None)``, or under a merged norm ``(g A, s A)`` (:mod:`models.lora`); ``(A,
+    None)`` again for a base held unmerged (a target that also trains in full, which
+    folds the affine in at each call itself)."""
     a = self.lora_a[...]
     affine = self.base.norm_affine()
-    if affine is None:
+    if affine is None or self.base.affine_at_call:
       return a, None
     return fold_norm_affine(a, *affine, self.n_in, 1)
 
@@ -246,9 +250,9 @@ def merge_lora(model):
   for lora in _adapters(model):
     if not lora.merged:
       _check_mergeable(lora)
-      lora.base.kernel[...] = lora.base.kernel[...] + lora.delta()
+      lora.base.kernel.set_value(lora.base.kernel[...] + lora.delta())
       if (bias := lora.bias_delta()) is not None:
-        lora.base.bias[...] = lora.base.bias[...] + bias
+        lora.base.bias.set_value(lora.base.bias[...] + bias)
       lora.merged = True
   return model
 
@@ -257,9 +261,9 @@ def unmerge_lora(model):
   """Undoes :func:`merge_lora` (``W -= scale * A @ B``), in place."""
   for lora in _adapters(model):
     if lora.merged:
-      lora.base.kernel[...] = lora.base.kernel[...] - lora.delta()
+      lora.base.kernel.set_value(lora.base.kernel[...] - lora.delta())
       if (bias := lora.bias_delta()) is not None:
-        lora.base.bias[...] = lora.base.bias[...] - bias
+        lora.base.bias.set_value(lora.base.bias[...] - bias)
       lora.merged = False
   return model
 

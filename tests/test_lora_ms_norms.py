@@ -1,8 +1,8 @@
 """LoRA under MS norms trains what peft trains: an adapter behind a merged norm reads the
 norm's real output (``x_hat @ (g A) + s A``) and a head trained in full behind one is held
 unmerged, so with the same checkpoint (non-trivial norm affines) and the same adapters,
-``ms-bp`` (MS norms alone: every other backward exact) gives ``baseline``'s function, LoRA gradients, steps and export. fp32,
-``highest`` matmul precision."""
+``ms-bp`` (MS norms alone: every other backward exact) gives ``baseline``'s function, LoRA
+gradients, steps and export, and peft's gradients. fp32, ``highest`` matmul precision."""
 
 from pathlib import Path
 
@@ -252,3 +252,75 @@ def test_read_through_norm_affine_is_the_affine_then_the_matmul(rows, shift):
   for have, want in zip(jax.grad(ours, argnums)(*args), jax.grad(reference, argnums)(*args)):
     # the two sum in another order: fp32 rounding of sums of 8-32 terms of size ~1
     np.testing.assert_allclose(have, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_target_that_also_trains_in_full_merges_in_its_own_space():
+  """The head as a LoRA target and in ``modules_to_save`` (ViT's default): its base is
+  held unmerged, so the adapter's update is ``A B`` there, not ``g A B``. Merged (and
+  stripped) it keeps the function; it was 41% off."""
+  inputs = _inputs("vit")
+  outputs = {}
+  for policy in ("baseline", "ms-bp"):
+    model = hf.load_pretrained(HF / "vit", policy=policy, dtype=jnp.float32)
+    lora.apply_lora(model, rank=4, alpha=8, targets="query,head")
+    assert isinstance(model.head, lora.LoRALinear)
+    assert model.head.base.affine_at_call == (policy == "ms-bp")
+    for path, var in nnx.iter_graph(model):
+      if isinstance(var, lora.LoRAParam) and path[-1] == "lora_b":
+        var[...] = 0.3 * jax.random.normal(jax.random.key(len(path)), var[...].shape)
+    adapted = np.asarray(model(*inputs))
+    lora.merge_lora(model)
+    np.testing.assert_allclose(model(*inputs), adapted, rtol=1e-5, atol=1e-5)
+    lora.unmerge_lora(model)
+    lora.strip_lora(model)
+    np.testing.assert_allclose(model(*inputs), adapted, rtol=1e-5, atol=1e-5)
+    outputs[policy] = adapted
+  np.testing.assert_allclose(outputs["ms-bp"], outputs["baseline"], rtol=1e-5, atol=1e-5)
+
+
+def test_an_lm_head_trained_in_full_behind_the_final_norm_keeps_the_fused_loss():
+  """LLaMA's untied ``lm_head`` in ``modules_to_save`` under MS norms is held unmerged:
+  the chunked loss (which reads the head's kernel itself) must not take it for the
+  merged one."""
+  model = hf.load_pretrained(HF / "llama_untied", policy="ms-bp", dtype=jnp.float32)
+  lora.apply_lora(model, rank=4, targets="query", modules_to_save=("lm_head",))
+  assert model.lm_head.affine_at_call
+  tokens = jnp.asarray(fixtures.llama_tokens())
+  targets = jnp.roll(tokens, -1, axis=1)
+  fused = model.token_losses(tokens, targets, chunk=4)[0]
+  logits = model.token_losses(tokens, targets, chunk=0)[0]
+  np.testing.assert_allclose(fused, logits, rtol=1e-5, atol=1e-6)
+
+
+def test_a_qlora_run_under_ms_norms_exports(tmp_path):
+  """A LoRA run on an nf4 base under lowmembp exports (the trained head, put into the
+  fp32 rebuild as read-only host arrays, could not be merged back in place): the export
+  reloads as the fp32-base model with the run's adapters and head."""
+  from train.config import TrainConfig
+  from train.loop import export, with_fp32_base
+  from train.trainer import Trainer
+  (images,) = _inputs("vit")
+  cfg = TrainConfig(name="t", pretrained=str(HF / "vit"), task="image", trainable="lora",
+                    base_dtype="nf4", policy="lowmembp", dtype="float32",
+                    compare_baseline=False, export_dir=str(tmp_path / "hf"))
+  trainer = Trainer.create(cfg)
+  key = iter(jax.random.split(jax.random.key(5), 64))
+  trainer.state["params"] = jax.tree_util.tree_map_with_path(
+      lambda p, v: 0.3 * jax.random.normal(next(key), v.shape)
+      if "lora_b" in jax.tree_util.keystr(p) else v, trainer.state["params"])
+  export(trainer, cfg)
+  trained = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  want = np.asarray(with_fp32_base(trained, cfg)(images))
+  got = hf.load_pretrained(tmp_path / "hf", policy="baseline", dtype=jnp.float32)(images)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_map_that_merges_into_a_linear_without_the_affine_is_refused():
+  """A model whose map merges a norm into a linear built without ``reads_norm`` would
+  silently read the bare ``x_hat`` in its adapters again: the load says so."""
+  from safetensors.numpy import load_file
+  model = hf.init_from_config(HF / "vit", policy="ms-bp", dtype=jnp.float32)
+  model.head.norm_scale = model.head.norm_shift = None
+  with pytest.raises(ValueError, match=r"^head: the map merges vit.layernorm into it, but "
+                                       r"the linear was not built with reads_norm=True"):
+    hf.load_state(model, load_file(HF / "vit" / "model.safetensors"))

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -174,7 +175,9 @@ def with_fp32_base(trained, cfg: TrainConfig):
   dequantized values are not the checkpoint's (nf4: about 13% of a weight's block absmax)."""
   with jax.default_device(jax.devices("cpu")[0]):
     model = build_model(cfg.replace(base_dtype="float32"))
-    nnx.update(model, jax.device_get(nnx.state(trained, trainable_filter(cfg))))
+    # on the host as jax arrays (device_get's numpy arrays are read-only)
+    nnx.update(model, jax.tree.map(jnp.asarray, jax.device_get(
+        nnx.state(trained, trainable_filter(cfg)))))
   return model
 
 
