@@ -4,6 +4,7 @@ unmerged, so with the same checkpoint (non-trivial norm affines) and the same ad
 ``ms-bp`` (MS norms alone: every other backward exact) gives ``baseline``'s function, LoRA
 gradients, steps and export, and peft's gradients. fp32, ``highest`` matmul precision."""
 
+import zlib
 from pathlib import Path
 
 import jax
@@ -35,6 +36,11 @@ def _inputs(name):
   return jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(types)
 
 
+def _key(path):
+  """A key of its own for each variable path (the same under every policy)."""
+  return jax.random.key(zlib.crc32("/".join(map(str, path)).encode()))
+
+
 def _model(name, policy):
   """The fixture under ``policy`` with LoRA r=4 on every linear (seed 0) and B made
   non-zero (the same values under every policy)."""
@@ -42,7 +48,7 @@ def _model(name, policy):
   lora.apply_lora(model, rank=4, alpha=8, targets=TARGETS[name])
   for path, var in nnx.iter_graph(model):
     if isinstance(var, lora.LoRAParam) and path[-1] == "lora_b":
-      var[...] = 0.3 * jax.random.normal(jax.random.key(len(path)), var[...].shape)
+      var[...] = 0.3 * jax.random.normal(_key(path), var[...].shape)
   return model
 
 
@@ -267,7 +273,7 @@ def test_a_target_that_also_trains_in_full_merges_in_its_own_space():
     assert model.head.base.affine_at_call == (policy == "ms-bp")
     for path, var in nnx.iter_graph(model):
       if isinstance(var, lora.LoRAParam) and path[-1] == "lora_b":
-        var[...] = 0.3 * jax.random.normal(jax.random.key(len(path)), var[...].shape)
+        var[...] = 0.3 * jax.random.normal(_key(path), var[...].shape)
     adapted = np.asarray(model(*inputs))
     lora.merge_lora(model)
     np.testing.assert_allclose(model(*inputs), adapted, rtol=1e-5, atol=1e-5)
