@@ -408,7 +408,7 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
                                          kernel.astype(np.float32, copy=False), bias)
         if bias is not None and not has_bias:
           raise CheckpointError(f"{e.hf}: merging the norm bias needs a bias on this linear")
-        if getattr(module, "norm_scale", None) is None:  # the model and its map disagree
+        if module.norm_scale is None:  # the model and its map disagree
           raise ValueError(f"{e.path}: the map merges {e.norm} into it, but the linear was "
                            "not built with reads_norm=True (it keeps no NormAffine)")
       _set_norm_affine(rows, module, e.layer, affines.get(e.norm))
@@ -426,7 +426,7 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
 def _set_norm_affine(rows: _Rows, module, layer: int | None, affine) -> None:
   """Row ``layer`` of the merged norm's affine a linear keeps (``models.linear.NormAffine``):
   ``affine`` (scale, shift or None), or the identity where no norm is merged into it."""
-  if getattr(module, "norm_scale", None) is None:
+  if module.norm_scale is None:
     return
   d = tuple(_value(module.norm_scale).shape)[0 if layer is None else 1:]
   scale, shift = affine if affine is not None else (np.ones(d), None)

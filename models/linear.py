@@ -110,10 +110,8 @@ class _PolicyDense:
       return
     n_in, n_out = self.kernel_axes()
     scale, shift = self.norm_affine()
-    safe = jnp.where(scale == 0, 1.0, scale)
-    kernel = self.kernel[...]
-    kernel = jnp.where((scale == 0).reshape(scale.shape + (1,) * n_out), 0.0,
-                       fold_norm_affine(kernel, 1 / safe, None, n_in, n_out)[0])
+    inverse = jnp.where(scale == 0, 0.0, 1 / jnp.where(scale == 0, 1.0, scale))
+    kernel = fold_norm_affine(self.kernel[...], inverse, None, n_in, n_out)[0]
     self.kernel.set_value(kernel)
     if shift is not None:
       self.bias.set_value(self.bias[...] - fold_norm_affine(kernel, scale, shift, n_in,
