@@ -111,8 +111,8 @@ BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "remat")
 # the same recomputes under lowmem (the MLP's from Mesa codes: 0.477 of the baseline's
 # temp; at 32 layers 1.57x lowmem's tokens per step)
 LLAMA_POLICIES = ("baseline", "lowmembp", "lowmem", "wta-crs", "remat",
-                  "lowmembp+qkv=recompute+hidden=recompute",
-                  "lowmem+qkv=recompute+hidden=recompute")
+                  "lowmembp+hidden=recompute+qkv=recompute",
+                  "lowmem+hidden=recompute+qkv=recompute")
 # the combined preset, Mesa alone (is lowmem <= mesa8; mesa8's activation memory and speed
 # against the baseline) and WTA-CRS under LoRA against JAX's own remat and offload
 # policies (ViT-B LoRA, --peak); lowmem+offload: compiled for the H100 it is the one

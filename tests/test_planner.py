@@ -206,7 +206,7 @@ def test_speeds_from_the_table_or_the_cost_model():
   # a recompute on top of a measured policy: the table's time plus the model's cost of it
   cpu = {c.policy: c for c in planner.candidates(
       _cfg("batch_size=1"), ("lowmembp+qkv=recompute+hidden=recompute",), table, "cpu")}
-  got = cpu["lowmembp+qkv=recompute+hidden=recompute"]
+  got = cpu["lowmembp+hidden=recompute+qkv=recompute"]  # canonical, as the memory report
   assert got.speed_from == "table+model"
   assert got.step_time == pytest.approx(table["cpu"]["step_time"]["lowmembp"] + 1 / 12
                                         + planner.RECOMPUTE_HIDDEN)
@@ -289,6 +289,17 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
 
 TABLE_LOWMEMBP_FIRST = {"step_time": {"lowmembp": 1.0, "baseline": 1.5},
                         "micro_batch_penalty": 0.5}
+
+
+def test_candidates_are_named_by_canonical_spec_once_each():
+  """The planner's table names a policy as the memory report and the saved config do (its
+  canonical spec); two spellings of one policy are one candidate, not two compiles."""
+  from lowmem_jax.policy import MemoryPolicy
+  specs = ("mesa8+lowmembp", "lowmem", "qkv=recompute+lowmembp+hidden=recompute",
+           "lowmembp+hidden=recompute+qkv=recompute")
+  names = [c.policy for c in planner.candidates(_cfg("batch_size=1"), specs, {}, None)]
+  assert names == ["lowmembp+hidden=recompute+qkv=recompute", "lowmem"]  # fastest first
+  assert all(MemoryPolicy.parse(p).spec == p for p in planner.DEFAULT_POLICIES)
 
 
 def test_cost_model_counts_what_each_policy_recomputes():

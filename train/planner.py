@@ -69,9 +69,9 @@ from train.trainer import Trainer, no_bad_step
 # (recomputes each block's forward, ~1.33x, the least memory). baseline is exact; the
 # others approximate the backward as their papers do (docs/methods.md).
 DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmembp+hidden=recompute",
-                    "lowmembp+qkv=recompute+hidden=recompute", "lowmem",
+                    "lowmembp+hidden=recompute+qkv=recompute", "lowmem",
                     "lowmem+hidden=recompute", "lowmem+qkv=recompute",
-                    "lowmem+qkv=recompute+hidden=recompute", "lowmembp+remat")
+                    "lowmem+hidden=recompute+qkv=recompute", "lowmembp+remat")
 # "auto": the device's allocator limit less this fraction, for what the prediction leaves
 # out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
 AUTO_MARGIN = 0.10
@@ -240,20 +240,21 @@ def _step_time(policy: MemoryPolicy, measured: dict) -> tuple[float, str]:
 def candidates(cfg: TrainConfig, policies: Sequence[str], table: dict,
                family: str | None) -> list[Candidate]:
   """Every policy x micro-batch dividing ``cfg.batch_size``, fastest first (ties: the order
-  of ``policies``, then the larger micro-batch)."""
+  of ``policies``, then the larger micro-batch). Each policy is named by its canonical spec
+  (as the memory report and the run's config name it); specs that parse to one policy are
+  one candidate."""
   entry = table.get(family, {}) if family else {}
   measured = {MemoryPolicy.parse(k): v for k, v in entry.get("step_time", {}).items()}
   penalty = entry.get("micro_batch_penalty")
   out = []
-  for spec in policies:
-    policy = MemoryPolicy.parse(spec)
+  for policy in dict.fromkeys(MemoryPolicy.parse(spec) for spec in policies):
     t, t_source = _step_time(policy, measured)
     p = MICRO_BATCH_PENALTY if penalty is None else penalty
     for micro in sorted((m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0),
                         reverse=True):
       accum = cfg.batch_size // micro
       source = t_source if accum == 1 or penalty is not None else "model"
-      out.append(Candidate(spec, micro, accum, t * (1 + p * (accum - 1)), source))
+      out.append(Candidate(policy.spec, micro, accum, t * (1 + p * (accum - 1)), source))
   return sorted(out, key=lambda c: c.step_time)  # stable: the ties keep their order
 
 
