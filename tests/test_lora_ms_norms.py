@@ -298,26 +298,63 @@ def test_an_lm_head_trained_in_full_behind_the_final_norm_keeps_the_fused_loss()
   np.testing.assert_allclose(fused, logits, rtol=1e-5, atol=1e-6)
 
 
+def _exported_run(tmp_path, name, policy, **overrides):
+  """A LoRA run's trainer on the ``name`` fixture under ``policy``, its adapters' B set to
+  the same non-zero values under every policy, exported with train.loop.export: the
+  trainer, its config and the export's tensors."""
+  from safetensors.numpy import load_file
+
+  from train.config import TrainConfig
+  from train.loop import export
+  from train.trainer import Trainer
+  task = "image" if name == "vit" else "lm"
+  cfg = TrainConfig(name="t", pretrained=str(HF / name), task=task, trainable="lora",
+                    policy=policy, dtype="float32", compare_baseline=False,
+                    export_dir=str(tmp_path / f"{name}-{policy}"), **overrides)
+  trainer = Trainer.create(cfg)
+  trainer.state["params"] = jax.tree_util.tree_map_with_path(
+      lambda p, v: 0.3 * jax.random.normal(_key(p), v.shape)
+      if "lora_b" in jax.tree_util.keystr(p) else v, trainer.state["params"])
+  export(trainer, cfg)
+  return trainer, cfg, load_file(Path(cfg.export_dir) / "model.safetensors")
+
+
+@pytest.mark.parametrize("name", ["vit", "llama_untied"])
+def test_a_lora_export_under_ms_norms_is_the_checkpoint_plus_the_adapters(name, tmp_path):
+  """A LoRA run under an MS-norm policy exports as peft's merge_and_unload: every tensor
+  the run did not train is the checkpoint's, bit for bit (its norms too, not 1s with
+  their affine folded into the linears after them), and each adapted linear is the
+  baseline run's export. Before: 16 tensors of the LLaMA fixture changed (every norm's
+  weight written as 1s)."""
+  from safetensors.numpy import load_file
+  checkpoint = load_file(HF / name / "model.safetensors")
+  _, _, base = _exported_run(tmp_path, name, "baseline")
+  _, _, ms = _exported_run(tmp_path, name, "lowmembp")
+  assert sorted(ms) == sorted(base) == sorted(checkpoint)
+  # the default targets (query, value) and the ViT's classifier (modules_to_save: held
+  # unmerged under MS norms, its bias b + s W - s W off by rounding before any step)
+  trained = [k for k in checkpoint if k.startswith("classifier") or (k.endswith(
+      ".weight") and any(m in k for m in ("q_proj", "v_proj", "query", "value")))]
+  assert trained == [k for k in checkpoint if not np.array_equal(base[k], checkpoint[k])
+                     or k.startswith("classifier")]
+  for k in checkpoint:
+    if k in trained:  # the same adapters merged, the head's unmerge: fp32 rounding
+      np.testing.assert_allclose(ms[k], base[k], rtol=0,
+                                 atol=1e-6 * max(np.abs(base[k]).max(), 1), err_msg=k)
+    else:
+      np.testing.assert_array_equal(ms[k], checkpoint[k], err_msg=k)
+
+
 def test_a_qlora_run_under_ms_norms_exports(tmp_path):
   """A LoRA run on an nf4 base under lowmembp exports (the trained head, put into the
   fp32 rebuild as read-only host arrays, could not be merged back in place): the export
   reloads as the fp32-base model with the run's adapters and head."""
-  from train.config import TrainConfig
-  from train.loop import export, with_fp32_base
-  from train.trainer import Trainer
+  from train.loop import with_export_base
   (images,) = _inputs("vit")
-  cfg = TrainConfig(name="t", pretrained=str(HF / "vit"), task="image", trainable="lora",
-                    base_dtype="nf4", policy="lowmembp", dtype="float32",
-                    compare_baseline=False, export_dir=str(tmp_path / "hf"))
-  trainer = Trainer.create(cfg)
-  key = iter(jax.random.split(jax.random.key(5), 64))
-  trainer.state["params"] = jax.tree_util.tree_map_with_path(
-      lambda p, v: 0.3 * jax.random.normal(next(key), v.shape)
-      if "lora_b" in jax.tree_util.keystr(p) else v, trainer.state["params"])
-  export(trainer, cfg)
+  trainer, cfg, _ = _exported_run(tmp_path, "vit", "lowmembp", base_dtype="nf4")
   trained = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
-  want = np.asarray(with_fp32_base(trained, cfg)(images))
-  got = hf.load_pretrained(tmp_path / "hf", policy="baseline", dtype=jnp.float32)(images)
+  want = np.asarray(with_export_base(trained, cfg)(images))
+  got = hf.load_pretrained(cfg.export_dir, policy="baseline", dtype=jnp.float32)(images)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 

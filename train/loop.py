@@ -8,6 +8,7 @@ that step's number and values, the last good state saved (see ``train.trainer``)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
 from train import planner, runs, sharding
 from train.batches import Batches, batch_items
@@ -167,14 +169,35 @@ INPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
                "vocab.txt", "preprocessor_config.json", "generation_config.json")
 
 
-def with_fp32_base(trained, cfg: TrainConfig):
-  """``trained``, whose frozen weights are stored in ``cfg.base_dtype``, rebuilt on the host
-  CPU with the fp32 base it came from (the pretrained checkpoint read again, or the seed's
-  init) and the run's trained parameters (adapters, head) put in: what LoRA merges into for
-  an export, as peft merges a QLoRA adapter into the original base. The stored base's
-  dequantized values are not the checkpoint's (nf4: about 13% of a weight's block absmax)."""
+def export_base_config(cfg: TrainConfig) -> TrainConfig | None:
+  """The config of the model a LoRA export merges into, where it is not the trained model
+  itself: an fp32 base (the run stored its frozen kernels in ``base_dtype``), in the
+  checkpoint's own parametrization (an MS-norm policy stored each norm's affine merged
+  into the linears after it: an export would write norms of 1 and every linear that reads
+  one changed, the same function but not the checkpoint's tensors). None: the trained
+  model is the export's base (or the run is no LoRA run: a model trained in full under
+  MS norms exports the merged parametrization it trained)."""
+  if cfg.trainable == "lora":
+    policy = MemoryPolicy.parse(cfg.policy)
+    if policy.merges_norm_affine:
+      return cfg.replace(base_dtype="float32",
+                         policy=dataclasses.replace(policy, norm="standard").spec)
+  return cfg.replace(base_dtype="float32") if cfg.base_dtype != "float32" else None
+
+
+def with_export_base(trained, cfg: TrainConfig):
+  """``trained`` rebuilt on the host CPU as :func:`export_base_config` says (the pretrained
+  checkpoint read again, or the seed's init), with the run's trained parameters (adapters,
+  head) put in: what LoRA merges into for an export, as peft merges an adapter into the
+  original base (QLoRA's too). A LoRA adapter and a head trained in full mean the same
+  under every policy (``models/lora.py``), so they move across parametrizations as they
+  are. The stored base's dequantized values are not the checkpoint's (nf4: about 13% of
+  a weight's block absmax)."""
+  base_cfg = export_base_config(cfg)
+  if base_cfg is None:
+    return trained
   with jax.default_device(jax.devices("cpu")[0]):
-    model = build_model(cfg.replace(base_dtype="float32"))
+    model = build_model(base_cfg)
     # on the host as jax arrays (device_get's numpy arrays are read-only)
     nnx.update(model, jax.tree.map(jnp.asarray, jax.device_get(
         nnx.state(trained, trainable_filter(cfg)))))
@@ -183,15 +206,14 @@ def with_fp32_base(trained, cfg: TrainConfig):
 
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
   """Writes the trainer's model as HF safetensors to ``cfg.export_dir`` (LoRA merged into
-  the base), if set, with the pretrained directory's :data:`INPUT_FILES` (the run's
-  ``tokenizer`` as tokenizer.json where one is set)."""
+  the base it was loaded from, :func:`with_export_base`), if set, with the pretrained
+  directory's :data:`INPUT_FILES` (the run's ``tokenizer`` as tokenizer.json where one is
+  set)."""
   if not cfg.export_dir:
     return
   from models import hf
   model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
-  if cfg.base_dtype != "float32":
-    model = with_fp32_base(model, cfg)
-  hf.save_pretrained(lora.strip_lora(model), cfg.export_dir)
+  hf.save_pretrained(lora.strip_lora(with_export_base(model, cfg)), cfg.export_dir)
   files = {name: os.path.join(resolve_path(cfg.pretrained), name)
            for name in INPUT_FILES} if cfg.pretrained else {}
   if cfg.tokenizer and cfg.task != "image":
