@@ -600,6 +600,32 @@ def test_resume_without_out_dir_picks_the_newest_run_or_says_there_is_none(
       capsys.readouterr().out
 
 
+def test_cli_resume_continues_with_the_run_s_own_config(tmp_path, monkeypatch, capsys):
+  """``python -m train --resume`` takes the run's config.json and the command's --set on
+  top: a LoRA run resumes as a LoRA run without ``trainable=lora`` again (before: the
+  defaults, trainable=full, and a state that did not fit). --config-name keeps its own."""
+  from train import __main__ as cli, runs
+  monkeypatch.chdir(tmp_path)
+  folder = Path("runs/digits-vit/20250101-000000")
+  (folder / "checkpoints/4").mkdir(parents=True)
+  run = config_lib.load_config(None, None, ["trainable=lora", "lr=0.002", "steps=4",
+                                            f"out_dir={folder}"])
+  (folder / "config.json").write_text(json.dumps(run.to_json()))
+  seen = []
+  monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or {"step": 0})
+  cli.main(["--resume", "--set", "steps=8"])
+  assert (seen[-1].trainable, seen[-1].lr, seen[-1].steps) == ("lora", 0.002, 8)
+  assert (seen[-1].out_dir, seen[-1].resume) == (str(folder), True)
+  assert (f"resuming with the run's config ({folder / 'config.json'}) and steps=8"
+          in capsys.readouterr().out)
+  cli.main(["--resume", "--out-dir", str(folder)])  # the folder named: the same
+  assert (seen[-1].trainable, seen[-1].steps, seen[-1].out_dir) == ("lora", 4, str(folder))
+  cli.main(["--resume", "--config-name", "digits-vit"])  # a config named: that config
+  assert seen[-1].trainable == "full"
+  empty = config_lib.load_config(None, None, ["resume=true", "out_dir=elsewhere"])
+  assert runs.resumed_config(empty, []) is empty  # no config.json there: as given
+
+
 @pytest.mark.slow  # two short trainings: ~30 s on a loaded 2-core CPU
 def test_runs_twice_in_a_fresh_folder_then_resume_is_a_no_op(finished_run, tmp_path,
                                                             monkeypatch, capsys):
@@ -697,6 +723,7 @@ def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, c
   err = capsys.readouterr().err
   assert "config that differs from the checkpoint's (step 4): log_every 1 -> 5; " \
          "lr 0.001 -> 0.002; steps 4 -> 8" in err
+  assert "schedule" not in err  # still in warmup at step 4: the same rate either way
   bigger = config_lib.apply_overrides(cfg, ["model.num_layers=2"])
   with pytest.raises(ValueError, match=r"does not fit this model: .*config fields that differ "
                                        r"from the checkpoint's: model.num_layers 1 -> 2") as e:
@@ -715,6 +742,34 @@ def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, c
   assert found, str(e.value)
   stored, expected, more = map(int, found.groups())
   assert expected - stored == more + 3
+
+
+def test_the_policy_is_named_by_its_canonical_spec_and_compared_so():
+  """config.json, the memory report and the planner name a policy the same way; a run
+  saved with another spelling of the same policy resumes without a warning."""
+  cfg = config_lib.TrainConfig(policy="mesa8+lowmembp")
+  assert cfg.policy == "lowmem" and cfg.to_json()["policy"] == "lowmem"
+  assert config_lib.TrainConfig(policy="qkv=recompute+lowmembp").policy == "lowmembp+qkv=recompute"
+  saved = {**cfg.to_json(), "policy": "lowmembp+mesa8"}
+  assert config_lib.config_diff(saved, cfg) == []
+  assert config_lib.config_diff({**saved, "policy": "gone"}, cfg) == [
+      "policy 'gone' -> 'lowmem'"]
+
+
+def test_a_resume_with_new_steps_says_where_the_learning_rate_jumps():
+  """A new ``steps`` lays the schedule over the new total: said where the rate the run
+  goes on with changes (not in warmup, not for a constant schedule or a finished run)."""
+  cfg = config_lib.load_config(None, None, ["steps=8", "warmup_steps=0", "lr=0.002"])
+  want = float(loop.make_schedule(cfg)(4))
+  assert loop._schedule_change(4, cfg, 4) == (
+      f"the cosine learning-rate schedule now ends at step 8, not 4: the learning rate "
+      f"after step 4 is {want:.3g}, not 0") and want > 0
+  assert loop._schedule_change(4, cfg.replace(schedule="linear"), 4).startswith(
+      "the linear learning-rate schedule now ends at step 8")
+  assert loop._schedule_change(4, cfg.replace(warmup_steps=6), 4) is None  # in warmup
+  assert loop._schedule_change(4, cfg.replace(schedule="constant"), 4) is None
+  assert loop._schedule_change(8, cfg.replace(steps=4), 4) is None  # finished: no step
+  assert loop._schedule_change(8, cfg, 4) is None  # unchanged
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):

@@ -6,8 +6,9 @@
     python -m train --config my.json --resume
 
 Each run writes to a new folder ``runs/<config name>/<YYYYmmdd-HHMMSS>`` unless ``--out-dir``
-names one; ``--resume`` continues the newest run of the config (or ``--out-dir``'s), and
-``--overwrite`` replaces the run in ``--out-dir``.
+names one; ``--resume`` continues the newest run of the config (or ``--out-dir``'s) with
+that run's own config.json and the command's ``--set`` on top, and ``--overwrite``
+replaces the run in ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ def main(argv=None) -> dict:
   if args.overwrite:
     overrides.append("overwrite=true")
   cfg = load_config(args.config_name, args.config, overrides)
+  if cfg.resume and args.config_name is None and args.config is None:
+    from train.runs import resumed_config
+    cfg = resumed_config(cfg, [o for o in overrides if o != "resume=true"])
 
   from train.loop import train  # imports jax: after argument errors are reported
   result = train(cfg)

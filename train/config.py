@@ -155,7 +155,9 @@ class TrainConfig:
         raise ValueError(f"TrainConfig: {e}") from None
     if not self.name or "/" in self.name or self.name.startswith("."):
       raise ValueError(f"TrainConfig: name={self.name!r} must be a plain folder name")
-    MemoryPolicy.parse(self.policy)  # raises on an unknown policy
+    # raises on an unknown policy; named by its canonical spec, as the memory report, the
+    # planner and a resume's comparison name it ("lowmembp+mesa8" is "lowmem")
+    object.__setattr__(self, "policy", MemoryPolicy.parse(self.policy).spec)
     if self.memory_budget is not None:
       parse_budget(self.memory_budget)  # raises on a bad size
       if self.mesh:
@@ -360,6 +362,11 @@ def config_diff(saved: dict, cfg: TrainConfig) -> list[str]:
     return out
 
   old, new = flat(saved), flat(now)
+  if "policy" in old:  # a run saved before policies were named canonically
+    try:
+      old["policy"] = MemoryPolicy.parse(old["policy"]).spec
+    except ValueError:  # a policy this version does not know: shown as saved
+      pass
   show = lambda d, k: repr(d[k]) if k in d else "(unset)"
   return [f"{k} {show(old, k)} -> {show(new, k)}" for k in sorted(set(old) | set(new))
           if k not in old or k not in new or old[k] != new[k]]

@@ -358,8 +358,24 @@ def _resume(trainer: Trainer, ckpt: Checkpoints, batches, cfg: TrainConfig) -> i
                      + (f"config fields that differ from the checkpoint's: {'; '.join(diff)}"
                         if diff else "resume with the config that wrote it")) from None
   step = int(meta["step"])
-  diff = config_diff(meta.get("config", {}), cfg)
+  saved = meta.get("config", {})
+  diff = config_diff(saved, cfg)
   if diff:
     print(f"warning: resuming with a config that differs from the checkpoint's (step {step}): "
           + "; ".join(diff), file=sys.stderr, flush=True)
+  schedule_change = _schedule_change(saved.get("steps"), cfg, step)
+  if schedule_change:
+    print(f"warning: {schedule_change}", file=sys.stderr, flush=True)
   return step
+
+
+def _schedule_change(old_steps, cfg: TrainConfig, step: int) -> str | None:
+  """What a resume with a new ``steps`` does to the learning rate (the cosine or linear
+  schedule is laid over the new total), where that changes the rate the run goes on with."""
+  if not isinstance(old_steps, int) or old_steps == cfg.steps or step >= cfg.steps:
+    return None
+  was, now = (float(make_schedule(cfg.replace(steps=n))(step)) for n in (old_steps, cfg.steps))
+  if np.isclose(was, now, rtol=1e-3, atol=0):
+    return None
+  return (f"the {cfg.schedule} learning-rate schedule now ends at step {cfg.steps}, not "
+          f"{old_steps}: the learning rate after step {step} is {now:.3g}, not {was:.3g}")

@@ -7,6 +7,9 @@
 | set | no | that folder, which must not hold a run unless ``overwrite=true`` |
 | set | yes | that folder's run; without a checkpoint it starts at step 0, and says so |
 
+``python -m train --resume`` without ``--config``/``--config-name`` continues with the
+run's own ``config.json`` and the command's ``--set`` on top (:func:`resumed_config`).
+
 A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json``.
 ``overwrite=true`` deletes only what a run writes there (:data:`ARTIFACTS`).
 """
@@ -16,9 +19,10 @@ from __future__ import annotations
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from train.config import TrainConfig
+from train.config import TrainConfig, load_config
 
 RUNS_DIR = Path("runs")  # relative to the current folder
 ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json")
@@ -70,6 +74,21 @@ def newest_run(parent: Path) -> Path | None:
     if m and p.is_dir() and has_checkpoint(p):
       found.append(((m.group(1), int(m.group(2) or 1)), p))
   return max(found)[1] if found else None
+
+
+def resumed_config(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+  """The config a resume continues with: the run's own ``config.json`` (of ``out_dir``, or
+  of the newest run of ``cfg.name`` with a checkpoint) with ``overrides`` (the command's
+  ``--set`` and flags) applied, so a resume needs none of the run's settings again and
+  changes only what it names. ``cfg`` itself where there is no such file."""
+  folder = Path(cfg.out_dir) if cfg.out_dir is not None else newest_run(RUNS_DIR / cfg.name)
+  saved = None if folder is None else folder / "config.json"
+  if saved is None or not saved.is_file():
+    return cfg
+  resumed = load_config(None, str(saved), [*overrides, f"out_dir={folder}", "resume=true"])
+  print(f"resuming with the run's config ({saved})"
+        + (f" and {', '.join(overrides)}" if overrides else ""), flush=True)
+  return resumed
 
 
 def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
