@@ -107,8 +107,8 @@ class Stage:
 BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "remat")
 # LLaMA widths: WTA-CRS under LoRA in plain's place (ViT-B's WTA-CRS row is bench-remat's);
 # then the leanest policy with no 8-bit code (q, k, v and the MLP's hidden recomputed:
-# 0.703 of the baseline's temp compiled for an H100), for what its recomputes cost; last,
-# the same recomputes under lowmem (the MLP's from Mesa codes: 0.477 of the baseline's
+# 0.704 of the baseline's temp compiled for an H100), for what its recomputes cost; last,
+# the same recomputes under lowmem (the MLP's from Mesa codes: 0.478 of the baseline's
 # temp; at 32 layers 1.57x lowmem's tokens per step)
 LLAMA_POLICIES = ("baseline", "lowmembp", "lowmem", "wta-crs", "remat",
                   "lowmembp+hidden=recompute+qkv=recompute",
