@@ -371,6 +371,31 @@ def test_a_pretrained_models_images_are_normalized_as_its_processor_says(tmp_pat
   assert "images: normalized as " in capsys.readouterr().out
 
 
+def test_digits_for_a_pretrained_vit_are_resized_and_normalized_as_its_images(tmp_path,
+                                                                            capsys):
+  """The built-in 8x8 grey digits fed to a ViT pretrained at 32x32 RGB: resized as an image
+  folder's .npy of them would be (bilinear, grey repeated), then normalized as its
+  processor says; too few labels names both fields to set."""
+  from train import config as config_lib
+  from train.datasets import make_datasets
+  model_dir = _pretrained_vit(tmp_path / "model", VIT_PROCESSOR)
+  cfg = config_lib.load_config(overrides=[f"pretrained={model_dir}"])
+  with pytest.raises(ValueError, match=r"set model.num_labels=10 and new_head=true"):
+    make_datasets(cfg)
+  cfg = cfg.replace(model_overrides={"num_labels": 10}, new_head=True)
+  train, test = make_datasets(cfg)
+  assert "images: the 8x8 digits resized to 32x32x3" in capsys.readouterr().out
+  grey = digits("train").arrays["image"]
+  assert train.arrays["image"].shape == (len(grey), 32, 32, 3)
+  assert test.arrays["image"].shape[1:] == (32, 32, 3) and train.class_names == [
+      str(c) for c in range(10)]
+  (tmp_path / "one" / "0").mkdir(parents=True)
+  np.save(tmp_path / "one" / "0" / "x.npy", grey[5])
+  folder = image_folder(tmp_path / "one", image_size=32, channels=3).arrays["image"][0]
+  np.testing.assert_allclose(train.arrays["image"][5], (folder - 0.5) / 0.5, atol=1e-6)
+  assert np.ptp(train.arrays["image"][5]) > 1  # a digit, not a blank
+
+
 @pytest.mark.parametrize("processor,message", [
     ("{", "not valid JSON"),
     ("[]", "expected a JSON object, got list"),

@@ -272,7 +272,7 @@ def test_trainable_sets(tmp_path, trainable, changes):
 
 
 def test_config_errors():
-  with pytest.raises(ValueError, match="unknown config key 'stepz'"):
+  with pytest.raises(ValueError, match=r"unknown config key 'stepz' \(did you mean 'steps'\?\)"):
     config_lib.load_config(overrides=["stepz=3"])
   with pytest.raises(ValueError, match="steps must be >= 1"):
     config_lib.load_config(overrides=["steps=0"])

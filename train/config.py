@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import json
 import math
 import re
@@ -262,8 +263,11 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
       model_overrides[key[len("model."):]] = value
       continue
     if key not in fields or key == "model_overrides":
-      raise ValueError(f"unknown config key {key!r}; valid: "
-                       f"{', '.join(k for k in fields if k != 'model_overrides')}, model.<field>")
+      valid = [k for k in fields if k != "model_overrides"]
+      near = difflib.get_close_matches(key, valid, n=1)
+      raise ValueError(f"unknown config key {key!r}"
+                       + (f" (did you mean {near[0]!r}?)" if near else "")
+                       + f"; valid: {', '.join(valid)}, model.<field>")
     default = fields[key].default
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)

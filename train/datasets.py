@@ -27,13 +27,20 @@ def make_datasets(cfg: TrainConfig, model=None):
       if num_labels is not None and num_labels < images.DIGITS_NUM_CLASSES:
         raise ValueError(f"data=digits has {images.DIGITS_NUM_CLASSES} classes but the model "
                          f"has num_labels={num_labels}; set model.num_labels="
-                         f"{images.DIGITS_NUM_CLASSES}")
-      return images.digits("train", seed=cfg.seed), images.digits("test", seed=cfg.seed)
-    folder = functools.partial(images.image_folder, image_size=model_cfg.image_size,
-                               channels=model_cfg.channels, num_labels=num_labels)
-    train = folder(cfg.data)
-    test = None if cfg.eval_data is None else folder(
-        cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
+                         f"{images.DIGITS_NUM_CLASSES}" + (" and new_head=true (a fresh head "
+                         "for them)" if cfg.pretrained and not cfg.new_head else ""))
+      train, test = images.digits("train", seed=cfg.seed), images.digits("test", seed=cfg.seed)
+      size = (model_cfg.image_size, model_cfg.channels)
+      if train.arrays["image"].shape[1:] != (size[0], size[0], size[1]):
+        print(f"images: the 8x8 digits resized to {size[0]}x{size[0]}x{size[1]} for the model "
+              "(bilinear)", flush=True)
+        train, test = (images.resized(d, *size) for d in (train, test))
+    else:
+      folder = functools.partial(images.image_folder, image_size=model_cfg.image_size,
+                                 channels=model_cfg.channels, num_labels=num_labels)
+      train = folder(cfg.data)
+      test = None if cfg.eval_data is None else folder(
+          cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
     stats = images.pixel_normalization(resolve_path(cfg.pretrained)) if cfg.pretrained else None
     if stats is None:
       return train, test

@@ -210,6 +210,22 @@ def pixel_normalization(model_dir) -> tuple[np.ndarray, np.ndarray] | None:
   return stats[0], stats[1]
 
 
+def resized(ds: ArrayDataset, image_size: int, channels: int) -> ArrayDataset:
+  """``ds`` with every image resized to ``image_size`` squared and converted to
+  ``channels``, as :func:`image_folder` reads a file (bilinear; grey repeated), class names
+  kept: the 8x8 digits for a model pretrained at another size."""
+  image = ds.arrays["image"]
+  rows, cols = _resize_weights(image.shape[1], image_size), _resize_weights(image.shape[2],
+                                                                            image_size)
+  out = np.empty((len(image), image_size, image_size, channels), np.float32)
+  for i, a in enumerate(image):
+    a = _convert_channels(a, channels, Path(f"image {i}"))
+    out[i] = np.clip(np.einsum("yh,hwc,xw->yxc", rows, a, cols, optimize=True), 0.0, 1.0)
+  resized_ds = ArrayDataset({**ds.arrays, "image": out})
+  resized_ds.class_names = ds.class_names
+  return resized_ds
+
+
 def normalized(ds: ArrayDataset, mean: np.ndarray, std: np.ndarray) -> ArrayDataset:
   """``ds`` with ``image`` as ``(image - mean) / std`` per channel (class names kept)."""
   channels = ds.arrays["image"].shape[-1]
