@@ -475,6 +475,41 @@ def test_text_task_with_real_minilm_and_lora(tmp_path):
                                 export_dir=None))
 
 
+def test_an_lm_export_names_the_tokenizer_it_trained_with(tmp_path):
+  """A preset LM trained with a tokenizer exports that tokenizer's bos/eos ids (not the
+  preset's 1/2); a pretrained one with another tokenizer keeps the checkpoint's generation
+  config but none of its tokenizer files; with its own tokenizer, all of them."""
+  import shutil
+  minilm = _minilm_dir()
+  exported = {}
+  def export(name, *overrides):
+    cfg = config_lib.load_config(None, None, [
+        "task=lm", f"tokenizer={minilm / 'tokenizer.json'}", "dtype=float32",
+        f"export_dir={tmp_path / name}", *overrides])
+    loop.export(Trainer.create(cfg), cfg)
+    exported[name] = sorted(p.name for p in (tmp_path / name).iterdir())
+    return json.loads((tmp_path / name / "config.json").read_text())
+  hf_config = export("preset", "model=llama-tiny", "model.vocab_size=30522")
+  assert (hf_config["bos_token_id"], hf_config["eos_token_id"]) == (101, 102)  # [CLS], [SEP]
+  assert exported["preset"] == ["config.json", "model.safetensors", "tokenizer.json"]
+  llama = shutil.copytree(Path(__file__).parent / "data" / "hf" / "llama_untied",
+                          tmp_path / "llama")
+  for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    (llama / name).write_text("{}")
+  hf_config = export("other", f"pretrained={llama}")
+  assert hf_config["eos_token_id"] == json.loads((llama / "config.json").read_text())[
+      "eos_token_id"]  # the checkpoint's
+  assert exported["other"] == ["config.json", "generation_config.json", "model.safetensors",
+                               "tokenizer.json"]
+  assert (tmp_path / "other" / "tokenizer.json").read_bytes() == (
+      minilm / "tokenizer.json").read_bytes()
+  shutil.copyfile(minilm / "tokenizer.json", llama / "tokenizer.json")
+  export("own", f"pretrained={llama}")
+  assert exported["own"] == ["config.json", "generation_config.json", "model.safetensors",
+                             "special_tokens_map.json", "tokenizer.json",
+                             "tokenizer_config.json"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model,policy", [("llama-tiny", "lowmembp"),
                                           ("revllama-tiny", "pareprop")])

@@ -34,7 +34,7 @@ from train.metrics import Log, finished_result
 from train.model import (build_model, model_config, model_family, resolve_path,
                          split_trainable, trainable_filter)
 from train.optim import make_schedule
-from train.tokenize import load_tokenizer
+from train.tokenize import load_tokenizer, special_token_ids
 from train.trainer import Trainer
 
 
@@ -212,13 +212,23 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
   if not cfg.export_dir:
     return
   from models import hf
-  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
-  hf.save_pretrained(lora.strip_lora(with_export_base(model, cfg)), cfg.export_dir)
+  model = lora.strip_lora(with_export_base(
+      nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"]), cfg))
   files = {name: os.path.join(resolve_path(cfg.pretrained), name)
            for name in INPUT_FILES} if cfg.pretrained else {}
-  if cfg.tokenizer and cfg.task != "image":
-    files = {k: v for k, v in files.items() if k == "preprocessor_config.json"}
-    files["tokenizer.json"] = resolve_path(cfg.tokenizer)
+  tokenizer = resolve_path(cfg.tokenizer) if cfg.tokenizer and cfg.task != "image" else None
+  if tokenizer and os.path.isdir(tokenizer):  # a folder holding tokenizer.json
+    tokenizer = os.path.join(tokenizer, "tokenizer.json")
+  if tokenizer and not (files and _same_file(tokenizer, files["tokenizer.json"])):
+    # another tokenizer than the checkpoint's: its files (vocab, special tokens) are not
+    # this one's; what is no tokenizer's (the image processor, generation) stays
+    files = {k: v for k, v in files.items()
+             if k in ("preprocessor_config.json", "generation_config.json")}
+    files["tokenizer.json"] = tokenizer
+    if cfg.task == "lm" and not cfg.pretrained:  # a preset's ids are no tokenizer's
+      model.cfg = dataclasses.replace(model.cfg, **special_token_ids(
+          load_tokenizer(tokenizer)[0]))
+  hf.save_pretrained(model, cfg.export_dir)
   copied = [name for name, source in files.items() if os.path.isfile(source)]
   for name in copied:  # each whole or not at all, as save_pretrained's files
     target = os.path.join(cfg.export_dir, name)
@@ -226,6 +236,12 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
     os.replace(target + ".tmp", target)
   print(f"exported HF safetensors to {cfg.export_dir}"
         + (f" (with {', '.join(copied)})" if copied else ""), flush=True)
+
+
+def _same_file(a: str, b: str) -> bool:
+  """Whether two paths hold the same bytes (False where ``b`` is missing)."""
+  return os.path.isfile(b) and (os.path.samefile(a, b) or Path(a).read_bytes() ==
+                                Path(b).read_bytes())
 
 
 def check_inputs(cfg: TrainConfig) -> None:

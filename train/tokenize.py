@@ -64,6 +64,16 @@ def eos_ids(tok, suffix: list[int]) -> list[int]:
   return []
 
 
+def special_token_ids(tok) -> dict:
+  """``bos_token_id`` and ``eos_token_id`` as the LM data feeds them (the post-processor's
+  first prefix id; the end-of-text id after each text, :func:`eos_ids`), None where the
+  tokenizer has none: what an exported model's config says of its tokenizer."""
+  prefix, suffix = special_affixes(tok)
+  eos = eos_ids(tok, suffix)
+  return {"bos_token_id": prefix[0] if prefix else None,
+          "eos_token_id": eos[0] if eos else None}
+
+
 def check_max_len(max_len: int) -> None:
   if not isinstance(max_len, (int, np.integer)) or max_len < 1:
     raise ValueError(f"max_len must be a positive int, got {max_len!r}")
