@@ -94,9 +94,14 @@ def test_no_plan_fits_names_the_smallest_peak(example):
       "1.0 MiB (1000001 bytes: lowmembp, micro-batch 1 x grad_accum 32)")
   assert lines[0] == ("planner: memory_budget 1.0 MiB; 12 candidate plans, compiled (nothing "
                       "run) fastest first until one fits")
-  assert len(lines) > 2 and all(", over budget (" in x for x in lines[1:])
+  assert len(lines) > 3 and all(", over budget (" in x for x in lines[1:-1])
   assert re.fullmatch(r"planner: lowmembp, micro-batch 1 x grad_accum 32: predicted peak "
-                      r"1\.0 MiB, over budget \(\d+\.\d s\)", lines[-1]), lines[-1]
+                      r"1\.0 MiB, over budget \(\d+\.\d s\)", lines[-2]), lines[-2]
+  # then the table of what was compiled: each compiled row over budget, none chosen
+  table = lines[-1].splitlines()
+  assert table[0].split()[:2] == ["policy", "micro-batch"] and "<- chosen" not in lines[-1]
+  compiled = [r for r in table[2:] if "MiB" in r]
+  assert len(compiled) == len(lines) - 2 and all(r.endswith("over budget") for r in compiled)
 
 
 def test_a_budget_below_the_train_state_fails_before_any_compile(example, monkeypatch):

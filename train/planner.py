@@ -195,7 +195,7 @@ class Plan:
   budget: int
   family: str | None
   candidates: tuple[Candidate, ...]
-  chosen: Candidate
+  chosen: Candidate | None  # None: nothing fits (a table of what was compiled, then an error)
   seconds: float
 
   @property
@@ -207,10 +207,13 @@ class Plan:
     return cfg.replace(policy=self.chosen.policy, grad_accum=self.chosen.grad_accum)
 
   def table(self) -> str:
+    def note(c):
+      if c is self.chosen:
+        return "<- chosen"
+      return "over budget" if c.peak is not None and c.peak > self.budget else c.note
     rows = [(c.policy, c.micro_batch, c.grad_accum,
              "-" if c.peak is None else fmt_bytes(c.peak),
-             f"{c.speed:.3f} ({c.speed_from})", "<- chosen" if c is self.chosen else c.note)
-            for c in self.candidates]
+             f"{c.speed:.3f} ({c.speed_from})", note(c)) for c in self.candidates]
     return format_table(("policy", "micro-batch", "grad_accum", "predicted peak",
                          "expected speed", "chosen"), rows)
 
@@ -409,6 +412,9 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
     return peak
   rows, chosen = search(cands, peak_of, budget_bytes)
   if chosen is None:
+    if progress:  # what the compiles found, before the error
+      progress(Plan(budget_bytes, family, tuple(rows), None,
+                    time.perf_counter() - start).table())
     least = min((c for c in rows if c.peak is not None), key=lambda c: c.peak)
     raise ValueError(f"memory_budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes): no "
                      f"plan fits; the smallest predicted peak is {fmt_bytes(least.peak)} "
