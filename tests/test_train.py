@@ -807,6 +807,21 @@ def test_a_resume_with_new_steps_says_where_the_learning_rate_jumps():
   assert loop._schedule_change(8, cfg, 4) is None  # unchanged
 
 
+def test_ctrl_c_says_the_command_that_continues_the_run(tmp_path, monkeypatch, capsys):
+  from train import __main__ as cli
+  def interrupted(cfg, budget):
+    (Path(cfg.out_dir) / "config.json").write_text("{}")  # the run has begun
+    raise KeyboardInterrupt
+  monkeypatch.setattr(loop, "_run", interrupted)
+  monkeypatch.setattr(sys, "argv", ["train", "--out-dir", str(tmp_path / "run")])
+  with pytest.raises(SystemExit) as e:
+    cli.cli()
+  assert e.value.code == 130
+  assert capsys.readouterr().err.endswith(
+      f"interrupted; continue from the last checkpoint with: python -m train --out-dir "
+      f"{tmp_path / 'run'} --resume\n")
+
+
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):
   from train.metrics import truncate_metrics
   path = tmp_path / "metrics.jsonl"

@@ -66,8 +66,9 @@ def cli() -> None:
   except (ValueError, OSError, FloatingPointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  except KeyboardInterrupt:
-    print("\ninterrupted; continue with --resume (from the last checkpoint)", file=sys.stderr)
+  except KeyboardInterrupt as e:
+    again = next(iter(getattr(e, "__notes__", ())), "--resume")
+    print(f"\ninterrupted; continue from the last checkpoint with: {again}", file=sys.stderr)
     sys.exit(130)
 
 

@@ -54,9 +54,11 @@ def train(cfg: TrainConfig) -> dict:
   cfg = runs.prepare(cfg, primary=jax.process_index() == 0)
   try:
     return _run(cfg, budget)
-  except BaseException:
+  except BaseException as e:
     if not existed:  # a run that failed before writing anything leaves no folder behind
       runs.remove_if_empty(Path(cfg.out_dir))
+    if isinstance(e, KeyboardInterrupt) and Path(cfg.out_dir).is_dir():
+      e.add_note(f"python -m train --out-dir {cfg.out_dir} --resume")  # where it continues
     raise
 
 
