@@ -476,9 +476,10 @@ def test_text_task_with_real_minilm_and_lora(tmp_path):
 
 
 def test_an_lm_export_names_the_tokenizer_it_trained_with(tmp_path):
-  """A preset LM trained with a tokenizer exports that tokenizer's bos/eos ids (not the
-  preset's 1/2); a pretrained one with another tokenizer keeps the checkpoint's generation
-  config but none of its tokenizer files; with its own tokenizer, all of them."""
+  """An LM trained with a tokenizer that is not its checkpoint's exports that tokenizer's
+  files and bos/eos ids (config.json and the checkpoint's generation config alike; a
+  preset's 1/2 are no tokenizer's); with the checkpoint's own tokenizer, all of the
+  checkpoint's files as they are."""
   import shutil
   minilm = _minilm_dir()
   exported = {}
@@ -496,18 +497,25 @@ def test_an_lm_export_names_the_tokenizer_it_trained_with(tmp_path):
                           tmp_path / "llama")
   for name in ("tokenizer_config.json", "special_tokens_map.json"):
     (llama / name).write_text("{}")
-  hf_config = export("other", f"pretrained={llama}")
-  assert hf_config["eos_token_id"] == json.loads((llama / "config.json").read_text())[
-      "eos_token_id"]  # the checkpoint's
+  hf_config = export("other", f"pretrained={llama}")  # trained to end texts with [SEP]
+  generation = json.loads((tmp_path / "other" / "generation_config.json").read_text())
+  assert (hf_config["bos_token_id"], hf_config["eos_token_id"]) == (101, 102)
+  assert (generation["bos_token_id"], generation["eos_token_id"]) == (101, 102)
   assert exported["other"] == ["config.json", "generation_config.json", "model.safetensors",
                                "tokenizer.json"]
   assert (tmp_path / "other" / "tokenizer.json").read_bytes() == (
       minilm / "tokenizer.json").read_bytes()
+  # the tokenizer as a folder: its files come along (MiniLM's vocab.txt and the rest)
+  export("folder", f"pretrained={llama}", f"tokenizer={minilm}")
+  assert {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+          "vocab.txt"} <= set(exported["folder"])
   shutil.copyfile(minilm / "tokenizer.json", llama / "tokenizer.json")
-  export("own", f"pretrained={llama}")
+  hf_config = export("own", f"pretrained={llama}")
   assert exported["own"] == ["config.json", "generation_config.json", "model.safetensors",
                              "special_tokens_map.json", "tokenizer.json",
                              "tokenizer_config.json"]
+  assert (tmp_path / "own" / "generation_config.json").read_bytes() == (
+      llama / "generation_config.json").read_bytes()  # the checkpoint's own: as it was
 
 
 @pytest.mark.slow
@@ -639,7 +647,7 @@ def test_cli_resume_continues_with_the_run_s_own_config(tmp_path, monkeypatch, c
   """``python -m train --resume`` takes the run's config.json and the command's --set on
   top: a LoRA run resumes as a LoRA run without ``trainable=lora`` again (before: the
   defaults, trainable=full, and a state that did not fit). --config-name keeps its own."""
-  from train import __main__ as cli, runs
+  from train import __main__ as cli
   monkeypatch.chdir(tmp_path)
   folder = Path("runs/digits-vit/20250101-000000")
   (folder / "checkpoints/4").mkdir(parents=True)
@@ -657,8 +665,22 @@ def test_cli_resume_continues_with_the_run_s_own_config(tmp_path, monkeypatch, c
   assert (seen[-1].trainable, seen[-1].steps, seen[-1].out_dir) == ("lora", 4, str(folder))
   cli.main(["--resume", "--config-name", "digits-vit"])  # a config named: that config
   assert seen[-1].trainable == "full"
-  empty = config_lib.load_config(None, None, ["resume=true", "out_dir=elsewhere"])
-  assert runs.resumed_config(empty, []) is empty  # no config.json there: as given
+  # a run started with --overwrite and one-off outputs: resumed without them (unless named
+  # again), its --set checked against its own config (a base_dtype needs its LoRA)
+  outputs = run.replace(overwrite=True, export_dir="ex", memory_profile="m.prof",
+                        profile_dir="trace")
+  (folder / "config.json").write_text(json.dumps(outputs.to_json()))
+  cli.main(["--resume", "--set", "base_dtype=nf4"])
+  assert (seen[-1].overwrite, seen[-1].export_dir, seen[-1].memory_profile,
+          seen[-1].profile_dir, seen[-1].base_dtype) == (False, None, None, None, "nf4")
+  cli.main(["--resume", "--export", "ex2"])
+  assert seen[-1].export_dir == "ex2"
+  capsys.readouterr()
+  (tmp_path / "bare").mkdir()  # a folder with no config.json: the command's config, said
+  cli.main(["--resume", "--out-dir", "bare", "--set", "steps=5"])
+  assert (seen[-1].trainable, seen[-1].steps, seen[-1].resume) == ("full", 5, True)
+  assert "resuming bare, which holds no config.json: with this command's config" in \
+      capsys.readouterr().out
 
 
 @pytest.mark.slow  # two short trainings: ~30 s on a loaded 2-core CPU
@@ -758,7 +780,9 @@ def test_resume_with_a_changed_config_names_the_fields(finished_run, tmp_path, c
   err = capsys.readouterr().err
   assert "config that differs from the checkpoint's (step 4): log_every 1 -> 5; " \
          "lr 0.001 -> 0.002; steps 4 -> 8" in err
-  assert "schedule" not in err  # still in warmup at step 4: the same rate either way
+  # the rate it goes on with, against the checkpoint's schedule (its lr of 0.001)
+  assert ("the cosine learning-rate schedule now ends at step 8, not 4: the learning rate "
+          "after step 4 is 0.0004, not 0.0002") in err
   bigger = config_lib.apply_overrides(cfg, ["model.num_layers=2"])
   with pytest.raises(ValueError, match=r"does not fit this model: .*config fields that differ "
                                        r"from the checkpoint's: model.num_layers 1 -> 2") as e:
@@ -795,16 +819,24 @@ def test_a_resume_with_new_steps_says_where_the_learning_rate_jumps():
   """A new ``steps`` lays the schedule over the new total: said where the rate the run
   goes on with changes (not in warmup, not for a constant schedule or a finished run)."""
   cfg = config_lib.load_config(None, None, ["steps=8", "warmup_steps=0", "lr=0.002"])
+  saved = {**cfg.to_json(), "steps": 4}
+  change = lambda saved, cfg: loop._schedule_change(saved, cfg, 4)
   want = float(loop.make_schedule(cfg)(4))
-  assert loop._schedule_change(4, cfg, 4) == (
+  assert change(saved, cfg) == (
       f"the cosine learning-rate schedule now ends at step 8, not 4: the learning rate "
       f"after step 4 is {want:.3g}, not 0") and want > 0
-  assert loop._schedule_change(4, cfg.replace(schedule="linear"), 4).startswith(
+  linear = cfg.replace(schedule="linear")
+  assert change({**saved, "schedule": "linear"}, linear).startswith(
       "the linear learning-rate schedule now ends at step 8")
-  assert loop._schedule_change(4, cfg.replace(warmup_steps=6), 4) is None  # in warmup
-  assert loop._schedule_change(4, cfg.replace(schedule="constant"), 4) is None
-  assert loop._schedule_change(8, cfg.replace(steps=4), 4) is None  # finished: no step
-  assert loop._schedule_change(8, cfg, 4) is None  # unchanged
+  # the rate before is the checkpoint's schedule's (its lr and warmup), not this config's
+  assert change({**saved, "steps": 16, "lr": 0.001}, cfg).endswith(
+      f"is {want:.3g}, not {float(loop.make_schedule(cfg.replace(lr=0.001, steps=16))(4)):.3g}")
+  warm = cfg.replace(warmup_steps=6)
+  assert change({**saved, "warmup_steps": 6}, warm) is None  # in warmup: the same rate
+  constant = cfg.replace(schedule="constant")
+  assert change({**saved, "schedule": "constant"}, constant) is None
+  assert change({**saved, "steps": 8}, cfg.replace(steps=4)) is None  # finished: no step
+  assert change({**saved, "steps": 8}, cfg) is None  # unchanged
 
 
 def test_ctrl_c_says_the_command_that_continues_the_run(tmp_path, monkeypatch, capsys):
@@ -813,13 +845,22 @@ def test_ctrl_c_says_the_command_that_continues_the_run(tmp_path, monkeypatch, c
     (Path(cfg.out_dir) / "config.json").write_text("{}")  # the run has begun
     raise KeyboardInterrupt
   monkeypatch.setattr(loop, "_run", interrupted)
-  monkeypatch.setattr(sys, "argv", ["train", "--out-dir", str(tmp_path / "run")])
+  monkeypatch.setattr(sys, "argv", ["train", "--out-dir", str(tmp_path / "a run")])
   with pytest.raises(SystemExit) as e:
     cli.cli()
   assert e.value.code == 130
   assert capsys.readouterr().err.endswith(
       f"interrupted; continue from the last checkpoint with: python -m train --out-dir "
-      f"{tmp_path / 'run'} --resume\n")
+      f"'{tmp_path / 'a run'}' --resume\n")
+  # interrupted before the run wrote its config: no command that would miss it
+  def early(cfg, budget):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(loop, "_run", early)
+  monkeypatch.setattr(sys, "argv", ["train", "--out-dir", str(tmp_path / "early")])
+  with pytest.raises(SystemExit):
+    cli.cli()
+  assert capsys.readouterr().err.endswith(
+      "interrupted; continue from the last checkpoint with: --resume\n")
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):

@@ -3,7 +3,7 @@
     python -m train                                   # digits ViT, lowmembp (the default)
     python -m train --config-name minilm-text         # the real MiniLM on sentiment
     python -m train --set policy=baseline --set steps=100 --set model.num_layers=2
-    python -m train --config my.json --resume
+    python -m train --resume                          # the newest run, with its own config
 
 Each run writes to a new folder ``runs/<config name>/<YYYYmmdd-HHMMSS>`` unless ``--out-dir``
 names one; ``--resume`` continues the newest run of the config (or ``--out-dir``'s) with
@@ -48,10 +48,15 @@ def main(argv=None) -> dict:
     overrides.append("resume=true")
   if args.overwrite:
     overrides.append("overwrite=true")
-  cfg = load_config(args.config_name, args.config, overrides)
-  if cfg.resume and args.config_name is None and args.config is None:
-    from train.runs import resumed_config
-    cfg = resumed_config(cfg, [o for o in overrides if o != "resume=true"])
+  if args.resume and args.config_name is None and args.config is None:
+    # the run's own config.json, the command's settings on top (checked there, not on the
+    # default config's): which run from the settings that say so
+    from train.runs import RESUME_WHERE, resumed_config
+    where = load_config(None, None, [o for o in overrides
+                                     if o.partition("=")[0].strip() in RESUME_WHERE])
+    cfg = resumed_config(where, [o for o in overrides if o != "resume=true"])
+  else:
+    cfg = load_config(args.config_name, args.config, overrides)
 
   from train.loop import train  # imports jax: after argument errors are reported
   result = train(cfg)

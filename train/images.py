@@ -143,7 +143,11 @@ def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
                        f"got [{a.min()}, {a.max()}]")
   else:
     raise ValueError(f"{f}: unsupported image dtype {a.dtype} (uint8, uint16 or float in [0, 1])")
-  a = _convert_channels(a, channels, f)
+  return _resize(_convert_channels(a, channels, f), size)
+
+
+def _resize(a: np.ndarray, size: int) -> np.ndarray:
+  """HxWxC in [0, 1] -> f32 [size, size, C] in [0, 1] (bilinear, :func:`_resize_weights`)."""
   if a.shape[:2] != (size, size):
     a = np.einsum("yh,hwc,xw->yxc", _resize_weights(a.shape[0], size), a,
                   _resize_weights(a.shape[1], size), optimize=True)
@@ -215,12 +219,9 @@ def resized(ds: ArrayDataset, image_size: int, channels: int) -> ArrayDataset:
   ``channels``, as :func:`image_folder` reads a file (bilinear; grey repeated), class names
   kept: the 8x8 digits for a model pretrained at another size."""
   image = ds.arrays["image"]
-  rows, cols = _resize_weights(image.shape[1], image_size), _resize_weights(image.shape[2],
-                                                                            image_size)
   out = np.empty((len(image), image_size, image_size, channels), np.float32)
   for i, a in enumerate(image):
-    a = _convert_channels(a, channels, Path(f"image {i}"))
-    out[i] = np.clip(np.einsum("yh,hwc,xw->yxc", rows, a, cols, optimize=True), 0.0, 1.0)
+    out[i] = _resize(_convert_channels(a, channels, Path(f"image {i}")), image_size)
   resized_ds = ArrayDataset({**ds.arrays, "image": out})
   resized_ds.class_names = ds.class_names
   return resized_ds

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -57,8 +57,9 @@ def train(cfg: TrainConfig) -> dict:
   except BaseException as e:
     if not existed:  # a run that failed before writing anything leaves no folder behind
       runs.remove_if_empty(Path(cfg.out_dir))
-    if isinstance(e, KeyboardInterrupt) and Path(cfg.out_dir).is_dir():
-      e.add_note(f"python -m train --out-dir {cfg.out_dir} --resume")  # where it continues
+    if isinstance(e, KeyboardInterrupt) and (Path(cfg.out_dir) / "config.json").is_file():
+      # where it continues: the run's own config.json (train.runs.resumed_config)
+      e.add_note(f"python -m train --out-dir {shlex.quote(str(cfg.out_dir))} --resume")
     raise
 
 
@@ -169,6 +170,7 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
 # processor): an export carries them, so it is a pretrained directory of its own
 INPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                "vocab.txt", "preprocessor_config.json", "generation_config.json")
+TOKENIZER_FILES = INPUT_FILES[:4]  # a tokenizer's own (a run's tokenizer replaces them)
 
 
 def export_base_config(cfg: TrainConfig) -> TrainConfig | None:
@@ -219,31 +221,37 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
   files = {name: os.path.join(resolve_path(cfg.pretrained), name)
            for name in INPUT_FILES} if cfg.pretrained else {}
   tokenizer = resolve_path(cfg.tokenizer) if cfg.tokenizer and cfg.task != "image" else None
-  if tokenizer and os.path.isdir(tokenizer):  # a folder holding tokenizer.json
-    tokenizer = os.path.join(tokenizer, "tokenizer.json")
+  ids = {}  # the run's tokenizer's special ids, where they are not the checkpoint's
+  if tokenizer:
+    folder = tokenizer if os.path.isdir(tokenizer) else None  # a folder of tokenizer files
+    tokenizer = os.path.join(folder, "tokenizer.json") if folder else tokenizer
   if tokenizer and not (files and _same_file(tokenizer, files["tokenizer.json"])):
-    # another tokenizer than the checkpoint's: its files (vocab, special tokens) are not
-    # this one's; what is no tokenizer's (the image processor, generation) stays
-    files = {k: v for k, v in files.items()
-             if k in ("preprocessor_config.json", "generation_config.json")}
-    files["tokenizer.json"] = tokenizer
-    if cfg.task == "lm" and not cfg.pretrained:  # a preset's ids are no tokenizer's
-      model.cfg = dataclasses.replace(model.cfg, **special_token_ids(
-          load_tokenizer(tokenizer)[0]))
+    # another tokenizer than the checkpoint's: its files in place of the directory's, and
+    # its special ids in the config (an LM learned to end texts with its eos)
+    files = {k: v for k, v in files.items() if k not in TOKENIZER_FILES}
+    files.update({name: os.path.join(folder, name) for name in TOKENIZER_FILES} if folder
+                 else {"tokenizer.json": tokenizer})
+    if cfg.task == "lm":
+      ids = special_token_ids(load_tokenizer(tokenizer)[0])
+      model.cfg = dataclasses.replace(model.cfg, **ids)
   hf.save_pretrained(model, cfg.export_dir)
   copied = [name for name, source in files.items() if os.path.isfile(source)]
   for name in copied:  # each whole or not at all, as save_pretrained's files
     target = os.path.join(cfg.export_dir, name)
-    shutil.copyfile(files[name], target + ".tmp")
+    text = Path(files[name]).read_bytes()
+    if name == "generation_config.json" and ids:  # the same ids as config.json
+      text = json.dumps({**json.loads(text), **{k: v for k, v in ids.items()
+                                                 if v is not None}}, indent=2).encode()
+    Path(target + ".tmp").write_bytes(text)
     os.replace(target + ".tmp", target)
   print(f"exported HF safetensors to {cfg.export_dir}"
         + (f" (with {', '.join(copied)})" if copied else ""), flush=True)
 
 
 def _same_file(a: str, b: str) -> bool:
-  """Whether two paths hold the same bytes (False where ``b`` is missing)."""
-  return os.path.isfile(b) and (os.path.samefile(a, b) or Path(a).read_bytes() ==
-                                Path(b).read_bytes())
+  """Whether two paths hold the same bytes (False where either is missing)."""
+  return os.path.isfile(a) and os.path.isfile(b) and (
+      os.path.samefile(a, b) or Path(a).read_bytes() == Path(b).read_bytes())
 
 
 def check_inputs(cfg: TrainConfig) -> None:
@@ -381,18 +389,22 @@ def _resume(trainer: Trainer, ckpt: Checkpoints, batches, cfg: TrainConfig) -> i
   if diff:
     print(f"warning: resuming with a config that differs from the checkpoint's (step {step}): "
           + "; ".join(diff), file=sys.stderr, flush=True)
-  schedule_change = _schedule_change(saved.get("steps"), cfg, step)
+  schedule_change = _schedule_change(saved, cfg, step)
   if schedule_change:
     print(f"warning: {schedule_change}", file=sys.stderr, flush=True)
   return step
 
 
-def _schedule_change(old_steps, cfg: TrainConfig, step: int) -> str | None:
+def _schedule_change(saved: dict, cfg: TrainConfig, step: int) -> str | None:
   """What a resume with a new ``steps`` does to the learning rate (the cosine or linear
-  schedule is laid over the new total), where that changes the rate the run goes on with."""
+  schedule is laid over the new total), where that changes the rate the run goes on with;
+  ``saved``: the checkpoint's config."""
+  old_steps = saved.get("steps")
   if not isinstance(old_steps, int) or old_steps == cfg.steps or step >= cfg.steps:
     return None
-  was, now = (float(make_schedule(cfg.replace(steps=n))(step)) for n in (old_steps, cfg.steps))
+  before = cfg.replace(steps=old_steps, **{k: saved[k] for k in ("lr", "warmup_steps",
+                                                                 "schedule") if k in saved})
+  was, now = (float(make_schedule(c)(step)) for c in (before, cfg))
   if np.isclose(was, now, rtol=1e-3, atol=0):
     return None
   return (f"the {cfg.schedule} learning-rate schedule now ends at step {cfg.steps}, not "

@@ -16,6 +16,7 @@ A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shutil
 import time
@@ -76,18 +77,38 @@ def newest_run(parent: Path) -> Path | None:
   return max(found)[1] if found else None
 
 
-def resumed_config(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
-  """The config a resume continues with: the run's own ``config.json`` (of ``out_dir``, or
-  of the newest run of ``cfg.name`` with a checkpoint) with ``overrides`` (the command's
-  ``--set`` and flags) applied, so a resume needs none of the run's settings again and
-  changes only what it names. ``cfg`` itself where there is no such file."""
-  folder = Path(cfg.out_dir) if cfg.out_dir is not None else newest_run(RUNS_DIR / cfg.name)
+# The fields that say which run a resume continues (its folder, or the newest run of the
+# name they derive); the rest of the command's settings apply to the run's own config.
+RESUME_WHERE = ("out_dir", "name", "task", "model", "pretrained", "data")
+# What a resume does not take from the run's config.json: one-off outputs and the replace
+# switch (the command names them again where it wants them).
+NOT_RESUMED = ("overwrite", "profile_dir", "profile_start", "profile_stop", "memory_profile",
+               "export_dir")
+
+
+def resumed_config(where: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+  """The config a resume continues with: the run's own ``config.json`` (of ``where.out_dir``,
+  or of the newest run of ``where.name`` with a checkpoint) with ``overrides`` (the
+  command's ``--set`` and flags) applied, so a resume needs none of the run's settings
+  again and changes only what it names (:data:`NOT_RESUMED` back to their defaults unless
+  named). Where there is no such file, the command's own config (the defaults and
+  ``overrides``), said so when the folder exists."""
+  folder = (Path(where.out_dir) if where.out_dir is not None
+            else newest_run(RUNS_DIR / where.name))
   saved = None if folder is None else folder / "config.json"
   if saved is None or not saved.is_file():
-    return cfg
-  resumed = load_config(None, str(saved), [*overrides, f"out_dir={folder}", "resume=true"])
+    if folder is not None and folder.is_dir():
+      print(f"resuming {folder}, which holds no config.json: with this command's config",
+            flush=True)
+    return load_config(None, None, [*overrides, "resume=true"])
+  resumed = load_config(None, str(saved), ["overwrite=false", *overrides,
+                                           f"out_dir={folder}", "resume=true"])
+  named = {o.partition("=")[0].strip() for o in overrides}
+  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+  resumed = resumed.replace(**{k: defaults[k] for k in NOT_RESUMED if k not in named})
+  shown = [o for o in overrides if o.partition("=")[0].strip() != "out_dir"]
   print(f"resuming with the run's config ({saved})"
-        + (f" and {', '.join(overrides)}" if overrides else ""), flush=True)
+        + (f" and {', '.join(shown)}" if shown else ""), flush=True)
   return resumed
 
 
