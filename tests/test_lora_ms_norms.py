@@ -349,13 +349,21 @@ def test_a_qlora_run_under_ms_norms_exports(tmp_path):
   """A LoRA run on an nf4 base under lowmembp exports (the trained head, put into the
   fp32 rebuild as read-only host arrays, could not be merged back in place): the export
   reloads as the fp32-base model with the run's adapters and head."""
+  from safetensors.numpy import load_file
+
   from train.loop import with_export_base
   (images,) = _inputs("vit")
-  trainer, cfg, _ = _exported_run(tmp_path, "vit", "lowmembp", base_dtype="nf4")
+  trainer, cfg, exported = _exported_run(tmp_path, "vit", "lowmembp", base_dtype="nf4")
   trained = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
   want = np.asarray(with_export_base(trained, cfg)(images))
   got = hf.load_pretrained(cfg.export_dir, policy="baseline", dtype=jnp.float32)(images)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # merged into the checkpoint's fp32 tensors, not the nf4 ones the run stored
+  checkpoint = load_file(HF / "vit" / "model.safetensors")
+  for k, v in checkpoint.items():
+    if not (k.startswith("classifier") or (k.endswith(".weight") and (
+        "query" in k or "value" in k))):
+      np.testing.assert_array_equal(exported[k], v, err_msg=k)
 
 
 def test_a_map_that_merges_into_a_linear_without_the_affine_is_refused():
