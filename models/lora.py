@@ -89,22 +89,24 @@ class LoRALinear(nnx.Module):
       return a, None
     return fold_norm_affine(a, *affine, self.n_in, 1)
 
+  def _times_b(self, left):
+    """``scale * left @ B`` per layer (``left``: ``[lead..., m, rank]``), ``[lead..., m,
+    out]`` with the output axes flattened."""
+    b = self.lora_b[...]
+    return self.scale * (left @ b.reshape(b.shape[:self.lead + 1] + (-1,)))
+
   def delta(self):
     """``scale * A' @ B`` shaped like the base kernel (fp32; per layer when stacked)."""
-    a, b = self.adapter_input()[0], self.lora_b[...]
-    lead = a.shape[:self.lead]
-    product = a.reshape(lead + (-1, a.shape[-1])) @ b.reshape(lead + (b.shape[self.lead], -1))
-    return self.scale * product.reshape(self.base.kernel[...].shape)
+    a = self.adapter_input()[0]
+    return self._times_b(a.reshape(a.shape[:self.lead] + (-1, a.shape[-1]))).reshape(
+        self.base.kernel[...].shape)
 
   def bias_delta(self):
     """``scale * (s A) @ B`` shaped like the base bias, or None (no merged norm shift)."""
     bias = self.adapter_input()[1]
     if bias is None:
       return None
-    b = self.lora_b[...]
-    lead = b.shape[:self.lead]
-    product = bias[..., None, :] @ b.reshape(lead + (b.shape[self.lead], -1))
-    return self.scale * product.reshape(self.base.bias[...].shape)
+    return self._times_b(bias[..., None, :]).reshape(self.base.bias[...].shape)
 
   @property
   def keeps_input(self) -> bool:
