@@ -22,14 +22,15 @@ device, uses the cost model of :func:`modelled_step_time` (and the table says so
 
 Search (compiles bounded, fastest first): the candidates in speed order, each compiled
 unless a smaller micro-batch of its policy is known not to fit; the first that fits is the
-answer. A policy's second miss bisects its remaining micro-batches (those faster than the
-best so far) for the largest that fits, and the scan goes on until no faster candidate is
-left. Every candidate left uncompiled is slower than the chosen one or larger than a
+answer. A policy's second miss compiles its smallest micro-batch (of those faster than the
+best so far): when that does not fit, no plan of the policy does; when it does, a bisection
+finds the largest that fits, and the scan goes on until no faster candidate is left. Every candidate left uncompiled is slower than the chosen one or larger than a
 micro-batch of its policy that did not fit, so the chosen plan is the fastest that fits,
 given that a policy's peak does not grow as its micro-batch shrinks (activations scale with
 the micro-batch; the gradient accumulator is the same for every ``grad_accum >= 2``): the
-skips and the bisection rest on that. At most ``2 + ceil(log2(#micro-batches - 1))``
-compiles per policy; one when the fastest fits.
+skips and the bisection rest on that. At most ``3 + ceil(log2(#micro-batches - 2))``
+compiles per policy, 3 for a policy none of whose plans fits (a budget that nothing fits
+costs 3 per policy); one in all when the fastest fits.
 
 Before any compile: every plan of a policy holds its train state (parameters, optimizer
 state; the step's donated argument and, updated, its output), whatever the micro-batch, so
@@ -287,20 +288,20 @@ def search(cands: Sequence[Candidate], peak_of: Callable[[Candidate], int],
     if fits(i):
       best = i  # every faster candidate is known not to fit
       break
-    if missed:  # the policy's second miss: bisect its smaller micro-batches
+    if missed:  # the policy's second miss: its smallest micro-batch, then bisect
       rest = [j for j in range(i + 1, len(cands)) if cands[j].policy == c.policy
               and (best is None or cands[j].step_time < cands[best].step_time)]
-      lo, hi = 0, len(rest)  # the first of rest that fits (hi: none does)
+      if not rest or not fits(rest[-1]):
+        lost[c.policy] = 0  # not even its smallest (of those left) fits: none will
+        continue
+      lo, hi = 0, len(rest) - 1  # the first of rest that fits (rest[-1] does)
       while lo < hi:
         mid = (lo + hi) // 2
         if fits(rest[mid]):
           hi = mid
         else:
           lo = mid + 1
-      if hi < len(rest):
-        best = rest[hi]  # faster candidates of other policies may still fit: go on
-      else:
-        lost[c.policy] = 0  # none of the policy fits
+      best = rest[hi]  # faster candidates of other policies may still fit: go on
 
   def note(i, c):
     if best is not None and c.step_time >= cands[best].step_time:
