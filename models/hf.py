@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints: ``load_pretrained`` and ``save_pretrained``.
+"""Hugging Face checkpoints: ``load_pretrained``, ``save_pretrained`` and
+``save_lora_merged``.
 
 A model directory holds ``config.json`` and ``model.safetensors`` (or shards listed in
 ``model.safetensors.index.json``). ``model_type`` picks the family in
@@ -9,6 +10,10 @@ affine into the linear(s) reading it (float64, then cast). ``save_pretrained`` w
 names back so HF transformers loads the same function: pre-LN models export merged norms
 as weight 1, bias 0 with the merged linears; post-LN models (BERT/RoBERTa), whose
 residual path keeps gamma/beta, export those and un-merge the linears.
+``save_lora_merged`` writes a LoRA model as peft's ``merge_and_unload`` does, streamed
+from the checkpoint it was loaded from (its tensors, its dtypes, the adapters merged),
+under every policy and base dtype. Both write shards and an index over
+:data:`MAX_SHARD_BYTES`, as transformers does.
 
 Bad input is one :class:`CheckpointError` line naming the file or tensor, before any
 tensor is read: a path that is no directory, a config.json that is no JSON object or
@@ -43,9 +48,11 @@ what is in flight (not measured there).
 
 from __future__ import annotations
 
+import collections
 import json
+import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -54,8 +61,9 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
-from models.hf_state import (CheckpointError, StateReader, check_store, expected_tensors,
-                             header_of, init_unread, read_state, write_state)
+from models.hf_state import (CheckpointError, OutTensor, StateReader, check_store,
+                             expected_tensors, header_of, init_unread, merged_tensors,
+                             read_state, write_state)
 from models.hf_state import Linear as MapLinear
 
 
@@ -339,14 +347,17 @@ def _export_family(model) -> registry.Family:
   if adapted:
     raise ValueError(f"save_pretrained: the model has LoRA adapters (on "
                      f"{', '.join(map(str, adapted))}), which HF's format has no place for: "
-                     "export lora.strip_lora(model) (merges them)")
+                     "export lora.strip_lora(model) (merges them), or "
+                     "save_lora_merged(model, path, pretrained) (merged into the "
+                     "checkpoint's own tensors)")
   stored = [(".".join(map(str, p)), v.get_value().storage) for p, v in nnx.iter_graph(model)
             if isinstance(v, FrozenKernel)]
   if stored:
     raise ValueError(f"save_pretrained: {len(stored)} frozen weight(s) are stored in a base "
                      f"dtype (e.g. {stored[0][0]} as {stored[0][1]}); the export would hold "
                      "their dequantized values, not the checkpoint's: export a model loaded "
-                     "with base_dtype float32 (no store)")
+                     "with base_dtype float32 (no store), or a LoRA model with "
+                     "save_lora_merged(model, path, pretrained)")
   return family
 
 
@@ -356,22 +367,112 @@ def hf_state(model) -> dict[str, np.ndarray]:
   return write_state(model, module.hf_map(model.cfg))
 
 
-def save_pretrained(model, path: str | os.PathLike) -> None:
-  """Writes ``config.json`` and ``model.safetensors`` in HF format (atomically)."""
+# HF's default max_shard_size ("5GB"): a larger export is written as shards and an index
+MAX_SHARD_BYTES = 5 * 10 ** 9
+# numpy dtype -> HF config.json's torch_dtype
+_TORCH_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+                 np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float64): "float64"}
+
+
+def _shards(tensors: Sequence[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
+  """``tensors`` in order, cut into files of at most ``max_bytes`` (one larger tensor
+  alone), as transformers' ``save_pretrained`` cuts them."""
+  shards, size = [[]], 0
+  for t in tensors:
+    nbytes = math.prod(t.shape) * t.dtype.itemsize
+    if shards[-1] and size + nbytes > max_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(t)
+    size += nbytes
+  return shards
+
+
+def _write_model_dir(path: Path, config: dict, tensors: Sequence[OutTensor],
+                     max_shard_bytes: int | None) -> None:
+  """Writes ``config.json`` and the tensors, as ``model.safetensors`` or (over
+  ``max_shard_bytes``) shards ``model-0000i-of-0000n.safetensors`` with
+  ``model.safetensors.index.json``: one shard's tensors made and held at a time, each
+  file written whole under a temporary name and renamed; a previous export's weight
+  files that this one does not write are removed. config.json's ``torch_dtype`` names
+  the dtype most of the bytes are in."""
   from safetensors.numpy import save_file
 
-  module = _export_family(model).module
+  path.mkdir(parents=True, exist_ok=True)
+  shards = _shards(tensors, MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes)
+  names = (["model.safetensors"] if len(shards) == 1 else
+           [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+  umask = os.umask(0)
+  os.umask(umask)
+  for name, shard in zip(names, shards):
+    tmp = path / f"{name}.tmp"
+    save_file({t.name: np.ascontiguousarray(t.make()) for t in shard}, str(tmp),
+              metadata={"format": "pt"})
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a model file is shared as any
+  for name in names:
+    os.replace(path / f"{name}.tmp", path / name)
+  index = path / "model.safetensors.index.json"
+  for stale in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors", index]:
+    if stale.name not in names and stale.exists():
+      stale.unlink()
+  if len(shards) > 1:
+    total = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
+    weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
+    _write_json(index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+  if "torch_dtype" in config and tensors:
+    by_dtype = collections.Counter()
+    for t in tensors:
+      by_dtype[t.dtype] += math.prod(t.shape) * t.dtype.itemsize
+    config = {**config, "torch_dtype": _TORCH_DTYPES.get(by_dtype.most_common(1)[0][0],
+                                                          config["torch_dtype"])}
+  _write_json(path / "config.json", config)
+
+
+def _export_dir(path: str | os.PathLike) -> Path:
+  """``path`` as a Path, or a ValueError where it is a file."""
   path = Path(path)
   if path.exists() and not path.is_dir():
     raise ValueError(f"save_pretrained: {path} is a file; name a directory")
-  state = hf_state(model)
-  path.mkdir(parents=True, exist_ok=True)
-  tmp = path / "model.safetensors.tmp"
-  save_file(state, str(tmp), metadata={"format": "pt"})
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a model file is shared as any
-  os.replace(tmp, path / "model.safetensors")
-  tmp = path / "config.json.tmp"
-  tmp.write_text(json.dumps(module.config_to_hf(model.cfg), indent=2))
-  os.replace(tmp, path / "config.json")
+  return path
+
+
+def _write_json(file: Path, data) -> None:
+  tmp = file.with_name(file.name + ".tmp")
+  tmp.write_text(json.dumps(data, indent=2))
+  os.replace(tmp, file)
+
+
+def save_pretrained(model, path: str | os.PathLike, *,
+                    max_shard_bytes: int | None = None) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` in HF format (float32; shards over
+  ``max_shard_bytes``, default :data:`MAX_SHARD_BYTES`), each file atomically."""
+  module = _export_family(model).module
+  path = _export_dir(path)
+  tensors = [OutTensor(k, tuple(v.shape), v.dtype, lambda v=v: v)
+             for k, v in hf_state(model).items()]
+  _write_model_dir(path, module.config_to_hf(model.cfg), tensors, max_shard_bytes)
+
+
+def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | Mapping, *,
+                     new_head: bool = False, max_shard_bytes: int | None = None) -> None:
+  """Writes a LoRA model (:mod:`models.lora`, any policy and base dtype) in HF format as
+  peft's ``merge_and_unload`` does: the checkpoint it was loaded from (``base``: its
+  directory, or HF tensors by name) with each adapter's ``scale * A @ B`` added to its
+  linear's weight and the linears trained in full (the head) put in; every other tensor
+  the checkpoint's own, bit for bit, in its dtype (:func:`models.hf_state.merged_tensors`).
+  ``new_head``: as the load (the checkpoint's head was not read). Streamed: tensors are
+  read from ``base`` and written a shard at a time (``max_shard_bytes``, default
+  :data:`MAX_SHARD_BYTES`), so the host holds one shard, not the model."""
+  from models.lora import LoRAParam
+  family = registry.family_of(model)
+  if not family.hf_model_types:
+    _export_family(model)  # the error naming the families that have a format
+  module, path = family.module, _export_dir(path)
+  if isinstance(base, Mapping):
+    state = base
+  else:
+    state, _ = _pretrained_state(base, registry.hf_family(model.cfg.model_type), new_head)
+  tensors = merged_tensors(model, module.hf_map(model.cfg), state,
+                           module.hf_map(model.cfg, frozenset(state)),
+                           lambda var: isinstance(var, LoRAParam))
+  _write_model_dir(path, module.config_to_hf(model.cfg), tensors, max_shard_bytes)

@@ -486,3 +486,109 @@ def _unmerge(state: dict, prefix: str, gamma, beta) -> None:
   if beta is not None:
     b = np.asarray(state[f"{prefix}.bias"], np.float64) - w @ np.asarray(beta, np.float64)
     state[f"{prefix}.bias"] = b.astype(np.float32)
+
+
+# ---------------------------------------------------------------- a merged LoRA export
+# safetensors/numpy dtype names -> the numpy dtype a tensor of that name is written in
+_NUMPY_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16,
+                 "BF16": jnp.bfloat16, "float64": np.float64, "float32": np.float32,
+                 "float16": np.float16, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class OutTensor:
+  """A tensor an export writes: its HF name, shape and dtype, and ``make()``, which
+  gives its value when its file is written (nothing is held before)."""
+  name: str
+  shape: tuple[int, ...]
+  dtype: np.dtype
+  make: Callable[[], np.ndarray]
+
+
+def _key(e: Entry) -> tuple:
+  return type(e).__name__, e.path, e.layer
+
+
+def merged_tensors(model, entries: Sequence[Entry], base: Mapping[str, np.ndarray],
+                   base_entries: Sequence[Entry], trained: Callable[[nnx.Variable], bool]
+                   ) -> list[OutTensor]:
+  """The HF tensors of ``entries`` (the export's map) as peft's ``merge_and_unload`` writes
+  a LoRA run: each one the run trained (``trained(variable)``) or ``base`` lacks (a fresh
+  head) from ``model``, every other one ``base``'s (the pretrained checkpoint, by
+  ``base_entries``, the map it was loaded with), an adapted linear's weight with its
+  adapter's ``scale * A @ B`` added (:meth:`models.lora.LoRALinear.checkpoint_delta`).
+  Each in ``base``'s dtype (float32 where ``base`` lacks it); nothing read before its
+  ``make()``. What comes from ``model`` must be in the checkpoint's parametrization:
+  LoRA's adapters and the linears it trains in full are, under every policy
+  (:mod:`models.lora`). A CheckpointError names each tensor of ``base`` that is missing
+  or has another shape than the model's (the checkpoint changed since the run read it)."""
+  from models.lora import LoRALinear
+  read = {_key(e): e for e in base_entries}
+  out: list[OutTensor] = []
+  problems = []
+
+  def add(name, base_name, shape, ours, from_model, delta=None):
+    """``name`` (HF ``shape``): ``ours()`` from the model, or ``base[base_name]`` plus
+    ``delta()`` where given."""
+    if from_model or base_name is None:
+      out.append(OutTensor(name, shape, np.dtype(np.float32),
+                           lambda: np.asarray(ours(), np.float32).reshape(shape)))
+      return
+    if base_name not in base:
+      problems.append(f"{base_name}: missing")
+      return
+    have, dtype = header_of(base, base_name)
+    if tuple(have) != shape:
+      problems.append(f"{base_name}: checkpoint {list(have)}, model {list(shape)}")
+      return
+    dtype = np.dtype(_NUMPY_DTYPES[dtype])
+
+    def make():
+      value = base[base_name]
+      if delta is not None:
+        value = np.asarray(value, np.float32) + delta()
+      return np.asarray(value).astype(dtype, copy=False)
+    out.append(OutTensor(name, shape, dtype, make))
+
+  for e in entries:
+    r = read.get(_key(e))
+    if isinstance(e, Tensor) and e.copy_of is not None:
+      continue  # a tied copy: not written (as write_state)
+    if isinstance(e, Norm):
+      norm = _resolve(model, e.path)
+      mine = norm.scale is not None and trained(norm.scale)
+      for w in ("weight", "bias") if e.bias else ("weight",):
+        var = norm.scale if w == "weight" else norm.bias
+        add(f"{e.hf}.{w}", None if r is None else f"{r.hf}.{w}", (norm.dim,),
+            lambda var=var, e=e: _row(np.asarray(var[...]), e.layer), mine)
+    elif isinstance(e, Tensor):
+      var = _resolve(model, e.path)
+
+      def ours(var=var, e=e):
+        value = _row(_host(_value(var)), e.layer)
+        return value if e.to_hf is None else e.to_hf(value)
+      shape = _hf_shape(e, tuple(_value(var).shape)[0 if e.layer is None else 1:])
+      add(e.hf, None if r is None else r.hf, shape, ours, trained(var))
+    elif isinstance(e, Linear):
+      module = _resolve(model, e.path)
+      lora = module if isinstance(module, LoRALinear) else None
+      linear = module if lora is None else lora.base
+      mine = trained(linear.kernel) or r is None or r.keep_weights
+      shape, n_in = _kernel_dims(linear, e.layer)
+      d_in, d_out = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
+      delta = None if lora is None else (
+          lambda lora=lora, e=e: lora.checkpoint_delta(e.layer).T)
+
+      def kernel(linear=linear, e=e, d_in=d_in, delta=delta):
+        w = _row(_host(_value(linear.kernel)), e.layer).reshape(d_in, -1).T
+        return w if delta is None else w + delta()
+      add(f"{e.hf}.weight", None if r is None else f"{r.hf}.weight", (d_out, d_in), kernel,
+          mine, delta)
+      if getattr(linear, "bias", None) is not None:
+        add(f"{e.hf}.bias", None if r is None else f"{r.hf}.bias", (d_out,),
+            lambda linear=linear, e=e: _row(np.asarray(linear.bias[...]), e.layer),
+            mine or trained(linear.bias))
+  if problems:
+    raise CheckpointError("the checkpoint does not match the run's model (it changed since "
+                          f"the run read it?): {'; '.join(problems[:20])}")
+  return out

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
@@ -100,6 +101,19 @@ class LoRALinear(nnx.Module):
     a = self.adapter_input()[0]
     return self._times_b(a.reshape(a.shape[:self.lead] + (-1, a.shape[-1]))).reshape(
         self.base.kernel[...].shape)
+
+  def checkpoint_delta(self, layer: int | None = None) -> np.ndarray:
+    """``scale * A @ B`` on the host as ``[d_in, d_out]`` float32 (of row ``layer`` when
+    stacked): the update to the kernel in the checkpoint's parametrization, where the norm
+    before the linear keeps its affine (the adapter reads that norm's output, so ``A`` is
+    the same there). One layer at a time, for a streamed export."""
+    if self.lead != (layer is not None):
+      raise ValueError(f"checkpoint_delta: the adapter has {self.lead} layer axes; "
+                       f"layer={layer}")
+    a, b = self.lora_a[...], self.lora_b[...]
+    a, b = (a, b) if layer is None else (a[layer], b[layer])
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return self.scale * (a.reshape(-1, a.shape[-1]) @ b.reshape(b.shape[0], -1))
 
   def bias_delta(self):
     """``scale * (s A) @ B`` shaped like the base bias, or None (no merged norm shift)."""

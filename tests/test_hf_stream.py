@@ -215,6 +215,55 @@ def test_streamed_load_host_peak_is_below_the_fp32_model(big_checkpoint):
   assert peak["nf4"] < 0.33, peak
 
 
+EXPORT_SCRIPT = textwrap.dedent("""
+    import json, sys
+    import jax
+    from train.config import TrainConfig
+    from train.loop import export
+    from train.trainer import Trainer
+
+    def status(field):
+      with open("/proc/self/status") as f:
+        lines = f.readlines()
+      return next(int(l.split()[1]) * 1024 for l in lines if l.startswith(field + ":"))
+
+    cfg = TrainConfig(name="t", task="lm", pretrained=sys.argv[1], trainable="lora",
+                      base_dtype="nf4", export_dir=sys.argv[2], compare_baseline=False)
+    trainer = Trainer.create(cfg)
+    jax.block_until_ready(trainer.state)
+    with open("/proc/self/clear_refs", "w") as f:
+      f.write("5")  # resets VmHWM (the peak RSS) to the current RSS
+    before = status("VmRSS")
+    export(trainer, cfg)
+    print(json.dumps({"peak": status("VmHWM") - before}))
+""")
+
+
+@pytest.mark.slow
+def test_a_qlora_export_host_peak_is_a_shard_not_the_model(big_checkpoint, tmp_path):
+  """Peak RSS growth of a QLoRA run's export (lowmembp, nf4 base, LoRA on q and v) in a
+  fresh process, shards of at most 1/8 of the model (``hf.MAX_SHARD_BYTES`` patched):
+  the export streams the checkpoint into shards, so the host holds one shard and one
+  tensor in flight (bound: 1/8 + 2 x 2.1% + a few MB, 0.35x). Before (2026-11-25) it
+  built the fp32 model on the host and its fp32 HF state beside it: > 2x the fp32 model
+  (54 GiB for LLaMA-7B)."""
+  path, fp32_bytes = big_checkpoint
+  script = EXPORT_SCRIPT.replace(
+      "from train.loop import export",
+      f"from train.loop import export\nimport models.hf\n"
+      f"models.hf.MAX_SHARD_BYTES = {fp32_bytes // 8}")
+  env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  run = subprocess.run([sys.executable, "-c", script, str(path), str(tmp_path / "out")],
+                       capture_output=True, text=True, env=env, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert run.returncode == 0, run.stderr[-3000:]
+  peak = json.loads(run.stdout.splitlines()[-1])["peak"] / fp32_bytes
+  files = sorted(p.name for p in (tmp_path / "out").iterdir())
+  print(f"fp32 model {fp32_bytes / 2**20:.1f} MiB; export peak / it {peak:.3f}; {files}")
+  assert len([f for f in files if f.endswith(".safetensors")]) >= 8, files
+  assert peak < 0.35, peak
+
+
 # ----------------------------------------------------------------------- bad checkpoints
 # What a user points load_pretrained at by mistake: one CheckpointError line naming the
 # file (or tensor) and what is wrong, before any tensor is read.

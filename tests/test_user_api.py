@@ -270,7 +270,8 @@ def test_model_dtype_and_export_misuse_name_the_problem(tmp_path):
   cases = [
       (lora.apply_lora(vit.ViT("vit-tiny")), tmp_path / "out",
        "save_pretrained: the model has LoRA adapters (on query, value), which HF's format "
-       "has no place for: export lora.strip_lora(model) (merges them)"),
+       "has no place for: export lora.strip_lora(model) (merges them), or "
+       "save_lora_merged(model, path, pretrained) (merged into the checkpoint's own tensors)"),
       (registry.build("revvit-tiny"), tmp_path / "out",
        "save_pretrained: RevViT has no Hugging Face format (those with one: ViT, Llama, "
        "Bert)"),
@@ -278,7 +279,8 @@ def test_model_dtype_and_export_misuse_name_the_problem(tmp_path):
       (_stored(vit.ViT("vit-tiny")), tmp_path / "out",
        "save_pretrained: 1 frozen weight(s) are stored in a base dtype (e.g. stack.blocks.mlp."
        "fc1.kernel as nf4); the export would hold their dequantized values, not the "
-       "checkpoint's: export a model loaded with base_dtype float32 (no store)")]
+       "checkpoint's: export a model loaded with base_dtype float32 (no store), or a LoRA "
+       "model with save_lora_merged(model, path, pretrained)")]
   for model, path, message in cases:
     with pytest.raises(ValueError) as e:
       hf.save_pretrained(model, path)

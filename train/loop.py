@@ -173,35 +173,30 @@ INPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
 TOKENIZER_FILES = INPUT_FILES[:4]  # a tokenizer's own (a run's tokenizer replaces them)
 
 
-def export_base_config(cfg: TrainConfig) -> TrainConfig | None:
-  """The config of the model a LoRA export merges into, where it is not the trained model
-  itself: an fp32 base (the run stored its frozen kernels in ``base_dtype``), in the
-  checkpoint's own parametrization (an MS-norm policy stored each norm's affine merged
-  into the linears after it: an export would write norms of 1 and every linear that reads
-  one changed, the same function but not the checkpoint's tensors). None: the trained
-  model is the export's base (or the run is no LoRA run: a model trained in full under
-  MS norms exports the merged parametrization it trained)."""
+def export_base_config(cfg: TrainConfig) -> TrainConfig:
+  """The config of the model an export merges into, where it is not the trained model
+  itself: an fp32 base (the run stored its frozen kernels in ``base_dtype``), for a LoRA
+  run in the checkpoint's own parametrization (an MS-norm policy stores each norm's
+  affine merged into the linears after it; an export of that would write norms of 1 and
+  every linear that reads one changed: the same function, not the checkpoint's tensors)."""
   if cfg.trainable == "lora":
     policy = MemoryPolicy.parse(cfg.policy)
-    if policy.merges_norm_affine:
-      return cfg.replace(base_dtype="float32",
-                         policy=dataclasses.replace(policy, norm="standard").spec)
-  return cfg.replace(base_dtype="float32") if cfg.base_dtype != "float32" else None
+    return cfg.replace(base_dtype="float32",
+                       policy=dataclasses.replace(policy, norm="standard").spec)
+  return cfg.replace(base_dtype="float32")
 
 
 def with_export_base(trained, cfg: TrainConfig):
   """``trained`` rebuilt on the host CPU as :func:`export_base_config` says (the pretrained
-  checkpoint read again, or the seed's init), with the run's trained parameters (adapters,
-  head) put in: what LoRA merges into for an export, as peft merges an adapter into the
-  original base (QLoRA's too). A LoRA adapter and a head trained in full mean the same
-  under every policy (``models/lora.py``), so they move across parametrizations as they
-  are. The stored base's dequantized values are not the checkpoint's (nf4: about 13% of
-  a weight's block absmax)."""
-  base_cfg = export_base_config(cfg)
-  if base_cfg is None:
+  checkpoint read again, or the seed's init), with the run's trained parameters put in;
+  ``trained`` itself where its frozen weights are fp32 (no LoRA: a model trained under MS
+  norms exports the merged parametrization it trained). For a LoRA run without a
+  checkpoint (the base is the seed's init) and a run that froze weights by pattern in a
+  base dtype; a LoRA run from a checkpoint streams it (:func:`export`)."""
+  if cfg.trainable != "lora" and cfg.base_dtype == "float32":
     return trained
   with jax.default_device(jax.devices("cpu")[0]):
-    model = build_model(base_cfg)
+    model = build_model(export_base_config(cfg))
     # on the host as jax arrays (device_get's numpy arrays are read-only)
     nnx.update(model, jax.tree.map(jnp.asarray, jax.device_get(
         nnx.state(trained, trainable_filter(cfg)))))
@@ -209,15 +204,19 @@ def with_export_base(trained, cfg: TrainConfig):
 
 
 def export(trainer: Trainer, cfg: TrainConfig) -> None:
-  """Writes the trainer's model as HF safetensors to ``cfg.export_dir`` (LoRA merged into
-  the base it was loaded from, :func:`with_export_base`), if set, with the pretrained
-  directory's :data:`INPUT_FILES` (the run's ``tokenizer`` as tokenizer.json where one is
-  set)."""
+  """Writes the trainer's model as HF safetensors to ``cfg.export_dir``, if set, with the
+  pretrained directory's :data:`INPUT_FILES` (the run's ``tokenizer`` in place of the
+  checkpoint's where one is set). A LoRA run from a checkpoint is that checkpoint with
+  the adapters merged, in its dtypes, streamed (``models.hf.save_lora_merged``: the
+  host holds a shard, not the model); any other run's model merged and written whole
+  (:func:`with_export_base`)."""
   if not cfg.export_dir:
     return
   from models import hf
-  model = lora.strip_lora(with_export_base(
-      nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"]), cfg))
+  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  streamed = cfg.trainable == "lora" and cfg.pretrained
+  if not streamed:
+    model = lora.strip_lora(with_export_base(model, cfg))
   files = {name: os.path.join(resolve_path(cfg.pretrained), name)
            for name in INPUT_FILES} if cfg.pretrained else {}
   tokenizer = resolve_path(cfg.tokenizer) if cfg.tokenizer and cfg.task != "image" else None
@@ -234,7 +233,11 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
     if cfg.task == "lm":
       ids = special_token_ids(load_tokenizer(tokenizer)[0])
       model.cfg = dataclasses.replace(model.cfg, **ids)
-  hf.save_pretrained(model, cfg.export_dir)
+  if streamed:
+    hf.save_lora_merged(model, cfg.export_dir, resolve_path(cfg.pretrained),
+                        new_head=cfg.new_head)
+  else:
+    hf.save_pretrained(model, cfg.export_dir)
   copied = [name for name, source in files.items() if os.path.isfile(source)]
   for name in copied:  # each whole or not at all, as save_pretrained's files
     target = os.path.join(cfg.export_dir, name)

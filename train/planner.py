@@ -24,7 +24,8 @@ Search (compiles bounded, fastest first): the candidates in speed order, each co
 unless a smaller micro-batch of its policy is known not to fit; the first that fits is the
 answer. A policy's second miss compiles its smallest micro-batch (of those faster than the
 best so far): when that does not fit, no plan of the policy does; when it does, a bisection
-finds the largest that fits, and the scan goes on until no faster candidate is left. Every candidate left uncompiled is slower than the chosen one or larger than a
+finds the largest that fits, and the scan goes on until no faster candidate is left.
+Every candidate left uncompiled is slower than the chosen one or larger than a
 micro-batch of its policy that did not fit, so the chosen plan is the fastest that fits,
 given that a policy's peak does not grow as its micro-batch shrinks (activations scale with
 the micro-batch; the gradient accumulator is the same for every ``grad_accum >= 2``): the
