@@ -319,7 +319,7 @@ def _exported_run(tmp_path, name, policy, **overrides):
   return trainer, cfg, load_file(Path(cfg.export_dir) / "model.safetensors")
 
 
-@pytest.mark.parametrize("name", ["vit", "llama_untied"])
+@pytest.mark.parametrize("name", ["vit", "llama_untied", "llama_tied", "bert", "roberta"])
 def test_a_lora_export_under_ms_norms_is_the_checkpoint_plus_the_adapters(name, tmp_path):
   """A LoRA run under an MS-norm policy exports as peft's merge_and_unload: every tensor
   the run did not train is the checkpoint's, bit for bit (its norms too, not 1s with
