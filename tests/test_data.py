@@ -365,8 +365,9 @@ def test_a_pretrained_models_images_are_normalized_as_its_processor_says(tmp_pat
         f"eval_data={tmp_path / 'test'}"])
     train, test = make_datasets(cfg)
     for ds in (train, test):
-      assert ds.arrays["image"].dtype == np.float32 and ds.class_names == ["cat"]
-      np.testing.assert_allclose(ds.arrays["image"][0, 0, 0], np.broadcast_to(value, 3),
+      image = ds.take(np.arange(1))["image"]  # normalized per batch
+      assert image.dtype == np.float32 and ds.class_names == ["cat"]
+      np.testing.assert_allclose(image[0, 0, 0], np.broadcast_to(value, 3),
                                  atol=1e-6)
   assert "images: normalized as " in capsys.readouterr().out
 
@@ -386,14 +387,18 @@ def test_digits_for_a_pretrained_vit_are_resized_and_normalized_as_its_images(tm
   train, test = make_datasets(cfg)
   assert "images: the 8x8 digits resized to 32x32x3" in capsys.readouterr().out
   grey = digits("train").arrays["image"]
-  assert train.arrays["image"].shape == (len(grey), 32, 32, 3)
-  assert test.arrays["image"].shape[1:] == (32, 32, 3) and train.class_names == [
+  # resized and normalized per batch: the dataset holds the 8x8 digits only
+  assert train.arrays["image"].shape == grey.shape and len(train) == len(grey)
+  image = train.take(np.arange(len(train)))["image"]
+  assert image.shape == (len(grey), 32, 32, 3) and image.dtype == np.float32
+  assert test.take(np.arange(2))["image"].shape == (2, 32, 32, 3) and train.class_names == [
       str(c) for c in range(10)]
   (tmp_path / "one" / "0").mkdir(parents=True)
   np.save(tmp_path / "one" / "0" / "x.npy", grey[5])
   folder = image_folder(tmp_path / "one", image_size=32, channels=3).arrays["image"][0]
-  np.testing.assert_allclose(train.arrays["image"][5], (folder - 0.5) / 0.5, atol=1e-6)
-  assert np.ptp(train.arrays["image"][5]) > 1  # a digit, not a blank
+  np.testing.assert_allclose(image[5], (folder - 0.5) / 0.5, atol=1e-6)
+  np.testing.assert_array_equal(train.take(np.array([7, 5]))["image"][1], image[5])
+  assert np.ptp(image[5]) > 1  # a digit, not a blank
 
 
 @pytest.mark.parametrize("processor,message", [

@@ -2,7 +2,8 @@
 
 Both return an ``ArrayDataset`` with ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32,
 and the class names by label id on ``class_names``. A pretrained model's pixels are
-normalized as its HF image processor does (:func:`pixel_normalization`, :func:`normalized`).
+normalized as its HF image processor does (:func:`pixel_normalization`, :func:`normalized`),
+and the digits resized for a model of another size (:func:`resized`), each per batch.
 """
 
 from __future__ import annotations
@@ -147,27 +148,28 @@ def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
 
 
 def _resize(a: np.ndarray, size: int) -> np.ndarray:
-  """HxWxC in [0, 1] -> f32 [size, size, C] in [0, 1] (bilinear, :func:`_resize_weights`)."""
-  if a.shape[:2] != (size, size):
-    a = np.einsum("yh,hwc,xw->yxc", _resize_weights(a.shape[0], size), a,
-                  _resize_weights(a.shape[1], size), optimize=True)
+  """[..., H, W, C] in [0, 1] -> f32 [..., size, size, C] in [0, 1] (bilinear,
+  :func:`_resize_weights`): one image or a batch of one size."""
+  if a.shape[-3:-1] != (size, size):
+    a = np.einsum("yh,...hwc,xw->...yxc", _resize_weights(a.shape[-3], size), a,
+                  _resize_weights(a.shape[-2], size), optimize=True)
   return np.clip(a, 0.0, 1.0)
 
 
 def _convert_channels(a: np.ndarray, channels: int, f: Path) -> np.ndarray:
-  """HxWxC in [0, 1] -> HxWx``channels`` as Pillow's convert: grey is repeated, RGB -> L is
-  ITU-R 601 luma, alpha is dropped or added as 1."""
-  c = a.shape[2]
+  """[..., C] in [0, 1] -> [..., ``channels``] as Pillow's convert: grey is repeated, RGB ->
+  L is ITU-R 601 luma, alpha is dropped or added as 1."""
+  c = a.shape[-1]
   if c == channels:
     return a
   if c not in (1, 3, 4):
     raise ValueError(f"{f}: image has {c} channels; expected 1, 3 or 4")
   if channels == 1:
-    return a[:, :, :3] @ np.array([[0.299], [0.587], [0.114]], np.float32)
-  rgb = np.repeat(a, 3, axis=2) if c == 1 else a[:, :, :3]
+    return a[..., :3] @ np.array([[0.299], [0.587], [0.114]], np.float32)
+  rgb = np.repeat(a, 3, axis=-1) if c == 1 else a[..., :3]
   if channels == 3:
     return rgb
-  return np.concatenate([rgb, np.ones_like(rgb[:, :, :1])], axis=2)
+  return np.concatenate([rgb, np.ones_like(rgb[..., :1])], axis=-1)
 
 
 def _resize_weights(n_in: int, n_out: int) -> np.ndarray:
@@ -217,22 +219,25 @@ def pixel_normalization(model_dir) -> tuple[np.ndarray, np.ndarray] | None:
 def resized(ds: ArrayDataset, image_size: int, channels: int) -> ArrayDataset:
   """``ds`` with every image resized to ``image_size`` squared and converted to
   ``channels``, as :func:`image_folder` reads a file (bilinear; grey repeated), class names
-  kept: the 8x8 digits for a model pretrained at another size."""
-  image = ds.arrays["image"]
-  out = np.empty((len(image), image_size, image_size, channels), np.float32)
-  for i, a in enumerate(image):
-    out[i] = _resize(_convert_channels(a, channels, Path(f"image {i}")), image_size)
-  resized_ds = ArrayDataset({**ds.arrays, "image": out})
-  resized_ds.class_names = ds.class_names
-  return resized_ds
+  kept: the 8x8 digits for a model pretrained at another size. Done per batch
+  (:meth:`ArrayDataset.with_transform`): the host holds the small images and one batch
+  of large ones (the digits for a 224 px ViT: 1.1 GB of float32 otherwise)."""
+  def resize(batch):  # channels last (linear, so it commutes with the resize): 3x less work
+    image = _convert_channels(_resize(batch["image"], image_size), channels, Path("images"))
+    return {**batch, "image": image.astype(np.float32, copy=False)}
+  return ds.with_transform(resize)
 
 
 def normalized(ds: ArrayDataset, mean: np.ndarray, std: np.ndarray) -> ArrayDataset:
-  """``ds`` with ``image`` as ``(image - mean) / std`` per channel (class names kept)."""
-  channels = ds.arrays["image"].shape[-1]
+  """``ds`` with ``image`` as ``(image - mean) / std`` per channel (class names kept), per
+  batch (:meth:`ArrayDataset.with_transform`: no normalized copy of the images held)."""
+  channels = ds.take(np.arange(1))["image"].shape[-1]
   if len(mean) not in (1, channels):
     raise ValueError(f"image normalization has {len(mean)} channels, the images {channels}")
-  out = ArrayDataset({**ds.arrays, "image": ((ds.arrays["image"] - mean) / std).astype(
-      np.float32)})
-  out.class_names = ds.class_names
-  return out
+  mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+
+  def normalize(batch):  # two passes over the batch, one new array
+    image = np.subtract(batch["image"], mean, dtype=np.float32)
+    image /= std
+    return {**batch, "image": image}
+  return ds.with_transform(normalize)
