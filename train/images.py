@@ -150,10 +150,11 @@ def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
 def _resize(a: np.ndarray, size: int) -> np.ndarray:
   """[..., H, W, C] in [0, 1] -> f32 [..., size, size, C] in [0, 1] (bilinear,
   :func:`_resize_weights`): one image or a batch of one size."""
-  if a.shape[-3:-1] != (size, size):
-    a = np.einsum("yh,...hwc,xw->...yxc", _resize_weights(a.shape[-3], size), a,
-                  _resize_weights(a.shape[-2], size), optimize=True)
-  return np.clip(a, 0.0, 1.0)
+  if a.shape[-3:-1] == (size, size):
+    return np.clip(a, 0.0, 1.0)
+  a = np.moveaxis(a, -1, -3)  # [..., C, H, W]: two matmuls (einsum's path is 20x slower)
+  a = _resize_weights(a.shape[-2], size) @ a @ _resize_weights(a.shape[-1], size).T
+  return np.moveaxis(np.clip(a, 0.0, 1.0, out=a), -3, -1)
 
 
 def _convert_channels(a: np.ndarray, channels: int, f: Path) -> np.ndarray:
@@ -166,7 +167,8 @@ def _convert_channels(a: np.ndarray, channels: int, f: Path) -> np.ndarray:
     raise ValueError(f"{f}: image has {c} channels; expected 1, 3 or 4")
   if channels == 1:
     return a[..., :3] @ np.array([[0.299], [0.587], [0.114]], np.float32)
-  rgb = np.repeat(a, 3, axis=-1) if c == 1 else a[..., :3]
+  # grey -> RGB: a read-only view (each consumer makes its own array of it)
+  rgb = np.broadcast_to(a, a.shape[:-1] + (3,)) if c == 1 else a[..., :3]
   if channels == 3:
     return rgb
   return np.concatenate([rgb, np.ones_like(rgb[..., :1])], axis=-1)
@@ -236,8 +238,13 @@ def normalized(ds: ArrayDataset, mean: np.ndarray, std: np.ndarray) -> ArrayData
     raise ValueError(f"image normalization has {len(mean)} channels, the images {channels}")
   mean, std = np.asarray(mean, np.float32), np.asarray(std, np.float32)
 
-  def normalize(batch):  # two passes over the batch, one new array
-    image = np.subtract(batch["image"], mean, dtype=np.float32)
-    image /= std
-    return {**batch, "image": image}
+  def normalize(batch):
+    # per example as one row against mean and std laid out as an example: numpy's inner
+    # loop then runs over H W C values, not C (5x faster, the same values)
+    image = batch["image"]
+    shape, n = image.shape, len(image)
+    tiled = [np.broadcast_to(x, shape[1:]).reshape(1, -1) for x in (mean, std)]
+    rows = np.subtract(image.reshape(n, -1), tiled[0], dtype=np.float32)
+    rows /= tiled[1]
+    return {**batch, "image": rows.reshape(shape)}
   return ds.with_transform(normalize)
