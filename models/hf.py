@@ -52,6 +52,7 @@ import collections
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -367,11 +368,13 @@ def hf_state(model) -> dict[str, np.ndarray]:
   return write_state(model, module.hf_map(model.cfg))
 
 
-# HF's default max_shard_size ("5GB"): a larger export is written as shards and an index
+# The largest file an export writes (transformers 4's default max_shard_size, "5GB";
+# transformers 5 writes up to 50GB): the host holds one file's tensors at a time
 MAX_SHARD_BYTES = 5 * 10 ** 9
-# numpy dtype -> HF config.json's torch_dtype
+# numpy dtype -> HF config.json's dtype name
 _TORCH_DTYPES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
                  np.dtype(jnp.bfloat16): "bfloat16", np.dtype(np.float64): "float64"}
+_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 
 def _shards(tensors: Sequence[OutTensor], max_bytes: int) -> list[list[OutTensor]]:
@@ -388,14 +391,29 @@ def _shards(tensors: Sequence[OutTensor], max_bytes: int) -> list[list[OutTensor
   return shards
 
 
+def _with_dtype(config: dict, tensors: Sequence[OutTensor]) -> dict:
+  """``config`` naming the dtype most of the tensors' bytes are in, under the key(s) its
+  family writes (``torch_dtype``, transformers 5's ``dtype``); ``dtype`` where it writes
+  none and that is not float32 (transformers loads a model in it)."""
+  by_dtype = collections.Counter()
+  for t in tensors:
+    by_dtype[t.dtype] += math.prod(t.shape) * t.dtype.itemsize
+  name = _TORCH_DTYPES.get(by_dtype.most_common(1)[0][0]) if tensors else None
+  keys = [k for k in ("torch_dtype", "dtype") if k in config]
+  if name is None or not keys and name == "float32":
+    return config
+  return {**config, **dict.fromkeys(keys or ["dtype"], name)}
+
+
 def _write_model_dir(path: Path, config: dict, tensors: Sequence[OutTensor],
                      max_shard_bytes: int | None) -> None:
   """Writes ``config.json`` and the tensors, as ``model.safetensors`` or (over
   ``max_shard_bytes``) shards ``model-0000i-of-0000n.safetensors`` with
   ``model.safetensors.index.json``: one shard's tensors made and held at a time, each
-  file written whole under a temporary name and renamed; a previous export's weight
-  files that this one does not write are removed. config.json's ``torch_dtype`` names
-  the dtype most of the bytes are in."""
+  file written whole under a temporary name (removed on an error) and renamed; an index
+  is written after its shards, an old one removed after a single file is in place, and
+  a previous export's weight files that this one does not write last. config.json names
+  the dtype (:func:`_with_dtype`)."""
   from safetensors.numpy import save_file
 
   path.mkdir(parents=True, exist_ok=True)
@@ -404,28 +422,30 @@ def _write_model_dir(path: Path, config: dict, tensors: Sequence[OutTensor],
            [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
   umask = os.umask(0)
   os.umask(umask)
-  for name, shard in zip(names, shards):
-    tmp = path / f"{name}.tmp"
-    save_file({t.name: np.ascontiguousarray(t.make()) for t in shard}, str(tmp),
-              metadata={"format": "pt"})
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a model file is shared as any
+  try:
+    for name, shard in zip(names, shards):
+      tmp = path / f"{name}.tmp"
+      save_file({t.name: np.ascontiguousarray(t.make()) for t in shard}, str(tmp),
+                metadata={"format": "pt"})
+      os.chmod(tmp, 0o666 & ~umask)  # safetensors writes 0600; a model file is shared
+  except BaseException:
+    for name in names:
+      (path / f"{name}.tmp").unlink(missing_ok=True)
+    raise
+  index = path / "model.safetensors.index.json"
   for name in names:
     os.replace(path / f"{name}.tmp", path / name)
-  index = path / "model.safetensors.index.json"
-  for stale in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors", index]:
-    if stale.name not in names and stale.exists():
-      stale.unlink()
-  if len(shards) > 1:
+  if len(shards) == 1:
+    index.unlink(missing_ok=True)  # an old index names old shards: the new file takes over
+  else:
     total = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
     weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
     _write_json(index, {"metadata": {"total_size": total}, "weight_map": weight_map})
-  if "torch_dtype" in config and tensors:
-    by_dtype = collections.Counter()
-    for t in tensors:
-      by_dtype[t.dtype] += math.prod(t.shape) * t.dtype.itemsize
-    config = {**config, "torch_dtype": _TORCH_DTYPES.get(by_dtype.most_common(1)[0][0],
-                                                          config["torch_dtype"])}
-  _write_json(path / "config.json", config)
+  for stale in [*path.iterdir()]:
+    if stale.name not in names and (stale.name == "model.safetensors"
+                                    or _SHARD_NAME.fullmatch(stale.name)):
+      stale.unlink()
+  _write_json(path / "config.json", _with_dtype(config, tensors))
 
 
 def _export_dir(path: str | os.PathLike) -> Path:
@@ -463,10 +483,13 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
   ``new_head``: as the load (the checkpoint's head was not read). Streamed: tensors are
   read from ``base`` and written a shard at a time (``max_shard_bytes``, default
   :data:`MAX_SHARD_BYTES`), so the host holds one shard, not the model."""
-  from models.lora import LoRAParam
+  from models.lora import LoRALinear, LoRAParam
   family = registry.family_of(model)
   if not family.hf_model_types:
     _export_family(model)  # the error naming the families that have a format
+  if not any(isinstance(n, LoRALinear) for _, n in nnx.iter_graph(model)):
+    raise ValueError("save_lora_merged: the model has no LoRA adapters (never applied, or "
+                     "merged by strip_lora): export it with save_pretrained")
   module, path = family.module, _export_dir(path)
   if isinstance(base, Mapping):
     state = base

@@ -516,12 +516,14 @@ def merged_tensors(model, entries: Sequence[Entry], base: Mapping[str, np.ndarra
   a LoRA run: each one the run trained (``trained(variable)``) or ``base`` lacks (a fresh
   head) from ``model``, every other one ``base``'s (the pretrained checkpoint, by
   ``base_entries``, the map it was loaded with), an adapted linear's weight with its
-  adapter's ``scale * A @ B`` added (:meth:`models.lora.LoRALinear.checkpoint_delta`).
-  Each in ``base``'s dtype (float32 where ``base`` lacks it); nothing read before its
-  ``make()``. What comes from ``model`` must be in the checkpoint's parametrization:
-  LoRA's adapters and the linears it trains in full are, under every policy
-  (:mod:`models.lora`). A CheckpointError names each tensor of ``base`` that is missing
-  or has another shape than the model's (the checkpoint changed since the run read it)."""
+  adapter's ``scale * A @ B`` added (:meth:`models.lora.LoRALinear.checkpoint_delta`, the
+  sum in float32, or float64 for a float64 tensor, then rounded once). Each in ``base``'s
+  dtype (float32 where ``base`` lacks it); nothing read before its ``make()``. What comes
+  from ``model`` must be in the checkpoint's parametrization: LoRA's adapters and the
+  linears it trains in full are, under every policy (:mod:`models.lora`); a fresh head
+  held merged with an MS norm is un-merged here. A CheckpointError names each tensor of
+  ``base`` that is missing or has another shape than the model's (the checkpoint changed
+  since the run read it; changed values are not detected)."""
   from models.lora import LoRALinear
   read = {_key(e): e for e in base_entries}
   out: list[OutTensor] = []
@@ -529,24 +531,29 @@ def merged_tensors(model, entries: Sequence[Entry], base: Mapping[str, np.ndarra
 
   def add(name, base_name, shape, ours, from_model, delta=None):
     """``name`` (HF ``shape``): ``ours()`` from the model, or ``base[base_name]`` plus
-    ``delta()`` where given."""
-    if from_model or base_name is None:
-      out.append(OutTensor(name, shape, np.dtype(np.float32),
-                           lambda: np.asarray(ours(), np.float32).reshape(shape)))
+    ``delta()`` where given; in ``base``'s dtype where it has the tensor."""
+    if base_name is not None and base_name not in base:
+      if not from_model:
+        problems.append(f"{base_name}: missing")
+        return
+      base_name = None
+    dtype = np.dtype(np.float32)
+    if base_name is not None:
+      have, dtype = header_of(base, base_name)
+      if tuple(have) != shape:
+        problems.append(f"{base_name}: checkpoint {list(have)}, model {list(shape)}")
+        return
+      dtype = np.dtype(_NUMPY_DTYPES[dtype])
+    if from_model:
+      out.append(OutTensor(name, shape, dtype,
+                           lambda: np.asarray(ours(), np.float32).reshape(shape).astype(dtype)))
       return
-    if base_name not in base:
-      problems.append(f"{base_name}: missing")
-      return
-    have, dtype = header_of(base, base_name)
-    if tuple(have) != shape:
-      problems.append(f"{base_name}: checkpoint {list(have)}, model {list(shape)}")
-      return
-    dtype = np.dtype(_NUMPY_DTYPES[dtype])
+    work = np.promote_types(dtype, np.float32)  # the sum's dtype: f32, or f64 for an f64 one
 
     def make():
       value = base[base_name]
       if delta is not None:
-        value = np.asarray(value, np.float32) + delta()
+        value = np.asarray(value, work) + delta()
       return np.asarray(value).astype(dtype, copy=False)
     out.append(OutTensor(name, shape, dtype, make))
 
@@ -574,6 +581,9 @@ def merged_tensors(model, entries: Sequence[Entry], base: Mapping[str, np.ndarra
       lora = module if isinstance(module, LoRALinear) else None
       linear = module if lora is None else lora.base
       mine = trained(linear.kernel) or r is None or r.keep_weights
+      if mine and linear.norm_scale is not None and not linear.affine_at_call:
+        linear = nnx.clone(linear)  # a fresh head merged with the norm (MS) and not
+        linear.unmerge_norm_affine()  # trained: the checkpoint's parametrization
       shape, n_in = _kernel_dims(linear, e.layer)
       d_in, d_out = int(np.prod(shape[:n_in])), int(np.prod(shape[n_in:]))
       delta = None if lora is None else (

@@ -173,3 +173,92 @@ def test_a_sharded_bf16_export_loads_in_transformers(tmp_path):
   with torch.no_grad():
     logits = theirs(torch.as_tensor(np.asarray(tokens))).logits.numpy()
   np.testing.assert_allclose(logits, ours, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_without_adapters_is_refused(tmp_path):
+  """A stripped (merged) LoRA model or one never adapted would export as the checkpoint,
+  silently: one line says to use save_pretrained."""
+  from models import lora
+  trainer, cfg = _trainer(HF / "llama_untied")
+  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  for plain in (lora.strip_lora(model), hf.load_pretrained(HF / "llama_untied")):
+    with pytest.raises(ValueError, match=r"^save_lora_merged: the model has no LoRA "
+                                         r"adapters \(never applied, or merged by "
+                                         r"strip_lora\): export it with save_pretrained$"):
+      hf.save_lora_merged(plain, tmp_path / "out", HF / "llama_untied")
+  assert not (tmp_path / "out").exists()
+
+
+def _headless_vit(tmp_path) -> Path:
+  """The ViT fixture saved as HF's ViTModel names it: no ``vit.`` prefix, no classifier."""
+  path = tmp_path / "headless"
+  path.mkdir()
+  state = load_file(HF / "vit" / "model.safetensors")
+  save_file({k.removeprefix("vit."): v for k, v in state.items()
+             if not k.startswith("classifier")}, str(path / "model.safetensors"))
+  shutil.copy(HF / "vit" / "config.json", path / "config.json")
+  return path
+
+
+@pytest.mark.parametrize("policy", ["baseline", "ms-bp"])
+def test_an_untrained_fresh_head_under_ms_norms_exports_unmerged(policy, tmp_path):
+  """A headless checkpoint's fresh head, not trained (``modules_to_save=()``), is held
+  merged with the final norm under MS norms: the export un-merges it, so the exported
+  model is the adapted one (before: the norm's affine applied twice, logits 1.5 off)."""
+  import jax.numpy as jnp
+
+  import make_hf_fixtures as fx
+  from models import lora
+  src = _headless_vit(tmp_path)
+  model = hf.load_pretrained(src, policy=policy, dtype=jnp.float32)
+  lora.apply_lora(model, targets=("query",), modules_to_save=())
+  b = model.stack.blocks.attn.query.lora_b
+  b.set_value(0.3 * jax.random.normal(jax.random.key(1), b[...].shape))
+  images = jnp.asarray(fx.vit_images())
+  want = np.asarray(model(images))
+  hf.save_lora_merged(model, tmp_path / "out", src)
+  got = np.asarray(hf.load_pretrained(tmp_path / "out", dtype=jnp.float32)(images))
+  np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_a_bf16_vit_exports_its_trained_head_in_bf16_and_says_so(tmp_path):
+  """Every tensor of a bf16 checkpoint is exported bf16, the trained head too (peft's
+  merge of a bf16 model); ViT's config gains ``dtype`` (transformers loads in it), BERT's
+  ``dtype`` and LLaMA's ``torch_dtype`` are set."""
+  src = tmp_path / "bf16"
+  shutil.copytree(HF / "vit", src)
+  save_file({k: v.astype(jax.numpy.bfloat16)
+             for k, v in load_file(src / "model.safetensors").items()},
+            str(src / "model.safetensors"))
+  cfg = TrainConfig(name="t", pretrained=str(src), task="image", trainable="lora",
+                    dtype="float32", compare_baseline=False, policy="lowmembp",
+                    export_dir=str(tmp_path / "out"))
+  export(Trainer.create(cfg), cfg)
+  assert set(_dtypes(tmp_path / "out" / "model.safetensors").values()) == {"BF16"}
+  assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+  bf16 = [hf.OutTensor("w", (4,), np.dtype(jax.numpy.bfloat16), None)]
+  fp32 = [hf.OutTensor("w", (4,), np.dtype(np.float32), None)]
+  assert hf._with_dtype({"dtype": "float32"}, bf16) == {"dtype": "bfloat16"}
+  assert hf._with_dtype({"torch_dtype": "float32"}, bf16) == {"torch_dtype": "bfloat16"}
+  assert hf._with_dtype({}, fp32) == {}  # an fp32 export's config as before
+
+
+def test_a_failed_export_leaves_no_temporary_file_and_the_last_export(tmp_path):
+  """A tensor that cannot be made stops the export: its temporary files are removed, the
+  previous export is left whole, and only our shard names are ever removed."""
+  out = tmp_path / "out"
+  ok = [hf.OutTensor(f"t{i}", (1000,), np.dtype(np.float32), lambda: np.ones(1000, np.float32))
+        for i in range(4)]
+  hf._write_model_dir(out, {"a": 1}, ok, 8000)
+  (out / "model-notes-of-mine.safetensors").write_text("not ours")
+  before = sorted(p.name for p in out.iterdir())
+
+  def fail():
+    raise RuntimeError("no tensor")
+  with pytest.raises(RuntimeError, match="no tensor"):
+    hf._write_model_dir(out, {"a": 2}, ok[:3] + [hf.OutTensor("t3", (1000,),
+                                                              np.dtype(np.float32), fail)], 8000)
+  assert sorted(p.name for p in out.iterdir()) == before
+  hf._write_model_dir(out, {"a": 3}, ok, 10 ** 9)  # one file now
+  assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-notes-of-mine.safetensors",
+                                                   "model.safetensors"]

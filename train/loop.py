@@ -173,30 +173,34 @@ INPUT_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.js
 TOKENIZER_FILES = INPUT_FILES[:4]  # a tokenizer's own (a run's tokenizer replaces them)
 
 
-def export_base_config(cfg: TrainConfig) -> TrainConfig:
-  """The config of the model an export merges into, where it is not the trained model
-  itself: an fp32 base (the run stored its frozen kernels in ``base_dtype``), for a LoRA
-  run in the checkpoint's own parametrization (an MS-norm policy stores each norm's
-  affine merged into the linears after it; an export of that would write norms of 1 and
-  every linear that reads one changed: the same function, not the checkpoint's tensors)."""
+def export_base_config(cfg: TrainConfig) -> TrainConfig | None:
+  """The config of the model an export built on the host merges into, where it is not
+  the trained model itself: an fp32 base (the run stored its frozen kernels in
+  ``base_dtype``), for a LoRA run in the checkpoint's own parametrization (an MS-norm
+  policy stores each norm's affine merged into the linears after it; an export of that
+  would write norms of 1 and every linear that reads one changed: the same function,
+  not the checkpoint's tensors). None: the trained model is the export's base (or the
+  run is no LoRA run: a model trained in full under MS norms exports the merged
+  parametrization it trained)."""
   if cfg.trainable == "lora":
     policy = MemoryPolicy.parse(cfg.policy)
-    return cfg.replace(base_dtype="float32",
-                       policy=dataclasses.replace(policy, norm="standard").spec)
-  return cfg.replace(base_dtype="float32")
+    if policy.merges_norm_affine:
+      return cfg.replace(base_dtype="float32",
+                         policy=dataclasses.replace(policy, norm="standard").spec)
+  return cfg.replace(base_dtype="float32") if cfg.base_dtype != "float32" else None
 
 
 def with_export_base(trained, cfg: TrainConfig):
-  """``trained`` rebuilt on the host CPU as :func:`export_base_config` says (the pretrained
-  checkpoint read again, or the seed's init), with the run's trained parameters put in;
-  ``trained`` itself where its frozen weights are fp32 (no LoRA: a model trained under MS
-  norms exports the merged parametrization it trained). For a LoRA run without a
-  checkpoint (the base is the seed's init) and a run that froze weights by pattern in a
-  base dtype; a LoRA run from a checkpoint streams it (:func:`export`)."""
-  if cfg.trainable != "lora" and cfg.base_dtype == "float32":
+  """``trained`` rebuilt on the host CPU as :func:`export_base_config` says (the seed's
+  init, or the pretrained checkpoint read again), with the run's trained parameters put
+  in, or ``trained`` itself where that says None. For a LoRA run without a checkpoint
+  and a run that froze weights by pattern in a base dtype; a LoRA run from a checkpoint
+  streams it instead (:func:`export`)."""
+  base_cfg = export_base_config(cfg)
+  if base_cfg is None:
     return trained
   with jax.default_device(jax.devices("cpu")[0]):
-    model = build_model(export_base_config(cfg))
+    model = build_model(base_cfg)
     # on the host as jax arrays (device_get's numpy arrays are read-only)
     nnx.update(model, jax.tree.map(jnp.asarray, jax.device_get(
         nnx.state(trained, trainable_filter(cfg)))))
