@@ -168,9 +168,39 @@ def test_image_folder_png(tmp_path):
   pil.new("RGB", (10, 7), (255, 0, 0)).save(tmp_path / "red" / "r.png")
   pil.new("RGB", (5, 5), (0, 0, 255)).save(tmp_path / "blue" / "b.PNG")
   ds = image_folder(tmp_path, image_size=8)
-  assert ds.class_names == ["blue", "red"] and ds.arrays["image"].shape == (2, 8, 8, 3)
-  np.testing.assert_allclose(ds.arrays["image"][0].mean((0, 1)), [0, 0, 1], atol=1e-6)
-  np.testing.assert_allclose(ds.arrays["image"][1].mean((0, 1)), [1, 0, 0], atol=1e-6)
+  image = ds.take(np.arange(2))["image"]
+  assert ds.class_names == ["blue", "red"] and image.shape == (2, 8, 8, 3)
+  assert image.dtype == np.float32
+  np.testing.assert_allclose(image[0].mean((0, 1)), [0, 0, 1], atol=1e-6)
+  np.testing.assert_allclose(image[1].mean((0, 1)), [1, 0, 0], atol=1e-6)
+
+
+def test_an_8_bit_folder_is_held_as_codes_and_read_as_before(tmp_path):
+  """Pillow resizes 8-bit images in 8 bits: the folder holds their uint8 codes (a quarter
+  of float32) and each batch is ``codes / 255`` in float32, the values the folder held
+  before (2026-11-25); a uint8 .npy of the size joins them; an image that is not 8-bit
+  (a float .npy) turns the folder to float32, the 8-bit ones' values unchanged."""
+  pil = pytest.importorskip("PIL.Image")
+  rng = np.random.default_rng(0)
+  (tmp_path / "a").mkdir()
+  codes = rng.integers(0, 256, (13, 9, 3), dtype=np.uint8)
+  pil.fromarray(codes).save(tmp_path / "a" / "x.png")
+  small = rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)
+  np.save(tmp_path / "a" / "y.npy", small)
+  ds = image_folder(tmp_path, image_size=8)
+  assert ds.arrays["image"].dtype == np.uint8 and ds.arrays["image"].shape == (2, 8, 8, 3)
+  image = ds.take(np.arange(2))["image"]
+  with pil.open(tmp_path / "a" / "x.png") as im:
+    before = np.asarray(im.convert("RGB").resize((8, 8), pil.Resampling.BILINEAR),
+                        np.float32) / 255.0
+  assert image.dtype == np.float32
+  np.testing.assert_array_equal(image[0], before)
+  np.testing.assert_array_equal(image[1], small.astype(np.float32) / 255.0)
+  np.save(tmp_path / "a" / "z.npy", np.full((8, 8, 3), 0.3, np.float32))
+  mixed = image_folder(tmp_path, image_size=8)
+  assert mixed.arrays["image"].dtype == np.float32 and mixed.transform is None
+  np.testing.assert_array_equal(mixed.arrays["image"][:2], image)
+  np.testing.assert_allclose(mixed.arrays["image"][2], 0.3)
 
 
 def test_npy_resize_matches_pillow(tmp_path):

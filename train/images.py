@@ -1,7 +1,8 @@
 """Image data: scikit-learn's digits and ImageNet-style class folders.
 
-Both return an ``ArrayDataset`` with ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32,
-and the class names by label id on ``class_names``. A pretrained model's pixels are
+Both return an ``ArrayDataset`` whose batches have ``image`` f32 [n, H, W, C] in [0, 1] and
+``label`` i32, and the class names by label id on ``class_names``. A folder of 8-bit images
+is held as uint8 codes, made [0, 1] per batch. A pretrained model's pixels are
 normalized as its HF image processor does (:func:`pixel_normalization`, :func:`normalized`),
 and the digits resized for a model of another size (:func:`resized`), each per batch.
 """
@@ -100,31 +101,45 @@ def image_folder(path, *, image_size: int, channels: int = 3,
     except ImportError as e:
       raise ImportError(f"image_folder needs Pillow to read images in {root}: "
                         "pip install pillow") from e
-  image = np.empty((len(files), image_size, image_size, channels), np.float32)
+  # held as 8-bit codes while every image is one (Pillow resizes in 8 bits; a uint8 .npy
+  # of the size), made [0, 1] per batch: the same values, 4x less memory; in float32 from
+  # the first image that is not
+  image = np.empty((len(files), image_size, image_size, channels), np.uint8)
   for i, f in enumerate(files):
     if f.suffix.lower() == ".npy":
-      image[i] = _load_npy_image(f, image_size, channels)
+      a = _load_npy_image(f, image_size, channels)
     else:
-      image[i] = _load_pil_image(pil, f, image_size, channels)
+      a = _load_pil_image(pil, f, image_size, channels)
+    if a.dtype != image.dtype:
+      image = _unit(image)
+    image[i] = a if a.dtype == image.dtype else _unit(a)
   ds = ArrayDataset({"image": image, "label": np.asarray(labels, np.int32)})
+  if image.dtype == np.uint8:
+    ds = ds.with_transform(lambda batch: {**batch, "image": _unit(batch["image"])})
   ds.class_names = class_names
   return ds
 
 
+def _unit(a: np.ndarray) -> np.ndarray:
+  """8-bit codes -> f32 in [0, 1] (as Pillow's images are read); float32 as it is."""
+  return a.astype(np.float32) / 255.0 if a.dtype == np.uint8 else a
+
+
 def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
-  """One image file -> f32 [size, size, channels] in [0, 1]."""
+  """One image file -> uint8 [size, size, channels] (8-bit codes, Pillow's resize)."""
   mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
   try:
     with pil.open(f) as im:
       im = im.convert(mode).resize((size, size), pil.Resampling.BILINEAR)
-      a = np.asarray(im, np.float32) / 255.0
+      a = np.asarray(im, np.uint8)
   except (OSError, ValueError) as e:
     raise ValueError(f"cannot read image {f}: {e}") from e
   return a.reshape(size, size, channels)
 
 
 def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
-  """One .npy HxWxC (or HxW) array -> f32 [size, size, channels] in [0, 1]."""
+  """One .npy HxWxC (or HxW) array -> [size, size, channels]: uint8 codes as they are
+  where it is one of that size and channels, else f32 in [0, 1]."""
   try:
     a = np.load(f, allow_pickle=False)
   except (OSError, ValueError) as e:
@@ -133,8 +148,10 @@ def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
     a = a[:, :, None]
   if a.ndim != 3 or a.shape[0] < 1 or a.shape[1] < 1:
     raise ValueError(f"{f}: expected an HxWxC or HxW image array, got shape {a.shape}")
+  if a.dtype == np.uint8 and a.shape == (size, size, channels):
+    return a
   if a.dtype == np.uint8:
-    a = a.astype(np.float32) / 255.0
+    a = _unit(a)
   elif a.dtype == np.uint16:
     a = a.astype(np.float32) / 65535.0
   elif a.dtype == np.bool_ or np.issubdtype(a.dtype, np.floating):
