@@ -269,7 +269,7 @@ class _Without(Mapping):
     self.state, self.prefixes = state, prefixes
 
   def header(self, key: str):
-    return self.state.header(key)
+    return header_of(self.state, key)
 
   def __getitem__(self, key: str):
     if key.startswith(self.prefixes):
@@ -287,9 +287,9 @@ class _Without(Mapping):
 
 
 def _pretrained_state(path, family: registry.Family, new_head: bool):
-  """The tensors of ``path`` a load reads (less the head under ``new_head``), and the
-  key prefixes it may leave unread."""
-  state = read_safetensors(path)
+  """The tensors of ``path`` (a directory, or HF tensors by name) a load reads (less the
+  head under ``new_head``), and the key prefixes it may leave unread."""
+  state = path if isinstance(path, Mapping) else read_safetensors(path)
   if not new_head:
     return state, ()
   head = getattr(family.module, "HF_HEAD_KEYS", ())
@@ -491,10 +491,7 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
     raise ValueError("save_lora_merged: the model has no LoRA adapters (never applied, or "
                      "merged by strip_lora): export it with save_pretrained")
   module, path = family.module, _export_dir(path)
-  if isinstance(base, Mapping):
-    state = base
-  else:
-    state, _ = _pretrained_state(base, registry.hf_family(model.cfg.model_type), new_head)
+  state, _ = _pretrained_state(base, registry.hf_family(model.cfg.model_type), new_head)
   tensors = merged_tensors(model, module.hf_map(model.cfg), state,
                            module.hf_map(model.cfg, frozenset(state)),
                            lambda var: isinstance(var, LoRAParam))

@@ -262,3 +262,19 @@ def test_a_failed_export_leaves_no_temporary_file_and_the_last_export(tmp_path):
   hf._write_model_dir(out, {"a": 3}, ok, 10 ** 9)  # one file now
   assert sorted(p.name for p in out.iterdir()) == ["config.json", "model-notes-of-mine.safetensors",
                                                    "model.safetensors"]
+
+
+def test_new_head_leaves_the_checkpoint_s_head_out_of_a_directory_or_a_mapping(tmp_path):
+  """``new_head``: the checkpoint's head (other labels) is not read, the model's is
+  written, whether the checkpoint is a directory or HF tensors in memory (before: a
+  mapping failed on its missing file headers)."""
+  from models import lora
+  model = hf.load_pretrained(HF / "vit", new_head=True, num_labels=3)
+  lora.apply_lora(model)
+  hf.save_lora_merged(model, tmp_path / "dir", HF / "vit", new_head=True)
+  hf.save_lora_merged(model, tmp_path / "map", load_file(HF / "vit" / "model.safetensors"),
+                      new_head=True)
+  a, b = (load_file(tmp_path / n / "model.safetensors") for n in ("dir", "map"))
+  assert a.keys() == b.keys() and a["classifier.weight"].shape == (3, 64)
+  for k in a:
+    np.testing.assert_array_equal(a[k], b[k], err_msg=k)
