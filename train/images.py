@@ -110,9 +110,9 @@ def image_folder(path, *, image_size: int, channels: int = 3,
       a = _load_npy_image(f, image_size, channels)
     else:
       a = _load_pil_image(pil, f, image_size, channels)
-    if a.dtype != image.dtype:
-      image = _unit(image)
-    image[i] = a if a.dtype == image.dtype else _unit(a)
+    if a.dtype != np.uint8:
+      image = _unit(image)  # a no-op once the folder is float32
+    image[i] = a if image.dtype == np.uint8 else _unit(a)
   ds = ArrayDataset({"image": image, "label": np.asarray(labels, np.int32)})
   if image.dtype == np.uint8:
     ds = ds.with_transform(lambda batch: {**batch, "image": _unit(batch["image"])})

@@ -31,8 +31,8 @@ given that a policy's peak does not grow as its micro-batch shrinks (activations
 the micro-batch; the gradient accumulator is the same for every ``grad_accum >= 2``): the
 skips and the bisection rest on that. At most ``3 + ceil(log2(#micro-batches - 2))``
 compiles per policy (3 or more micro-batches; else one per micro-batch), 3 for a policy
-none of whose plans fits (a budget that nothing fits
-costs 3 per policy); one in all when the fastest fits.
+none of whose plans fits (a budget that nothing fits costs 3 per policy); one in all when
+the fastest fits.
 
 Before any compile: every plan of a policy holds its train state (parameters, optimizer
 state; the step's donated argument and, updated, its output), whatever the micro-batch, so
