@@ -482,7 +482,9 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
   the checkpoint's own, bit for bit, in its dtype (:func:`models.hf_state.merged_tensors`).
   ``new_head``: as the load (the checkpoint's head was not read). Streamed: tensors are
   read from ``base`` and written a shard at a time (``max_shard_bytes``, default
-  :data:`MAX_SHARD_BYTES`), so the host holds one shard, not the model."""
+  :data:`MAX_SHARD_BYTES`), so the host holds one shard, not the model. ``base`` must
+  hold the values the model was loaded from: the train loop checks its fingerprint
+  (:mod:`train.pretrained_record`); only missing tensors and shapes are checked here."""
   from models.lora import LoRALinear, LoRAParam
   family = registry.family_of(model)
   if not family.hf_model_types:

@@ -23,7 +23,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
-from train import planner, runs, sharding
+from train import planner, pretrained_record, runs, sharding
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import PATH_FIELDS, TrainConfig, config_diff
@@ -66,6 +66,8 @@ def train(cfg: TrainConfig) -> dict:
 def _run(cfg: TrainConfig, budget: int | None) -> dict:
   """The run in its prepared folder ``cfg.out_dir``: data, model, trainer, resume, steps."""
   out = Path(cfg.out_dir)
+  if jax.process_index() == 0:  # before the model reads the checkpoint
+    pretrained_record.record(cfg, out, resuming=cfg.resume and runs.has_checkpoint(out))
   plan = None
   if cfg.memory_budget is None:
     model = build_model(cfg)
@@ -86,6 +88,8 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
   start = 0
   if cfg.resume and ckpt.latest_step() is not None:
     start = _resume(trainer, ckpt, batches, cfg)
+    if cfg.export_dir and export_reads_pretrained(cfg):
+      pretrained_record.check_unchanged(cfg, out, "the export")
     if start >= cfg.steps:
       ckpt.close()
       print(f"nothing to train: the run in {out} already finished at step {start} "
@@ -190,6 +194,13 @@ def export_base_config(cfg: TrainConfig) -> TrainConfig | None:
   return cfg.replace(base_dtype="float32") if cfg.base_dtype != "float32" else None
 
 
+def export_reads_pretrained(cfg: TrainConfig) -> bool:
+  """Whether :func:`export` reads the pretrained checkpoint again (a LoRA run's merges
+  into it; :func:`export_base_config`'s base is read from it), so writes its values."""
+  return bool(cfg.pretrained) and (cfg.trainable == "lora"
+                                    or export_base_config(cfg) is not None)
+
+
 def with_export_base(trained, cfg: TrainConfig):
   """``trained`` rebuilt on the host CPU as :func:`export_base_config` says (the seed's
   init, or the pretrained checkpoint read again), with the run's trained parameters put
@@ -216,6 +227,8 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
   (:func:`with_export_base`)."""
   if not cfg.export_dir:
     return
+  if cfg.out_dir and export_reads_pretrained(cfg):  # a run's (its record in out_dir)
+    pretrained_record.check_unchanged(cfg, Path(cfg.out_dir), "the export")
   from models import hf
   model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
   streamed = cfg.trainable == "lora" and cfg.pretrained

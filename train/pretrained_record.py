@@ -1,0 +1,58 @@
+"""The checkpoint a run started from, recorded in its folder so its export merges into it.
+
+An export that reads the pretrained checkpoint again (a LoRA run's, which merges the
+adapters into the checkpoint's tensors; a run with a frozen base in ``base_dtype``, whose
+fp32 base is read again) writes that checkpoint's values, not the run's. So a run
+records the checkpoint's fingerprint (:mod:`models.hf_fingerprint`) in ``pretrained.json``
+when it starts, keeps it through resumes, and checks it when it resumes and before it
+exports: a checkpoint changed since is one error naming the files, before anything is
+trained or written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from models.hf_fingerprint import differences, fingerprint
+from models.hf_state import CheckpointError
+from train.config import TrainConfig
+from train.model import resolve_path
+
+RECORD = "pretrained.json"
+
+
+def record(cfg: TrainConfig, out: Path, *, resuming: bool) -> None:
+  """Writes ``out/pretrained.json`` for a run from a checkpoint: at a new run's start
+  (before the model reads it), or at a resume of a run that has none (written before this
+  record existed); a resumed run keeps its own."""
+  file = Path(out) / RECORD
+  if not cfg.pretrained or (resuming and file.exists()):
+    return
+  path = resolve_path(cfg.pretrained)
+  text = json.dumps({"pretrained": path, "files": fingerprint(path)}, indent=1) + "\n"
+  tmp = file.with_name(RECORD + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, file)
+
+
+def check_unchanged(cfg: TrainConfig, out: Path, doing: str) -> None:
+  """A :class:`CheckpointError` if the checkpoint differs from the run's record (``doing``:
+  what would use it). Nothing to check without a record."""
+  file = Path(out) / RECORD
+  if not cfg.pretrained or not file.exists():
+    return
+  try:
+    recorded = json.loads(file.read_text())["files"]
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise CheckpointError(f"{file}: unreadable ({e}); it records the checkpoint the run "
+                          "started from") from None
+  path = resolve_path(cfg.pretrained)
+  changed = differences(recorded, fingerprint(path))
+  if changed:
+    raise CheckpointError(
+        f"pretrained={cfg.pretrained!r} changed since the run in {out} started from it "
+        f"({', '.join(changed)}): {doing} would use other weights than the run trained "
+        "on; put back the checkpoint the run started from (the run's own checkpoints hold "
+        "what it trained), then resume")
