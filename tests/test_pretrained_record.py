@@ -126,3 +126,13 @@ def test_a_record_is_made_per_run_and_only_from_a_checkpoint(tmp_path):
       f"out_dir={tmp_path / 'plain'}"])
   train(plain)
   assert not (tmp_path / "plain" / "pretrained.json").exists()
+
+
+def test_a_run_from_a_checkpoint_that_fails_before_writing_leaves_no_folder(tmp_path):
+  """The record is written with config.json, so a run that fails on its data leaves no
+  folder behind, as one without a checkpoint does."""
+  vit = shutil.copytree(HF / "vit", tmp_path / "vit")
+  cfg = _lora_run(tmp_path, vit, "model.num_labels=5", "new_head=false")
+  with pytest.raises(ValueError, match="data=digits has 10 classes"):
+    train(cfg)
+  assert not (tmp_path / "run").exists()

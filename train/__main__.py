@@ -72,8 +72,10 @@ def cli() -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   except KeyboardInterrupt as e:
-    again = next(iter(getattr(e, "__notes__", ())), "--resume")
-    print(f"\ninterrupted; continue from the last checkpoint with: {again}", file=sys.stderr)
+    again = next(iter(getattr(e, "__notes__", ())), None)  # train.loop's, where it saved
+    print("\ninterrupted; " + (f"continue from the last checkpoint with: {again}" if again
+                               else "no checkpoint was saved: nothing to resume"),
+          file=sys.stderr)
     sys.exit(130)
 
 

@@ -8,6 +8,7 @@ that step's number and values, the last good state saved (see ``train.trainer``)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,7 +24,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
-from train import planner, pretrained_record, runs, sharding
+from train import interrupt, planner, pretrained_record, runs, sharding
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import PATH_FIELDS, TrainConfig, config_diff
@@ -52,22 +53,25 @@ def train(cfg: TrainConfig) -> dict:
   # the run folder; refuses to write over a run before any work
   existed = cfg.out_dir is not None and Path(cfg.out_dir).exists()
   cfg = runs.prepare(cfg, primary=jax.process_index() == 0)
+  # Ctrl-C: in the steps saved, then stopped (one host: all would have to stop together)
+  ctrl_c = interrupt.InterruptHandler(enabled=jax.process_count() == 1)
   try:
-    return _run(cfg, budget)
+    with ctrl_c:
+      return _run(cfg, budget, ctrl_c)
   except BaseException as e:
     if not existed:  # a run that failed before writing anything leaves no folder behind
       runs.remove_if_empty(Path(cfg.out_dir))
-    if isinstance(e, KeyboardInterrupt) and (Path(cfg.out_dir) / "config.json").is_file():
+    if isinstance(e, KeyboardInterrupt) and runs.has_checkpoint(Path(cfg.out_dir)):
       # where it continues: the run's own config.json (train.runs.resumed_config)
       e.add_note(f"python -m train --out-dir {shlex.quote(str(cfg.out_dir))} --resume")
     raise
 
 
-def _run(cfg: TrainConfig, budget: int | None) -> dict:
+def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandler) -> dict:
   """The run in its prepared folder ``cfg.out_dir``: data, model, trainer, resume, steps."""
   out = Path(cfg.out_dir)
-  if jax.process_index() == 0:  # before the model reads the checkpoint
-    pretrained_record.record(cfg, out, resuming=cfg.resume and runs.has_checkpoint(out))
+  # the checkpoint's fingerprint before the model reads it; written with config.json
+  record = pretrained_record.take(cfg, out, resuming=cfg.resume and runs.has_checkpoint(out))
   plan = None
   if cfg.memory_budget is None:
     model = build_model(cfg)
@@ -78,20 +82,31 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
     kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
     cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, budget)
     model = build_model(cfg)
+  ctrl_c.check()
   batches = Batches(train_set, cfg.batch_size, seed=cfg.seed, example_ids=cfg.grad_norm_cache)
   if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
       model, len(train_set), cfg.batch_size // cfg.grad_accum):
     raise ValueError(f"grad_norm_cache=true needs sampled linears, but policy "
                      f"{cfg.policy!r} samples none (use wta-crs)")
   trainer = Trainer.create(cfg, model)
-  ckpt = Checkpoints(out / "checkpoints")
+  # closed however the run ends (orbax's and tensorboard's threads, left running at an
+  # interrupt, crashed the interpreter's exit)
+  with contextlib.closing(Checkpoints(out / "checkpoints")) as ckpt:
+    return _train_steps(cfg, out, trainer, ckpt, batches, eval_set, plan, record, ctrl_c)
+
+
+def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoints,
+                 batches: Batches, eval_set, plan, record: dict | None,
+                 ctrl_c: interrupt.InterruptHandler) -> dict:
+  """Resume (if asked), the steps with their log, eval and save boundaries, the export."""
   start = 0
+  ctrl_c.check()
   if cfg.resume and ckpt.latest_step() is not None:
     start = _resume(trainer, ckpt, batches, cfg)
+    ctrl_c.check()
     if cfg.export_dir and export_reads_pretrained(cfg):
       pretrained_record.check_unchanged(cfg, out, "the export")
     if start >= cfg.steps:
-      ckpt.close()
       print(f"nothing to train: the run in {out} already finished at step {start} "
             f"(steps={cfg.steps}); pass --set steps=N with N > {start} to train further",
             flush=True)
@@ -100,70 +115,82 @@ def _run(cfg: TrainConfig, budget: int | None) -> dict:
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   if jax.process_index() == 0:
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=1) + "\n")
-  log = Log(out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples",
-            start)
-  memory = print_memory(trainer, trainer.put(batches.peek()), cfg)
-  log.write({"event": "memory", "step": start, **memory})
-  if plan is not None:
-    log.write({"event": "plan", "step": start, "memory_budget": plan.budget,
-               "policy": plan.chosen.policy, "grad_accum": plan.chosen.grad_accum,
-               "predicted_peak": plan.chosen.peak, "planning_s": plan.seconds})
-  metrics, final, schedule = {}, {}, make_schedule(cfg)
-  # the data position after each step since the last boundary: a save of that step's state
-  # resumes there
-  data_after = {start: batches.state()}
-  t0, t_items, last_step = time.perf_counter(), 0, start
-  trace = profile_window(cfg, start)
-  for step in range(start + 1, cfg.steps + 1):
-    if trace and step == trace[0]:
-      jax.profiler.start_trace(cfg.profile_dir)
-    batch = trainer.put(next(batches))
-    data_after[step] = batches.state()
-    metrics = trainer.step(batch)
-    if trace and step == trace[1]:
-      jax.block_until_ready(trainer.state)
-      jax.profiler.stop_trace()
-      print(f"\nprofile: steps {trace[0]}..{trace[1]} traced to {cfg.profile_dir}", flush=True)
-    if step == start + 1 and plan is not None:  # the prediction against the real peak
-      jax.block_until_ready(trainer.state)
-      report = planner.real_peak_report(plan)
-      print(report.pop("line"), flush=True)
-      log.write({"event": "plan_check", "step": step, **report})
-    if step == start + 1 and cfg.memory_profile:
-      jax.block_until_ready(trainer.state)
-      jax.profiler.save_device_memory_profile(cfg.memory_profile)
-    t_items += batch_items(batch, cfg.task)
-    log_now = step % cfg.log_every == 0 or step == cfg.steps
-    eval_now = eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0
-                                                            or step == cfg.steps)
-    save_now = cfg.save_every and step % cfg.save_every == 0 and step != cfg.steps
-    if not (log_now or eval_now or save_now):
-      continue  # no value read back: the host runs ahead of the device
-    _stop_if_non_finite(trainer, ckpt, log, data_after)
-    data_after = {step: data_after[step]}
-    if log_now:
-      loss = float(metrics["loss"])
-      dt = time.perf_counter() - t0
-      record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                "lr": float(schedule(step - 1)),
-                "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
-      if jax.default_backend() == "gpu":
-        record["peak_bytes_in_use"] = jax.devices()[0].memory_stats().get("peak_bytes_in_use")
-      log.write(record)
-      log.progress(step, loss, record["steps_per_s"], record["items_per_s"])
-      t0, t_items, last_step = time.perf_counter(), 0, step
-    if eval_now:
-      final = {"step": step, **trainer.evaluate(
-          Batches(eval_set, cfg.eval_batch_size, shuffle=False, drop_last=False)
-          .epoch_batches())}
-      log.write(final)
-      sys.stderr.write(f"\n  eval @ {step}: loss {final['eval_loss']:.4f}, "
-                       f"accuracy {final['eval_accuracy']:.4f}\n")
-    if save_now:
-      trainer.save(ckpt, batches.state())
-  trainer.save(ckpt, batches.state())  # the last step is a boundary: checked above
-  log.close()
-  ckpt.close()
+    if record is not None:
+      pretrained_record.write(out, record)
+  with contextlib.ExitStack() as closing:  # however the steps end
+    log = closing.enter_context(contextlib.closing(Log(
+        out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples", start)))
+    memory = print_memory(trainer, trainer.put(batches.peek()), cfg)
+    log.write({"event": "memory", "step": start, **memory})
+    if plan is not None:
+      log.write({"event": "plan", "step": start, "memory_budget": plan.budget,
+                 "policy": plan.chosen.policy, "grad_accum": plan.chosen.grad_accum,
+                 "predicted_peak": plan.chosen.peak, "planning_s": plan.seconds})
+    metrics, final, schedule = {}, {}, make_schedule(cfg)
+    # the data position after each step since the last boundary: a save of that step's state
+    # resumes there
+    data_after = {start: batches.state()}
+    t0, t_items, last_step = time.perf_counter(), 0, start
+    trace = profile_window(cfg, start)
+    ctrl_c.check()
+    ctrl_c.in_steps = True  # a Ctrl-C from here on: saved after the step in flight
+    for step in range(start + 1, cfg.steps + 1):
+      if trace and step == trace[0]:
+        jax.profiler.start_trace(cfg.profile_dir)
+      batch = trainer.put(next(batches))
+      data_after[step] = batches.state()
+      metrics = trainer.step(batch)
+      if trace and step == trace[1]:
+        jax.block_until_ready(trainer.state)
+        jax.profiler.stop_trace()
+        print(f"\nprofile: steps {trace[0]}..{trace[1]} traced to {cfg.profile_dir}",
+              flush=True)
+      if step == start + 1 and plan is not None:  # the prediction against the real peak
+        jax.block_until_ready(trainer.state)
+        report = planner.real_peak_report(plan)
+        print(report.pop("line"), flush=True)
+        log.write({"event": "plan_check", "step": step, **report})
+      if step == start + 1 and cfg.memory_profile:
+        jax.block_until_ready(trainer.state)
+        jax.profiler.save_device_memory_profile(cfg.memory_profile)
+      t_items += batch_items(batch, cfg.task)
+      log_now = step % cfg.log_every == 0 or step == cfg.steps
+      eval_now = eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0
+                                                              or step == cfg.steps)
+      stopping = ctrl_c.requested and step != cfg.steps  # read once: set by a signal
+      save_now = stopping or (cfg.save_every and step % cfg.save_every == 0
+                              and step != cfg.steps)
+      if not (log_now or eval_now or save_now):
+        continue  # no value read back: the host runs ahead of the device
+      _stop_if_non_finite(trainer, ckpt, data_after)
+      data_after = {step: data_after[step]}
+      if log_now:
+        loss = float(metrics["loss"])
+        dt = time.perf_counter() - t0
+        record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+                  "lr": float(schedule(step - 1)),
+                  "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
+        if jax.default_backend() == "gpu":
+          stats = jax.devices()[0].memory_stats()
+          record["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
+        log.write(record)
+        log.progress(step, loss, record["steps_per_s"], record["items_per_s"])
+        t0, t_items, last_step = time.perf_counter(), 0, step
+      if eval_now:
+        final = {"step": step, **trainer.evaluate(
+            Batches(eval_set, cfg.eval_batch_size, shuffle=False, drop_last=False)
+            .epoch_batches())}
+        log.write(final)
+        sys.stderr.write(f"\n  eval @ {step}: loss {final['eval_loss']:.4f}, "
+                         f"accuracy {final['eval_accuracy']:.4f}\n")
+      if save_now:
+        trainer.save(ckpt, batches.state())
+      if stopping:
+        print(f"\ninterrupted: step {step} is saved in {ckpt.directory}", flush=True)
+        raise KeyboardInterrupt
+    trainer.save(ckpt, batches.state())  # the last step is a boundary: checked above
+    ctrl_c.in_steps = False
+    ctrl_c.check()  # a Ctrl-C in the last step: saved, stopped before the export
   export(trainer, cfg)
   result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
             **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
@@ -372,8 +399,7 @@ def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig | None:
   return None
 
 
-def _stop_if_non_finite(trainer: Trainer, ckpt: Checkpoints, log: Log,
-                        data_after: dict) -> None:
+def _stop_if_non_finite(trainer: Trainer, ckpt: Checkpoints, data_after: dict) -> None:
   """Waits for the device. After a non-finite step: saves the last good state (the step
   before it, which the step kept) with its data position ``data_after[step]``, unless a
   periodic save holds it already, and raises FloatingPointError naming the bad step."""
@@ -387,8 +413,6 @@ def _stop_if_non_finite(trainer: Trainer, ckpt: Checkpoints, log: Log,
       trainer.save(ckpt, data_after[good], {"reason": "non-finite"})
   except Exception as e:  # noqa: BLE001 - the NaN is the message, the save a footnote
     saved = f"could not be saved ({type(e).__name__}: {str(e)[:80]})"
-  log.close()
-  ckpt.close()
   raise FloatingPointError(
       f"non-finite loss or gradient at step {bad['step']} (loss {bad['loss']}, "
       f"grad norm {bad['grad_norm']}); the last good state (step {good}) {saved}")

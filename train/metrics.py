@@ -41,6 +41,8 @@ class Log:
     sys.stderr.flush()
 
   def close(self):
+    if self.file.closed:
+      return
     sys.stderr.write("\n")
     self.file.close()
     if self.tensorboard is not None:

@@ -23,17 +23,22 @@ from train.model import resolve_path
 RECORD = "pretrained.json"
 
 
-def record(cfg: TrainConfig, out: Path, *, resuming: bool) -> None:
-  """Writes ``out/pretrained.json`` for a run from a checkpoint: at a new run's start
-  (before the model reads it), or at a resume of a run that has none (written before this
-  record existed); a resumed run keeps its own."""
-  file = Path(out) / RECORD
-  if not cfg.pretrained or (resuming and file.exists()):
-    return
+def take(cfg: TrainConfig, out: Path, *, resuming: bool) -> dict | None:
+  """The record of a run from a checkpoint, taken at its start (before the model reads
+  the checkpoint), for :func:`write`; None without a checkpoint, or at a resume of a run
+  that holds its own (one written before this record existed gets one now)."""
+  if not cfg.pretrained or (resuming and (Path(out) / RECORD).exists()):
+    return None
   path = resolve_path(cfg.pretrained)
-  text = json.dumps({"pretrained": path, "files": fingerprint(path)}, indent=1) + "\n"
+  return {"pretrained": path, "files": fingerprint(path)}
+
+
+def write(out: Path, record: dict) -> None:
+  """Writes ``record`` to ``out/pretrained.json`` (whole or not at all), with the run's
+  config.json: a run that fails before it leaves neither."""
+  file = Path(out) / RECORD
   tmp = file.with_name(RECORD + ".tmp")
-  tmp.write_text(text)
+  tmp.write_text(json.dumps(record, indent=1) + "\n")
   os.replace(tmp, file)
 
 

@@ -1,0 +1,52 @@
+"""train.interrupt: what a Ctrl-C (SIGINT) does in and around a run's steps."""
+
+import signal
+
+import pytest
+
+from train.interrupt import InterruptHandler
+
+
+@pytest.fixture
+def default_sigint():
+  """Python's own SIGINT handler for the test (an xdist worker may have another)."""
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+  yield
+  signal.signal(signal.SIGINT, previous)
+
+
+def test_outside_the_steps_a_ctrl_c_stops_at_once_and_again_at_a_safe_point(default_sigint):
+  with InterruptHandler() as ctrl_c:
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)
+    assert ctrl_c.requested
+    with pytest.raises(KeyboardInterrupt):  # where a finalizer swallowed it
+      ctrl_c.check()
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_in_the_steps_the_first_ctrl_c_asks_and_the_second_stops(default_sigint, capsys):
+  with InterruptHandler() as ctrl_c:
+    ctrl_c.in_steps = True
+    signal.raise_signal(signal.SIGINT)  # no exception: the loop saves, then stops
+    assert ctrl_c.requested
+    assert "saving after this step, then stopping" in capsys.readouterr().err
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)
+
+
+def test_a_caller_s_own_handler_and_a_disabled_one_are_left_alone(default_sigint):
+  seen = []
+  mine = lambda signum, frame: seen.append(signum)  # noqa: E731
+  signal.signal(signal.SIGINT, mine)
+  with InterruptHandler() as ctrl_c:
+    ctrl_c.in_steps = True
+    signal.raise_signal(signal.SIGINT)
+  assert seen == [signal.SIGINT] and not ctrl_c.requested
+  assert signal.getsignal(signal.SIGINT) is mine
+  signal.signal(signal.SIGINT, signal.default_int_handler)
+  with InterruptHandler(enabled=False) as ctrl_c:
+    ctrl_c.in_steps = True
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)
+  assert not ctrl_c.requested
