@@ -10,6 +10,7 @@ import types
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 from conftest import TINY_TRAIN
@@ -294,6 +295,37 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
   assert "expected speed" not in out and "resumed from step 1" in out and result["step"] == 2
   saved = json.loads((Path(tmp_path) / "config.json").read_text())
   assert (saved["policy"], saved["grad_accum"]) == ("lowmembp", 1)
+  # the command's own policy on a planned run is refused (before, silently replaced by
+  # the plan's); with the budget turned off it is a resume under another policy
+  from train.runs import resumed_config
+  where = _cfg(f"out_dir={tmp_path}")
+  with pytest.raises(ValueError, match=r"^policy: the run in .* chose its policy and "
+                     r"grad_accum by memory_budget=1TiB, which a resume keeps; to resume "
+                     r"under another, add --set memory_budget=null$"):
+    resumed_config(where, ["policy=baseline", "steps=3"])
+  assert resumed_config(where, ["policy=baseline", "memory_budget=null"]).policy == "baseline"
+
+
+def test_a_budget_added_at_a_resume_is_refused_before_any_work(tmp_path):
+  """A run that was not planned keeps its policy and grad_accum when resumed: a budget
+  given then is one error (before, it planned afresh, then failed on the checkpoint's
+  arrays); a planned run resumes its plan."""
+  from train.checkpoint import Checkpoints
+  from train.loop import _checkpoint_plan
+  ckpt = Checkpoints(tmp_path / "checkpoints")
+  ckpt.save(3, {"x": np.zeros(2, np.float32)},
+            {"config": {"policy": "lowmembp", "grad_accum": 1, "memory_budget": None}})
+  ckpt.close()
+  cfg = _cfg("memory_budget=20MiB", "resume=true")
+  with pytest.raises(ValueError, match=r"^memory_budget=20MiB: the run in .* was not "
+                     r"planned \(policy lowmembp, grad_accum 1\), and a resume keeps"):
+    _checkpoint_plan(cfg, tmp_path)
+  ckpt = Checkpoints(tmp_path / "checkpoints")
+  ckpt.save(4, {"x": np.zeros(2, np.float32)},
+            {"config": {"policy": "baseline", "grad_accum": 2, "memory_budget": "1GiB"}})
+  ckpt.close()
+  kept = _checkpoint_plan(cfg, tmp_path)
+  assert (kept.policy, kept.grad_accum) == ("baseline", 2)
 
 
 TABLE_LOWMEMBP_FIRST = {"step_time": {"lowmembp": 1.0, "baseline": 1.5},

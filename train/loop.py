@@ -77,9 +77,9 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
     model = build_model(cfg)
     train_set, eval_set = make_datasets(cfg, model)
   else:  # the data first (checked against the model's shapes), then the plan, then the model
+    kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
     train_set, eval_set = make_datasets(
         cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
-    kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
     cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, budget)
     model = build_model(cfg)
   ctrl_c.check()
@@ -380,10 +380,11 @@ def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "plann
   return result.apply(cfg), result
 
 
-def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig | None:
+def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig:
   """A resumed planned run keeps its plan: ``cfg`` with the policy and grad_accum of the
   newest checkpoint in ``out`` that records them (said), not planned again (another plan
-  could change the state's arrays, and the run's numerics); None when none records a plan."""
+  could change the state's arrays, and the run's numerics). A run that was not planned
+  keeps its own: a ValueError saying so (a budget added at a resume), before any work."""
   ckpt = Checkpoints(out / "checkpoints")
   try:
     metas = [(step, ckpt.read_meta(step)) for step in reversed(ckpt.steps())]
@@ -396,7 +397,12 @@ def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig | None:
             f"{saved['grad_accum']}, checkpoint step {step}); memory_budget is not planned "
             "again (a new run plans afresh)", flush=True)
       return cfg.replace(policy=saved["policy"], grad_accum=saved["grad_accum"])
-  return None
+  saved = metas[0][1].get("config", {}) if metas else {}
+  raise ValueError(
+      f"memory_budget={cfg.memory_budget}: the run in {out} was not planned (policy "
+      f"{saved.get('policy', '?')}, grad_accum {saved.get('grad_accum', '?')}), and a resume "
+      "keeps its policy and grad_accum; resume without memory_budget (--set "
+      "memory_budget=null), or plan a new run")
 
 
 def _stop_if_non_finite(trainer: Trainer, ckpt: Checkpoints, data_after: dict) -> None:

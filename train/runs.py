@@ -104,6 +104,12 @@ def resumed_config(where: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
   resumed = load_config(None, str(saved), ["overwrite=false", *overrides,
                                            f"out_dir={folder}", "resume=true"])
   named = {o.partition("=")[0].strip() for o in overrides}
+  changed = sorted(named & {"policy", "grad_accum"})
+  if resumed.memory_budget is not None and changed:  # and not memory_budget=null
+    raise ValueError(
+        f"{', '.join(changed)}: the run in {folder} chose its policy and grad_accum by "
+        f"memory_budget={resumed.memory_budget}, which a resume keeps; to resume under "
+        f"another, add --set memory_budget=null")
   defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
   resumed = resumed.replace(**{k: defaults[k] for k in NOT_RESUMED if k not in named})
   shown = [o for o in overrides if o.partition("=")[0].strip() != "out_dir"]
