@@ -304,6 +304,10 @@ def test_config_errors():
       (["lora_alpha=-1"], "TrainConfig: lora_alpha must be > 0 (the adapter's scale is "
        "lora_alpha / lora_rank), got -1.0"),
       (["lora_alpha=0"], "TrainConfig: lora_alpha must be > 0"),
+      (["lora_targets=qury"], "TrainConfig: lora_targets='qury' with trainable='full', which "
+       "trains no adapters; set trainable=lora (or leave the lora_ fields out)"),
+      (["lora_rank=16", "lora_alpha=8", "trainable=frozen:head"], "TrainConfig: lora_rank=16, "
+       "lora_alpha=8.0 with trainable='frozen:head', which trains no adapters"),
       (["mesh=foo"], "TrainConfig: mesh='foo': expected comma-separated data=N and/or fsdp=M"),
       (["mesh=data=0"], "TrainConfig: mesh='data=0': data=0; axis sizes must be >= 1"),
       (["mesh=data=2,fsdp=0"], "TrainConfig: mesh='data=2,fsdp=0': fsdp=0; axis sizes")]:

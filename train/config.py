@@ -149,6 +149,13 @@ class TrainConfig:
             and math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
       raise ValueError(f"TrainConfig: lora_alpha must be > 0 (the adapter's scale is "
                        f"lora_alpha / lora_rank), got {self.lora_alpha!r}")
+    if self.trainable != "lora":  # a LoRA setting without LoRA: a forgotten trainable=lora
+      lora = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+              if f.name.startswith("lora_") and getattr(self, f.name) != f.default]
+      if lora:
+        raise ValueError(f"TrainConfig: {', '.join(lora)} with trainable={self.trainable!r}, "
+                         "which trains no adapters; set trainable=lora (or leave the lora_ "
+                         "fields out)")
     if self.mesh:
       try:  # the device count is checked by the run (train.loop.check_inputs)
         mesh_sizes(self.mesh)
