@@ -467,15 +467,15 @@ def parse_args(argv=None) -> argparse.Namespace:
       raise ValueError(f"--bases and --seq need at least one value each, lengths >= 1; got "
                        f"{args.bases} and {args.seq}")
     parse_budget(args.memory_budget)
-    if args.target:
-      from lowmem_jax.gpu_target import resolve
-      resolve(args.target)
+    if args.target:  # an unknown name, or no CUDA plugin: one line, before any row
+      from lowmem_jax.gpu_target import device
+      device(args.target)
     from train.model import model_config
     for base in args.bases:  # TrainConfig names a bad base dtype
       cfg = row_config({"model": args.model, "layers": args.layers, "seq": args.seq[0],
                         "base_dtype": base})
     model_config(cfg)  # and a bad model or layer count
-  except ValueError as e:
+  except (ValueError, RuntimeError) as e:  # RuntimeError: gpu_target.TargetUnavailable
     ap.error(str(e))
   for name in ("cap", "steps"):
     if getattr(args, name) < 1:

@@ -319,6 +319,11 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     ap.error(f"--variants: unknown {', '.join(unknown)}; valid: {', '.join(VARIANTS)}")
   if args.target and (not args.compile_only or args.no_compile_rows):
     ap.error("--target goes with --compile-only (and the compile rows)")
+  if args.target:  # an unknown name, or no CUDA plugin: one line, before any work
+    try:
+      gpu_target.device(args.target)
+    except (ValueError, gpu_target.TargetUnavailable) as e:
+      ap.error(str(e))
   real = args.run or (not args.compile_only and _can_run())
 
   with gpu_target.compiling_for(args.target) as target:

@@ -2,7 +2,7 @@
 
     python -m lowmem_jax.gpu_check --out DIR               # DIR/report.json + DIR/report.md
     python -m lowmem_jax.gpu_check --out DIR --docs        # also docs/gpu/<device>-<date>.*
-    python -m lowmem_jax.gpu_check --smoke --out DIR       # tiny shapes, one test: any backend
+    python -m lowmem_jax.gpu_check --smoke --out DIR       # tiny shapes, one test function
     python -m lowmem_jax.gpu_check --stages env,kernel-bench --out DIR
     python -m lowmem_jax.gpu_check --call 2 --out DIR2 --docs  # the second call's stages
 
@@ -13,8 +13,7 @@ GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
 1024, LoRA r=8 on all 7 linears, WTA-CRS among its policies; random data; with
 ``--peers``: timm / HF Llama + peft on
 the same shapes, with and without checkpointing, which on a GPU implies ``--peak``),
-``kernel-bench``, ``attention-bench``
-(recorded as missing until that module exists), ``bench-remat`` (ViT-B LoRA as in
+``kernel-bench``, ``attention-bench``, ``bench-remat`` (ViT-B LoRA as in
 ``bench-vit``: ``lowmem``, ``mesa8`` and ``wta-crs`` against JAX's remat policies and
 offload, ``--peak``),
 ``reversible-depth``
@@ -157,7 +156,7 @@ def _has_config_key(key: str) -> bool:
 
 def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers: int = 12,
                  tests: Sequence[str] | None = None) -> list[Stage]:
-  """Every stage, in run order, writing under ``out`` (``smoke``: tiny shapes, one test,
+  """Every stage, in run order, writing under ``out`` (``smoke``: tiny shapes, one test function,
   longer timeouts for a CPU)."""
   stages = [Stage("env", _py("-m", "lowmem_jax.gpu_check", "--env-json",
                              str(out / "env.json")), 60, 10, json_file="env.json")]
@@ -649,7 +648,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   ap.add_argument("--call", type=int, choices=sorted(CALLS),
                   help="the stages of the first (the default), second or third call")
   ap.add_argument("--smoke", action="store_true",
-                  help="tiny shapes and one test: checks the check on any backend (CPU)")
+                  help="tiny shapes and one test function (its parametrized cases): checks "
+                       "the check on any backend (CPU)")
   ap.add_argument("--budget", type=float,
                   help=f"seconds for all stages together (default: {GPU_BUDGET_S:.0f}; "
                        f"--smoke: {SMOKE_BUDGET_S:.0f})")

@@ -4,6 +4,7 @@ overrides, its policy and dtype, and its token-input check, each with clear erro
 from __future__ import annotations
 
 import dataclasses
+import difflib
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,8 +25,11 @@ def replace_fields(cfg, overrides: dict):
   fields = {f.name: f for f in dataclasses.fields(cfg)}
   unknown = sorted(set(overrides) - set(fields))
   if unknown:
-    raise ValueError(f"unknown {type(cfg).__name__} field(s) {', '.join(unknown)}; valid: "
-                     f"{', '.join(sorted(fields))}")
+    near = [m[0] for name in unknown
+            if (m := difflib.get_close_matches(name, fields, n=1, cutoff=0.7))]
+    raise ValueError(f"unknown {type(cfg).__name__} field(s) {', '.join(unknown)}"
+                     + (f" (did you mean {', '.join(near)}?)" if near else "")
+                     + f"; valid: {', '.join(sorted(fields))}")
   checked = {name: _checked(type(cfg).__name__, fields[name], value)
              for name, value in overrides.items()}
   return dataclasses.replace(cfg, **checked)

@@ -282,6 +282,8 @@ def test_text_classification_errors(tmp_path, tokenizer):
     text_classification(empty, tokenizer, max_len=8)
   with pytest.raises(ValueError, match="not found"):
     text_classification(tmp_path / "none.jsonl", tokenizer, max_len=8)
+  with pytest.raises(ValueError, match=r"is a folder; this task reads a \.jsonl file"):
+    text_classification(tmp_path, tokenizer, max_len=8)
   with pytest.raises(ValueError, match="tokenizer file not found"):
     text_classification(missing, tmp_path / "tok.json", max_len=8)
   mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "label": 0},
@@ -526,6 +528,8 @@ def test_causal_lm_custom_template_and_truncation(tmp_path, tokenizer):
 def test_causal_lm_errors(tmp_path, tokenizer):
   with pytest.raises(ValueError, match="not found"):
     causal_lm(tmp_path / "none.txt", tokenizer, max_len=8)
+  with pytest.raises(ValueError, match=r"is a folder; this task reads a text file \(\.txt\)"):
+    causal_lm(tmp_path, tokenizer, max_len=8)
   (tmp_path / "x.csv").write_text("a,b")
   with pytest.raises(ValueError, match=r"reads \.txt, \.jsonl or \.json \(an array of records\)"):
     causal_lm(tmp_path / "x.csv", tokenizer, max_len=8)

@@ -274,7 +274,8 @@ def test_presets_and_config_errors():
   assert llama.config_from_hf(llama.config_to_hf(big)) == big
   with pytest.raises(ValueError, match="llama-tiny.*llama-7b.*llama-13b"):
     llama.config("llama-70b")
-  with pytest.raises(ValueError, match="unknown LlamaConfig field.*layers; valid:.*num_layers"):
+  with pytest.raises(ValueError, match=r"unknown LlamaConfig field\(s\) layers \(did you mean "
+                     r"num_layers\?\); valid:.*num_layers"):
     llama.config("llama-7b", layers=2)
   for bad, pattern in [(dict(num_kv_heads=3), "not a multiple"),
                        (dict(dim=30, head_dim=None), "not divisible"),

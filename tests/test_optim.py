@@ -36,3 +36,19 @@ def test_warmup_rises_linearly_from_zero():
   lrs = [float(_schedule("steps=10", "warmup_steps=4", "schedule=constant")(i))
          for i in range(6)]
   np.testing.assert_allclose(lrs, [0.0, 0.125, 0.25, 0.375, 0.5, 0.5])
+
+
+def test_a_warmup_as_long_as_the_run_is_said_with_the_rate_it_ends_at():
+  from train.optim import warmup_warning
+
+  def warning(*overrides):
+    return warmup_warning(config_lib.load_config(overrides=["lr=0.5", *overrides]))
+  assert warning("steps=20", "warmup_steps=20") == (
+      "warning: warmup_steps=20 >= steps=20: the whole run warms up (its last step's "
+      "learning rate is 0.475, not lr=0.5, and the cosine decay never starts); set "
+      "warmup_steps below steps")
+  assert warning("steps=4", "warmup_steps=10", "schedule=constant").startswith(
+      "warning: warmup_steps=10 >= steps=4: the whole run warms up (its last step's "
+      "learning rate is 0.15, not lr=0.5); set")
+  assert warning("steps=21", "warmup_steps=20") is None
+  assert warning("steps=1", "warmup_steps=0") is None

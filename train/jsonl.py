@@ -12,6 +12,9 @@ def read_jsonl(path) -> list[tuple[str, dict]]:
   """(where, object) for every record: one per non-blank line of a jsonl file, where is
   "file:line"; or, for a file holding one JSON array (Alpaca's .json), "file[item]"."""
   p = Path(path)
+  if p.is_dir():
+    raise ValueError(f"data {p} is a folder; this task reads a .jsonl file (one JSON "
+                     "object per line) or a .json array")
   if not p.is_file():
     raise MissingFileError(f"data file not found: {p}")
   text = p.read_text(encoding="utf-8-sig")

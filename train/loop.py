@@ -34,7 +34,7 @@ from train.memory_report import print_memory
 from train.metrics import Log, finished_result
 from train.model import (build_model, model_config, model_family, resolve_path,
                          split_trainable, trainable_filter)
-from train.optim import make_schedule
+from train.optim import make_schedule, warmup_warning
 from train.tokenize import load_tokenizer, special_token_ids
 from train.trainer import Trainer
 
@@ -43,11 +43,16 @@ def train(cfg: TrainConfig) -> dict:
   """Runs the loop; returns the final metrics."""
   if cfg.distributed:
     jax.distributed.initialize()
-  use_compile_cache(cfg.compile_cache)
+  cache = use_compile_cache(cfg.compile_cache)
+  if cache != os.path.expanduser(cfg.compile_cache):  # JAX_COMPILATION_CACHE_DIR's: say so
+    cfg = cfg.replace(compile_cache=cache)
   if cfg.batch_size % cfg.grad_accum:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
   check_inputs(cfg)
+  warning = warmup_warning(cfg)
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
   # the planner's budget ("auto": the device's memory) checked before any work
   budget = None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
   # the run folder; refuses to write over a run before any work
@@ -308,7 +313,10 @@ def check_inputs(cfg: TrainConfig) -> None:
     value = getattr(cfg, field)
     if value is None or value == "digits":
       continue
-    path = resolve_path(value)  # a pkg: that is not installed is an error here
+    try:
+      path = resolve_path(value)  # a pkg: that is not installed is an error here
+    except ValueError as e:
+      raise ValueError(f"{field}={e}") from None
     if not os.path.exists(path):
       raise ValueError(f"{field}={value!r}: no such file or folder")
   for field in ("export_dir", "profile_dir"):  # folders made when written
@@ -361,14 +369,16 @@ def profile_window(cfg: TrainConfig, start: int) -> tuple[int, int] | None:
   return first, last
 
 
-def use_compile_cache(path: str) -> None:
+def use_compile_cache(path: str) -> str:
   """Keeps compiled programs in JAX's persistent cache at ``path`` unless one is set already
   (``JAX_COMPILATION_CACHE_DIR``, ``jax.config``): the same command again, or a resume,
-  loads the train step (minutes to compile for a 7B model) rather than compiling it."""
+  loads the train step (minutes to compile for a 7B model) rather than compiling it. The
+  folder in use ("": none)."""
   if path and not jax.config.jax_compilation_cache_dir:
     from jax.experimental.compilation_cache import compilation_cache
     jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
     compilation_cache.reset_cache()  # read the new folder even after an earlier compile
+  return jax.config.jax_compilation_cache_dir or ""
 
 
 def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "planner.Plan"]:

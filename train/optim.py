@@ -23,6 +23,18 @@ def make_schedule(cfg: TrainConfig):
   return optax.join_schedules([warmup, after], [cfg.warmup_steps])
 
 
+def warmup_warning(cfg: TrainConfig) -> str | None:
+  """What is wrong when the warmup takes the whole run (``warmup_steps >= steps``: the
+  rate never reaches ``lr``, and no decay follows), else None."""
+  if not cfg.warmup_steps or cfg.warmup_steps < cfg.steps:
+    return None
+  last = float(make_schedule(cfg)(cfg.steps - 1))  # the rate of the last step
+  return (f"warning: warmup_steps={cfg.warmup_steps} >= steps={cfg.steps}: the whole run "
+          f"warms up (its last step's learning rate is {last:.3g}, not lr={cfg.lr:g}"
+          + (f", and the {cfg.schedule} decay never starts" if cfg.schedule != "constant"
+             else "") + "); set warmup_steps below steps")
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   """AdamW or SGD with momentum 0.9 on the schedule, after global-norm clipping when set."""
   schedule = make_schedule(cfg)

@@ -15,10 +15,11 @@ Outside the step, and so outside the prediction: the next batch put on the devic
 step runs, the eval step, the allocator's fragmentation (``auto``'s 10% margin is for them).
 On CPU the figure is the CPU compiler's (a proxy: XLA:GPU fuses and schedules differently).
 
-Expected speed: the step time relative to ``baseline`` at the full batch, from
-``train/speed_table.json`` (measured per device family: policy step times, and the cost of
-each extra micro-batch); a policy or penalty the device's family lacks, or an unknown
-device, uses the cost model of :func:`modelled_step_time` (and the table says so).
+Expected speed: ``baseline``'s step time at the full batch over the candidate's (higher is
+faster), its step time from ``train/speed_table.json`` (measured per device family: policy
+step times relative to baseline, and the cost of each extra micro-batch); a policy or
+penalty the device's family lacks, or an unknown device, uses the cost model of
+:func:`modelled_step_time` (and the table says so).
 
 Search (compiles bounded, fastest first): the candidates in speed order, each compiled
 unless a smaller micro-batch of its policy is known not to fit; the first that fits is the
@@ -190,6 +191,11 @@ def fmt_bytes(n: int) -> str:
   if n >= MiB / 10:
     return f"{n / MiB:.1f} MiB"
   return f"{n / 2**10:.1f} KiB" if n >= 2**10 else f"{n} bytes"
+
+
+def _exact(n: int) -> str:
+  """``n`` readable and to the byte: ``"20.0 MiB (20971520 bytes)"``, ``"1000 bytes"``."""
+  return f"{fmt_bytes(n)} ({n} bytes)" if n >= 2**10 else fmt_bytes(n)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +400,7 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
       break
   else:
     leanest = min(states, key=states.get)
-    raise ValueError(f"memory_budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes): no "
+    raise ValueError(f"memory_budget {_exact(budget_bytes)}: no "
                      f"plan can fit; the train state alone (parameters and optimizer state, "
                      f"held under every plan) is {fmt_bytes(states[leanest])} "
                      f"({states[leanest]} bytes under {leanest}, the least of the policies)")
@@ -419,7 +425,7 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
       progress(Plan(budget_bytes, family, tuple(rows), None,
                     time.perf_counter() - start).table())
     least = min((c for c in rows if c.peak is not None), key=lambda c: c.peak)
-    raise ValueError(f"memory_budget {fmt_bytes(budget_bytes)} ({budget_bytes} bytes): no "
+    raise ValueError(f"memory_budget {_exact(budget_bytes)}: no "
                      f"plan fits; the smallest predicted peak is {fmt_bytes(least.peak)} "
                      f"({least.peak} bytes: {least.policy}, micro-batch {least.micro_batch} "
                      f"x grad_accum {least.grad_accum})")
