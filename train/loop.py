@@ -50,7 +50,7 @@ def train(cfg: TrainConfig) -> dict:
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
   check_inputs(cfg)
-  warning = warmup_warning(cfg)
+  warning = None if cfg.resume else warmup_warning(cfg)  # a resume says its schedule's change
   if warning:
     print(warning, file=sys.stderr, flush=True)
   # the planner's budget ("auto": the device's memory) checked before any work
