@@ -100,6 +100,11 @@ def test_a_lora_export_refuses_a_checkpoint_changed_since_the_run_started(tmp_pa
                      r"\(model.safetensors \(changed\)\): the export would use other weights"):
     train(later)
   assert not (tmp_path / "hf").exists()
+  # a resume that would train on, then export: refused before its first step
+  with pytest.raises(CheckpointError, match="changed since the run"):
+    train(later.replace(steps=3))
+  records = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+  assert max(json.loads(r).get("step", 0) for r in records) == 2
   # the export itself checks too (a checkpoint changed during a run)
   from train.trainer import Trainer
   with pytest.raises(CheckpointError, match="changed since the run"):

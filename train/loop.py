@@ -109,14 +109,14 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
   if cfg.resume and ckpt.latest_step() is not None:
     start = _resume(trainer, ckpt, batches, cfg)
     ctrl_c.check()
-    if cfg.export_dir and export_reads_pretrained(cfg):
-      pretrained_record.check_unchanged(cfg, out, "the export")
     if start >= cfg.steps:
       print(f"nothing to train: the run in {out} already finished at step {start} "
             f"(steps={cfg.steps}); pass --set steps=N with N > {start} to train further",
             flush=True)
       export(trainer, cfg)  # --resume --export: the finished run's weights
       return finished_result(out / "metrics.jsonl", start)
+    if cfg.export_dir and export_reads_pretrained(cfg):  # before training, not at its end
+      pretrained_record.check_unchanged(cfg, out)
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   if jax.process_index() == 0:
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=1) + "\n")
@@ -260,7 +260,7 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
   if not cfg.export_dir:
     return
   if cfg.out_dir and export_reads_pretrained(cfg):  # a run's (its record in out_dir)
-    pretrained_record.check_unchanged(cfg, Path(cfg.out_dir), "the export")
+    pretrained_record.check_unchanged(cfg, Path(cfg.out_dir))
   from models import hf
   model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
   streamed = cfg.trainable == "lora" and cfg.pretrained

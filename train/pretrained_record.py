@@ -12,9 +12,9 @@ trained or written.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from lowmem_jax.memory import write_json
 from models.hf_fingerprint import differences, fingerprint
 from models.hf_state import CheckpointError
 from train.config import TrainConfig
@@ -36,15 +36,12 @@ def take(cfg: TrainConfig, out: Path, *, resuming: bool) -> dict | None:
 def write(out: Path, record: dict) -> None:
   """Writes ``record`` to ``out/pretrained.json`` (whole or not at all), with the run's
   config.json: a run that fails before it leaves neither."""
-  file = Path(out) / RECORD
-  tmp = file.with_name(RECORD + ".tmp")
-  tmp.write_text(json.dumps(record, indent=1) + "\n")
-  os.replace(tmp, file)
+  write_json(str(Path(out) / RECORD), record, announce=False)
 
 
-def check_unchanged(cfg: TrainConfig, out: Path, doing: str) -> None:
-  """A :class:`CheckpointError` if the checkpoint differs from the run's record (``doing``:
-  what would use it). Nothing to check without a record."""
+def check_unchanged(cfg: TrainConfig, out: Path) -> None:
+  """A :class:`CheckpointError` if the checkpoint differs from the run's record, which the
+  export would merge into. Nothing to check without a record."""
   file = Path(out) / RECORD
   if not cfg.pretrained or not file.exists():
     return
@@ -58,6 +55,6 @@ def check_unchanged(cfg: TrainConfig, out: Path, doing: str) -> None:
   if changed:
     raise CheckpointError(
         f"pretrained={cfg.pretrained!r} changed since the run in {out} started from it "
-        f"({', '.join(changed)}): {doing} would use other weights than the run trained "
+        f"({', '.join(changed)}): the export would use other weights than the run trained "
         "on; put back the checkpoint the run started from (the run's own checkpoints hold "
         "what it trained), then resume")
