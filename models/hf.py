@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import collections
 import json
-import math
 import os
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowmem_jax.memory import write_json
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
 from models.hf_state import (CheckpointError, OutTensor, StateReader, check_store,
@@ -382,12 +382,11 @@ def _shards(tensors: Sequence[OutTensor], max_bytes: int) -> list[list[OutTensor
   alone), as transformers' ``save_pretrained`` cuts them."""
   shards, size = [[]], 0
   for t in tensors:
-    nbytes = math.prod(t.shape) * t.dtype.itemsize
-    if shards[-1] and size + nbytes > max_bytes:
+    if shards[-1] and size + t.nbytes > max_bytes:
       shards.append([])
       size = 0
     shards[-1].append(t)
-    size += nbytes
+    size += t.nbytes
   return shards
 
 
@@ -397,7 +396,7 @@ def _with_dtype(config: dict, tensors: Sequence[OutTensor]) -> dict:
   none and that is not float32 (transformers loads a model in it)."""
   by_dtype = collections.Counter()
   for t in tensors:
-    by_dtype[t.dtype] += math.prod(t.shape) * t.dtype.itemsize
+    by_dtype[t.dtype] += t.nbytes
   name = _TORCH_DTYPES.get(by_dtype.most_common(1)[0][0]) if tensors else None
   keys = [k for k in ("torch_dtype", "dtype") if k in config]
   if name is None or not keys and name == "float32":
@@ -438,14 +437,14 @@ def _write_model_dir(path: Path, config: dict, tensors: Sequence[OutTensor],
   if len(shards) == 1:
     index.unlink(missing_ok=True)  # an old index names old shards: the new file takes over
   else:
-    total = sum(math.prod(t.shape) * t.dtype.itemsize for t in tensors)
     weight_map = {t.name: name for name, shard in zip(names, shards) for t in shard}
-    _write_json(index, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_json(str(index), {"metadata": {"total_size": sum(t.nbytes for t in tensors)},
+                            "weight_map": weight_map}, announce=False)
   for stale in [*path.iterdir()]:
     if stale.name not in names and (stale.name == "model.safetensors"
                                     or _SHARD_NAME.fullmatch(stale.name)):
       stale.unlink()
-  _write_json(path / "config.json", _with_dtype(config, tensors))
+  write_json(str(path / "config.json"), _with_dtype(config, tensors), announce=False)
 
 
 def _export_dir(path: str | os.PathLike) -> Path:
@@ -454,12 +453,6 @@ def _export_dir(path: str | os.PathLike) -> Path:
   if path.exists() and not path.is_dir():
     raise ValueError(f"save_pretrained: {path} is a file; name a directory")
   return path
-
-
-def _write_json(file: Path, data) -> None:
-  tmp = file.with_name(file.name + ".tmp")
-  tmp.write_text(json.dumps(data, indent=2))
-  os.replace(tmp, file)
 
 
 def save_pretrained(model, path: str | os.PathLike, *,

@@ -23,6 +23,7 @@ updates) and assigned once.
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 from collections.abc import Callable, Mapping, Sequence
 
@@ -503,6 +504,10 @@ class OutTensor:
   shape: tuple[int, ...]
   dtype: np.dtype
   make: Callable[[], np.ndarray]
+
+  @property
+  def nbytes(self) -> int:
+    return math.prod(self.shape) * np.dtype(self.dtype).itemsize
 
 
 def _key(e: Entry) -> tuple:
