@@ -127,7 +127,9 @@ def test_synthetic_llama_lm_with_lora_and_peers(tmp_path, monkeypatch, capsys):
       """))
   monkeypatch.setattr(bench_peers, "PEERS_SCRIPT", script)
   asked = []
-  monkeypatch.setattr(bench, "measure_peaks", lambda *a: asked.append(a[1]))  # None: no peak
+  argvs = []  # what the peak subprocesses would be given: every item a string, as Popen needs
+  monkeypatch.setattr(bench, "measure_peaks",
+                      lambda *a: (asked.append(a[1]), argvs.append(a[0])) and None)
   out = tmp_path / "bench.json"
   result = bench.main([
       "--synthetic", "8", "--set", "model=llama-tiny", "--set", "task=lm",
@@ -139,6 +141,8 @@ def test_synthetic_llama_lm_with_lora_and_peers(tmp_path, monkeypatch, capsys):
   assert row["policy"] == "baseline" and row["finite"] and row["steps_run"] == 3
   assert result["items_per_step"] == 4 * 16 and json.loads(out.read_text())["rows"]
   assert asked == [["baseline"]]  # the peers ran on "cuda": our peaks were asked for
+  assert all(isinstance(item, str) for item in argvs[0]), argvs  # no --config-name None
+  assert "--config-name" not in argvs[0] and "model=llama-tiny" in argvs[0]
   lora, ckpt = json.loads(out.read_text())["peers"]
   assert (lora["policy"], ckpt["policy"]) == ("torch+peft", "torch+peft+ckpt")
   assert lora["peer"]["case"] == "llama-lora" and lora["peer"]["seq"] == "16"

@@ -469,8 +469,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   peers = run_peers(cfg, args.steps, args.warmup) if args.peers else None
   peaks, peak_errors = None, {}
   if args.peak or (peers is not None and ran_on_gpu(peers)):
-    base_argv = ["--config-name", args.config_name, "--warmup", str(args.warmup),
-                 "--synthetic", str(args.synthetic)]
+    base_argv = ["--warmup", str(args.warmup), "--synthetic", str(args.synthetic)]
+    base_argv += ["--config-name", args.config_name] if args.config_name else []
     base_argv += ["--config", args.config] if args.config else []
     for item in args.set:
       base_argv += ["--set", item]
