@@ -180,14 +180,19 @@ def cudnn_refusal(q_shape, k_shape, dtype, *, mask_shape=None, backend: str = "g
 # What "auto" runs on a GPU, by the longest sequence length max(N, M): rows of (largest
 # length the row covers, None = any; implementation), the first row that covers wins.
 #   "as_is": cuDNN takes the shape unpadded.  "paddable": only padded to even lengths.
-# NOT MEASURED: re-derive both from `python -m lowmem_jax.attention_bench` on a GPU
-# (its "fastest" column, among paths that keep no N x N array). Known so far (H100,
-# jax 0.11.2, docs/gpu/h100-2026-11-22.md): LLaMA at N = 1024 under the old auto (cuDNN for
-# 16-bit) did not crash; ours ran a ViT-B step at N = 197 within 5% of XLA's attention.
-# Where no GPU figure exists: ours, which keeps no N x N array and refuses no shape.
+# Measured by `python -m lowmem_jax.attention_bench` (H100, jax 0.11.2, cuDNN 9.19, bf16,
+# ~16k tokens per call, ms forward + backward; docs/gpu/h100-2026-11-25-call2.md):
+#   ViT-B   N=17: flash 0.46, cudnn_padded 0.80   N=197: cudnn_padded 0.47, flash 1.07
+#           N=577: cudnn_padded 0.60, flash 2.98  N=1024: cudnn 0.62, flash 4.14
+#   LLaMA   N=17: flash 1.03, cudnn_padded 1.70   N=197: cudnn_padded 0.96, flash 1.99
+#           N=577: cudnn_padded 1.07, flash 5.73  N=2048: cudnn 1.39, flash 11.0
+# cuDNN also keeps less (ViT-B N=197: 242 against 517 MiB temp). cudnn_padded at 17 is
+# cuDNN at 18 plus copies of ~0.1 ms, so short lengths go to ours as they are, too. Between
+# N=17 and 197 the crossover is unmeasured: 64 splits the two measured points (the bench
+# now times 64 and 129).
 AUTO_GPU_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {
-    "as_is": ((None, "cudnn"),),
-    "paddable": ((None, "flash"),),
+    "as_is": ((64, "flash"), (None, "cudnn")),
+    "paddable": ((64, "flash"), (None, "cudnn_padded")),
 }
 
 
@@ -220,7 +225,9 @@ def choose_implementation(q_shape, k_shape, dtype, *, backend: str | None = None
   if reason is None and causal and n != m:
     reason = f"causal with N {n} != M {m}: cuDNN's causal alignment is not checked here"
   if reason is None:
-    return Choice(_from_table("as_is", max(n, m)), "")
+    implementation = _from_table("as_is", max(n, m))
+    return Choice(implementation, "" if implementation == "cudnn" else
+                  f"length {max(n, m)}: {implementation} measured faster (AUTO_GPU_TABLE)")
   if mask_shape is None and not (causal and n != m) and cudnn_refusal(
       q_shape, k_shape, dtype, padded=True, **versions) is None:
     return Choice(_from_table("paddable", max(n, m)), reason)

@@ -2,7 +2,7 @@
 
 ``python -m lowmem_jax.attention_bench [--json FILE]`` on a GPU: for ViT-B-like
 (12 heads, head dim 64, not causal) and LLaMA-like (32 heads, head dim 128, causal)
-bf16 attention at N = 17, 197, 577, 1024, 2048 (about 16k / 8k tokens per call), it
+bf16 attention at N = 17, 64, 129, 197, 577, 1024, 2048 (about 16k / 8k tokens per call), it
 times each applicable implementation of :func:`lowmem_jax.attention.attention`
 (``cudnn``, ``cudnn_padded`` where N is odd, ``flash``, ``xla``) and prints a table:
 ms per forward + backward, the compiled temp memory, what ``auto`` picks now and the
@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from lowmem_jax import attention as attn
 from lowmem_jax.memory import error_line, format_table, write_json
 
-LENGTHS = (17, 197, 577, 1024, 2048)
+LENGTHS = (17, 64, 129, 197, 577, 1024, 2048)
 IMPLEMENTATIONS = ("cudnn", "cudnn_padded", "flash", "xla")
 # tokens: batch = max(1, tokens // N), so every length does a comparable amount of work.
 MODELS = {

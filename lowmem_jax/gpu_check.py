@@ -459,6 +459,8 @@ def git_info(commit: str | None = None) -> dict:
       return None
   found = git("rev-parse", "HEAD")
   status = git("status", "--porcelain", "--untracked-files=no")
+  if commit and not (found or "").startswith(commit):
+    status = None  # another checkout's git (a copy laid over it): its changes say nothing
   return {"commit": commit or found, "from": "--commit" if commit else ("git" if found else None),
           "dirty": None if status is None else bool(status)}
 

@@ -64,7 +64,9 @@ def reference(name):
 
 def assert_golden(name, model, live):
   """Fixture ``name``'s files hold what ``save_pretrained`` writes of ``model`` (exactly)
-  and ``live``, its inputs and HF outputs (floats to 1e-5: another CPU may round apart)."""
+  and ``live``, its inputs and HF outputs (floats to 1e-5 of each array's largest value:
+  torch on another machine rounds apart, 1.4e-6 on LLaMA logits of scale 2 on the GPU
+  machine's CPU; a stale fixture differs by far more)."""
   from safetensors.numpy import load_file
   hint = f"tests/data/hf/{name} is stale: rerun python tests/make_hf_fixtures.py {name}"
   if model is not None:
@@ -79,7 +81,9 @@ def assert_golden(name, model, live):
   assert set(ref) == set(live), hint
   for key, value in live.items():
     if np.issubdtype(value.dtype, np.floating):
-      np.testing.assert_allclose(ref[key], value, rtol=1e-5, atol=1e-6, err_msg=f"{key}; {hint}")
+      scale = float(np.abs(ref[key]).max()) if ref[key].size else 0.0
+      np.testing.assert_allclose(ref[key], value, rtol=1e-5, atol=1e-5 * scale,
+                                 err_msg=f"{key}; {hint}")
     else:
       np.testing.assert_array_equal(ref[key], value, err_msg=f"{key}; {hint}")
 

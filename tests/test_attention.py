@@ -220,7 +220,7 @@ def _choose(n, m=None, heads=12, kv_heads=None, d=64, dtype=jnp.bfloat16, causal
                                     mask_shape=mask_shape, **(platform or H100))
 
 
-@pytest.mark.parametrize("n", [18, 198, 1024, 2048])
+@pytest.mark.parametrize("n", [66, 198, 1024, 2048])
 @pytest.mark.parametrize("causal,heads,kv_heads,d", [
     (False, 12, 12, 64),    # ViT-B
     (True, 32, 32, 128),    # LLaMA-7B
@@ -233,10 +233,14 @@ def test_auto_takes_cudnn_where_it_accepts_the_shape(n, causal, heads, kv_heads,
     assert choice == attn.Choice("cudnn", ""), choice
 
 
-@pytest.mark.parametrize("n", [17, 197, 577])
-def test_odd_lengths_are_refused_and_auto_falls_back_to_flash(n):
+@pytest.mark.parametrize("n,implementation", [
+    (17, "flash"), (63, "flash"), (65, "cudnn_padded"), (197, "cudnn_padded"),
+    (577, "cudnn_padded")])
+def test_odd_lengths_are_refused_and_auto_pads_them_where_cudnn_measured_faster(
+    n, implementation):
+  """AUTO_GPU_TABLE["paddable"], from the H100's attention bench: ours up to 64."""
   choice = _choose(n)
-  assert choice.implementation == "flash"   # AUTO_GPU_TABLE["paddable"] until measured
+  assert choice.implementation == implementation
   assert f"sequence length Q {n}, KV {n}" in choice.reason
   assert attn.cudnn_refusal(*_shapes(n), jnp.bfloat16, **H100, padded=True) is None
   assert "Q 16, KV 17" in _choose(16, 17).reason  # either length odd
@@ -281,6 +285,14 @@ def test_explicit_cudnn_takes_a_full_mask_auto_does_not():
                             **H100) is None
   assert "broadcasts" in attn.cudnn_refusal(q_shape, k_shape, jnp.bfloat16,
                                             mask_shape=(2, 1, 1, 198), **H100)
+
+
+@pytest.mark.parametrize("n", [2, 18, 64])
+def test_short_even_lengths_go_to_ours_with_the_reason(n):
+  """AUTO_GPU_TABLE["as_is"]: cuDNN takes the shape, but at N <= 64 ours measured faster."""
+  choice = _choose(n)
+  assert choice == attn.Choice("flash", f"length {n}: flash measured faster (AUTO_GPU_TABLE)")
+  assert _choose(66).implementation == "cudnn"
 
 
 def test_auto_table_rows_pick_by_length(monkeypatch):

@@ -153,6 +153,18 @@ def test_every_stage_shares_one_compilation_cache(tmp_path, monkeypatch):
   assert rec["stdout_tail"].strip() == str(tmp_path / gpu_check.XLA_CACHE)
 
 
+def test_git_changes_are_reported_only_for_the_commit_named():
+  """A --commit that is not this checkout's HEAD (a copy laid over another checkout, as
+  on the GPU machines) says nothing of local changes: their report said 'with local
+  changes' of a clean tree."""
+  head = gpu_check.git_info()
+  if head["commit"] is None:
+    pytest.skip("not a git checkout")
+  assert isinstance(head["dirty"], bool)
+  assert isinstance(gpu_check.git_info(head["commit"][:7])["dirty"], bool)
+  assert gpu_check.git_info("abc123") == {"commit": "abc123", "from": "--commit", "dirty": None}
+
+
 def test_smoke_report_structure(tmp_path, monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")  # the stages' subprocesses: CPU on any machine
   tests = tmp_path / "t"
