@@ -499,7 +499,8 @@ def _bench_figure(rec: dict) -> str | None:
   cells = []
   result = rec.get("json") or {}
   for r in result.get("rows") or []:
-    cell = f"{r['policy']} {r['step_ms']:.1f} ms, temp {r['temp_mib']:.0f} MiB"
+    queued = f" (queued {r['queued_ms']:.1f})" if r.get("queued_ms") else ""
+    cell = f"{r['policy']} {r['step_ms']:.1f} ms{queued}, temp {r['temp_mib']:.0f} MiB"
     cells.append(cell + (f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""))
   for r in result.get("peers") or []:
     cell = f"{r['policy']} " + (f"{r['step_ms']:.1f} ms" if "step_ms" in r else "failed")

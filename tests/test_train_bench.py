@@ -31,13 +31,14 @@ def test_bench_end_to_end(tmp_path, capsys):
   assert list(rows) == ["baseline", "lowmembp"]  # baseline first when not asked for
   for r in data["rows"]:
     for key in ("temp_mib", "temp_ratio", "total_mib", "total_ratio", "step_ms",
-                "speed_ratio", "throughput", "compiled"):
+                "speed_ratio", "throughput", "compiled", "queued_ms", "queued_speed_ratio"):
       assert r[key] > 0 if key != "compiled" else r[key]["temp"] > 0, (key, r)
-    assert r["steps_run"] == 4 and r["finite"]
+    assert r["steps_run"] == 4 + 3 * 3 and r["finite"]  # + 3 rounds of 3 queued steps
     assert r["throughput"] == pytest.approx(16 / (r["step_ms"] / 1e3))
     assert "peak_mib" not in r  # only with --peak on a GPU
   base, low = rows["baseline"], rows["lowmembp"]
   assert base["temp_ratio"] == base["speed_ratio"] == base["total_ratio"] == 1.0
+  assert base["queued_speed_ratio"] == 1.0 and "queued ms" in text
   if data["backend"] == "cpu":  # the CPU compiler's figure (XLA:GPU fuses differently)
     assert low["compiled"]["temp"] < base["compiled"]["temp"]
     assert low["temp_ratio"] < 1.0
@@ -138,13 +139,15 @@ def test_synthetic_llama_lm_with_lora_and_peers(tmp_path, monkeypatch, capsys):
       "model.num_layers=1", "--policies", "baseline", "--steps", "2", "--warmup", "1",
       "--json", str(out), "--peers"])
   row = result["rows"][0]
-  assert row["policy"] == "baseline" and row["finite"] and row["steps_run"] == 3
+  assert row["policy"] == "baseline" and row["finite"] and row["steps_run"] == 3 + 3 * 2
   assert result["items_per_step"] == 4 * 16 and json.loads(out.read_text())["rows"]
   assert asked == [["baseline"]]  # the peers ran on "cuda": our peaks were asked for
   assert all(isinstance(item, str) for item in argvs[0]), argvs  # no --config-name None
   assert "--config-name" not in argvs[0] and "model=llama-tiny" in argvs[0]
   lora, ckpt = json.loads(out.read_text())["peers"]
   assert (lora["policy"], ckpt["policy"]) == ("torch+peft", "torch+peft+ckpt")
+  # the peers are timed queued on one batch: set against our baseline timed the same way
+  assert lora["queued_speed_ratio"] == pytest.approx(row["queued_ms"] / 2.0)
   assert lora["peer"]["case"] == "llama-lora" and lora["peer"]["seq"] == "16"
   assert ckpt["peak_mib"] == 5.0 and "peak_ratio" not in ckpt  # no peak of ours
   assert ckpt["speed_ratio"] == pytest.approx(row["step_ms"] / 3.0)

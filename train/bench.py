@@ -17,8 +17,11 @@ times the train steps of all policies interleaved in one process (round-robin, m
 after warmup, ``jax.block_until_ready`` on the state), and reports each policy's memory
 and speed as ratios to ``baseline`` (put first when not asked for): speed ratio =
 baseline step time / step time; throughput in examples/s (tokens/s for ``task=lm``,
-padding included, as the training loop counts). All states are resident at once while
-timing, so size the model for N policies' parameters and optimizer states.
+padding included, as the training loop counts). Then each policy again as the peers are
+timed (``queued ms``: steps queued back to back on one device batch, so the host's
+dispatch and batch feeding overlap the device; the peers' speed ratio is against this).
+All states are resident at once while timing, so size the model for N policies'
+parameters and optimizer states.
 
 ``--peak`` (GPU) also measures ``memory_stats()["peak_bytes_in_use"]`` of each policy in
 a fresh subprocess (the allocator's peak cannot be reset within a process), run before
@@ -50,9 +53,11 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -211,6 +216,28 @@ def measure_peaks(argv_base: list[str], specs: Sequence[str],
 
 
 # ----------------------------------------------------------------------------- the bench
+def time_queued(runners: dict, steps: int, rounds: int = 3) -> dict[str, float]:
+  """Seconds per step of each runner as the peers are timed (benchmarks/peers.py: one
+  batch on the device, steps queued back to back, the device's time): ``steps`` steps on
+  the runner's current batch, dispatched without waiting, over the wall time from the
+  first dispatch to the last result; the median of ``rounds`` round-robin rounds. Beside
+  :func:`time_interleaved`'s per-step figure (a new batch each step, waited for), the
+  difference is what the host adds per step: dispatch, the batch, the wait."""
+  import jax
+  times = {name: [] for name in runners}
+  for _ in range(rounds):
+    for name, runner in runners.items():
+      trainer, batch = runner.trainer, runner.batch
+      jax.block_until_ready(trainer.state)
+      start = time.perf_counter()
+      for _ in range(steps):
+        runner.metrics = trainer.step(batch)
+      jax.block_until_ready(trainer.state)
+      times[name].append((time.perf_counter() - start) / steps)
+      runner.steps += steps
+  return {name: statistics.median(t) for name, t in times.items()}
+
+
 def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
         peaks: dict | None = None, synthetic: int = 0) -> dict:
   """Compiled memory and interleaved step times of each policy; the JSON result."""
@@ -244,6 +271,7 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
   # the step run above was each policy's first warmup step
   seconds = time_interleaved(runners, {spec: () for spec in specs}, rounds=steps,
                              warmup=warmup - 1)
+  queued = time_queued(runners, steps)
 
   bmem, btime = memory[base], seconds[base]
   rows = []
@@ -258,6 +286,7 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
         "total_mib": mem.total / MiB, "total_ratio": mem.total / max(bmem.total, 1),
         "step_ms": t * 1e3, "speed_ratio": btime / t,
         "throughput": items / t, "throughput_unit": unit,
+        "queued_ms": queued[spec] * 1e3, "queued_speed_ratio": queued[base] / queued[spec],
         "steps_run": r.steps,
         "final_loss": float(r.metrics["loss"]),
         "finite": r.trainer.first_bad_step() is None,  # every step run
@@ -336,6 +365,8 @@ def table(result: dict) -> str:
   headers = ["policy", "temp MiB", "ratio", "total MiB", "ratio"]
   headers += ["live MiB", "ratio"] if live else []
   headers += ["step ms", "speed vs base", result["throughput_unit"]]
+  queued = any("queued_ms" in r for r in result["rows"])
+  headers += ["queued ms", "speed vs base"] if queued else []
   if peak:
     headers += ["peak MiB", "ratio"]
   rows = []
@@ -345,6 +376,8 @@ def table(result: dict) -> str:
     row += [f"{r['live_mib']:.1f}", f"{r['live_ratio']:.3f}"] if live else []
     row += [_fmt(r["step_ms"], ".2f"), _fmt(r["speed_ratio"], ".3f"),
             _fmt(r["throughput"], ".0f")]
+    row += [_fmt(r.get("queued_ms"), ".2f"), _fmt(r.get("queued_speed_ratio"), ".3f")] if (
+        queued) else []
     if peak:
       row += ([f"{r['peak_mib']:.1f}", _fmt(r.get("peak_ratio"), ".3f")] if "peak_mib" in r
               else ["-", "-"])
@@ -353,6 +386,9 @@ def table(result: dict) -> str:
     row = [r["policy"], "-", "-", "-", "-"] + (["-", "-"] if live else [])
     row += (["failed", "-", "-"] if "step_ms" not in r else
             [f"{r['step_ms']:.2f}", f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"])
+    if queued:  # a peer is timed one way, queued: the same figure against our queued base
+      row += (["-", "-"] if "queued_speed_ratio" not in r else
+              [f"{r['step_ms']:.2f}", f"{r['queued_speed_ratio']:.3f}"])
     if peak:
       row += [f"{r['peak_mib']:.1f}" if "peak_mib" in r else "-",
               f"{r['peak_ratio']:.3f}" if "peak_ratio" in r else "-"]
@@ -490,7 +526,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   print(f"\n{model} ({cfg.task}), batch {cfg.batch_size}, {cfg.dtype}, "
         f"overrides {cfg.model_overrides or '{}'}; {result['device_kind']} "
         f"({result['backend']}), jax {result['jax_version']}; median of {args.steps} "
-        f"interleaved steps after {args.warmup} warmup")
+        f"interleaved steps after {args.warmup} warmup, a new batch each; queued: the "
+        f"median of 3 rounds of {args.steps} steps queued on one batch, as the peers are timed")
   print(table(result))
   for spec, error in {**result.get("failed", {}), **result.get("peak_errors", {})}.items():
     print(f"{spec}: failed: {error}")

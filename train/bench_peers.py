@@ -121,6 +121,8 @@ def merge_peers(result: dict, peers: dict) -> dict:
     if "error" not in p:
       row.update(step_ms=p["step_ms"], speed_ratio=base["step_ms"] / p["step_ms"],
                  throughput=p["throughput"])
+      if "queued_ms" in base:  # timed as the peer is: one batch, steps queued
+        row["queued_speed_ratio"] = base["queued_ms"] / p["step_ms"]
       if p["peak_mib"] is not None:
         row.update(peak_mib=p["peak_mib"], resident_mib=p["resident_mib"],
                    peak_minus_resident_mib=p["peak_minus_resident_mib"])
