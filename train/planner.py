@@ -62,13 +62,13 @@ from train.model import build_model
 from train.trainer import Trainer, no_bad_step
 
 # The policies the planner chooses from, in expected speed order (the speed table decides
-# the final order): baseline (exact, fastest); lowmembp (same speed on an H100, less memory
-# where XLA does not already fuse it away); +hidden=recompute (the MLP's last linear reads
+# the final order): baseline (exact); lowmembp (on an H100 0.89-0.99x baseline's step
+# time, less memory where XLA does not already fuse it away); +hidden=recompute (the MLP's last linear reads
 # its input recomputed: one elementwise pass, same gradients); +qkv=recompute (q, k, v
 # recomputed for attention's backward from what the projections' input keeps: a twelfth
 # of the forward again; with hidden, 1.7x lowmembp's tokens per step at LLaMA-7B widths,
 # docs/h100_compiled.md); lowmem (= lowmembp+mesa8: int8 activations, a
-# quantize/dequantize pass, ~1.2x), with the same recomputes (the MLP's from the codes of
+# quantize/dequantize pass; on an H100 0.96-1.03x baseline's step time), with the same recomputes (the MLP's from the codes of
 # g and u: 1.57x lowmem's tokens per step at LLaMA-7B widths with both); lowmembp+remat
 # (recomputes each block's forward, ~1.33x, the least memory). baseline is exact; the
 # others approximate the backward as their papers do (docs/methods.md).
@@ -90,7 +90,8 @@ PLAN_COMPILER_OPTIONS = {"cpu": {"xla_backend_optimization_level": 0,
 # time relative to baseline: a train step is ~1 forward + ~2 forwards' work of backward, so
 # recomputing the forward adds ~1/3; recomputing part of it (a remat policy that saves some
 # tensors, or offload's transfers) ~1/6; Mesa's quantize (forward) and dequantize (backward)
-# of every saved activation ~0.2 (H100, 7d7f55d: lowmembp+mesa8 1.14-1.26x); WTA-CRS's
+# of every saved activation ~0.2 (H100, 7d7f55d: lowmembp+mesa8 1.14-1.26x; 75013e6:
+# mesa8 1.14x, lowmem over lowmembp 0.97-1.16x); WTA-CRS's
 # sampling and gathers ~0.1; qkv=recompute's q, k, v again, 3 D^2 per token of the 12 D^2
 # a block's forward multiplies (q, k, v, out: D^2 each; the MLP's 4D-wide pair: 8 D^2),
 # a quarter of the forward; hidden=recompute's activation output again, one elementwise
