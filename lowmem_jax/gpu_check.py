@@ -5,6 +5,8 @@
     python -m lowmem_jax.gpu_check --smoke --out DIR       # tiny shapes, one test function
     python -m lowmem_jax.gpu_check --stages env,kernel-bench --out DIR
     python -m lowmem_jax.gpu_check --call 2 --out DIR2 --docs  # the second call's stages
+    python -m lowmem_jax.gpu_check --stages env,tests --budget 540 --shard 1/3  # a third
+                                                               # of the suite, one call
 
 Each stage is a subprocess with its own timeout, run one after another (they share the
 GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
@@ -152,6 +154,13 @@ def _smoke_flag(module_file: Path) -> list[str]:
 def _has_config_key(key: str) -> bool:
   from train.config import TrainConfig
   return key in {f.name for f in dataclasses.fields(TrainConfig)}
+
+
+def test_shard(k: int, n: int) -> list[str]:
+  """The K-th of N parts of the test files (``tests/test_*.py`` by name, every N-th from
+  the K-th), as paths relative to the checkout: one GPU call does not hold the suite."""
+  files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
+  return files[k - 1::n]
 
 
 def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers: int = 12,
@@ -662,6 +671,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                   help="pytest-xdist workers for the tests, 0: none (default: %(default)s; "
                        "--smoke: at most 2)")
   ap.add_argument("--tests", help="pytest arguments instead of the default test selection")
+  ap.add_argument("--shard", metavar="K/N",
+                  help="the tests stage runs the K-th of N parts of the test files (every "
+                       "N-th by name, from the K-th): the suite over N calls")
   ap.add_argument("--commit", help="the commit to record (when the checkout has no .git)")
   ap.add_argument("--env-json", metavar="FILE", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
@@ -690,6 +702,13 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     tests = shlex.split(args.tests) if args.tests else None
   except ValueError as e:
     ap.error(f"--tests {args.tests}: {e}")
+  if args.shard is not None:
+    if tests is not None or args.smoke:
+      ap.error("--shard splits the default test selection: not with --tests or --smoke")
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", args.shard)
+    if not match or not 1 <= int(match[1]) <= int(match[2]):
+      ap.error(f"--shard expects K/N with 1 <= K <= N, got {args.shard!r}")
+    tests = test_shard(int(match[1]), int(match[2]))
   cli_checks.output_dir(ap, args, "--out", "--docs")
 
   started = datetime.datetime.now().astimezone()

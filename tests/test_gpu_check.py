@@ -215,7 +215,21 @@ BAD_ARGS = [
     (["--out", "a-file/sub"], "--out a-file/sub: a-file is a file, not a directory"),
     (["--docs", "a-file"], "--docs a-file is a file, not a directory"),
     (["--tests", "tests/x.py -k 'a"], "--tests tests/x.py -k 'a: No closing quotation"),
+    (["--shard", "3/2"], "--shard expects K/N with 1 <= K <= N, got '3/2'"),
+    (["--shard", "1"], "--shard expects K/N with 1 <= K <= N, got '1'"),
+    (["--shard", "1/2", "--tests", "tests/x.py"], "--shard splits the default test "),
 ]
+
+
+def test_shards_cover_every_test_file_once(tmp_path):
+  """--shard K/N: the suite over N calls, each file in exactly one part; the tests
+  stage runs the part."""
+  files = sorted(f"tests/{p.name}" for p in (gpu_check.ROOT / "tests").glob("test_*.py"))
+  parts = [gpu_check.test_shard(k, 3) for k in (1, 2, 3)]
+  assert sorted(sum(parts, [])) == files and all(parts)
+  assert gpu_check.test_shard(1, 1) == files
+  stage = {s.name: s for s in gpu_check.build_stages(tmp_path, tests=parts[1])}["tests"]
+  assert stage.cmd[-len(parts[1]):] == parts[1] and "tests" not in stage.cmd
 
 
 @pytest.mark.parametrize("argv,message", BAD_ARGS, ids=[" ".join(a) for a, _ in BAD_ARGS])
