@@ -23,8 +23,9 @@ Schedules of the backward scan (same gradients):
   asynchronously beside the gradient work). Other backends ignore the annotation; the
   arithmetic is PaReprop's. Compiled for an H100 (jaxlib 0.10.2) it keeps more than
   ``"pareprop"`` (the rebuild's buffers beside the gradient's), and the schedule puts
-  the call's start right before its done. Its speed on a GPU is unmeasured so far
-  (``benchmarks/reversible_depth``, ``docs/h100_compiled.md``).
+  the call's start right before its done. Its speed on a GPU is unmeasured so far: the
+  H100 run of 2026-11-25 timed out before this variant (``benchmarks/reversible_depth``,
+  ``docs/gpu/README.md``; there ``"pareprop"`` ran at 0.81x vanilla's speed).
 
 Numerics: ``x = y - f(...)`` is exact in exact arithmetic; in floating point the rebuilt
 inputs differ from the true ones by rounding, so gradients match standard backprop to
