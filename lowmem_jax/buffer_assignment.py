@@ -49,6 +49,8 @@ _DTYPES = {"f64": "float64", "f32": "float32", "bf16": "bfloat16", "f16": "float
 # ops that only move or relabel their first operand: a buffer they write holds its value
 _FORWARDING = {"bitcast", "copy", "reshape", "transpose", "dynamic-update-slice",
                "get-tuple-element"}
+# ops whose called computation (``calls=``) takes their operands as its parameters
+_CALLERS = ("fusion", "async-start")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,10 +126,11 @@ def peak_buffers(fn: Callable, *args, top: int = 20, keep_dump: str | None = Non
 
   ``fn`` may be jitted already (its own donation and static arguments apply). Arguments
   may be arrays or ``jax.ShapeDtypeStruct``: nothing runs. Under
-  :func:`lowmem_jax.gpu_target.compiling_for` the executable is XLA:GPU's for that target. ``top``: how many buffers and
-  source lines :meth:`PeakBuffers.table` shows (all are kept). ``keep_dump``: write the XLA dump
-  there and keep it (default: a temporary folder, removed). The persistent compilation
-  cache is bypassed for this compile (a cached executable writes no dump).
+  :func:`lowmem_jax.gpu_target.compiling_for` the executable is XLA:GPU's for that target.
+  ``top``: how many buffers and source lines :meth:`PeakBuffers.table` shows (all are kept).
+  ``keep_dump``: write the XLA dump there and keep it (default: a temporary folder, removed).
+  The persistent compilation cache is bypassed for this compile (a cached executable writes
+  no dump).
   """
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   lowered = jitted.lower(*gpu_target.place(args), **gpu_target.place(kwargs))
@@ -196,8 +199,7 @@ def _parse_type(text: str | None):
   return shape, _DTYPES.get(m.group(1), m.group(1))
 
 
-_ALLOCATION = re.compile(r"^allocation (\d+): size \d+, (.*)$")
-_COLOR = re.compile(r"\bcolor (\d+)")  # a memory space other than 0: host (offload), not device
+_ALLOCATION = re.compile(r"^allocation (\d+): size \d+(.*):$")
 _VALUE = re.compile(r"^ value: <\d+ (\S+)(?: \(phi\))? @\d+> \(size=(\d+),offset=(\d+)\): (.*)$")
 
 
@@ -218,12 +220,7 @@ def _buffer_values(text: str) -> dict[str, _Value]:
   for line in text.splitlines():
     m = _ALLOCATION.match(line)
     if m:
-      allocation, what = int(m.group(1)), m.group(2)
-      color = _COLOR.search(what)
-      kind = ("host" if color and color.group(1) != "0" else
-              "argument" if what.startswith("parameter") else
-              "output" if what.startswith("output") else
-              "constant" if what.startswith("constant") else "temp")
+      allocation, kind = int(m.group(1)), _allocation_kind(m.group(2))
       continue
     m = _VALUE.match(line)
     if m:
@@ -232,6 +229,21 @@ def _buffer_values(text: str) -> dict[str, _Value]:
                                   allocation=allocation, offset=int(m.group(3)),
                                   size=int(m.group(2))))
   return out
+
+
+def _allocation_kind(attrs: str) -> str:
+  """An allocation's kind from its header's attributes, in any order: CPU writes
+  ", parameter 0, shape |f32[8]| at ShapeIndex {}", XLA:GPU (0.11) ", page 0, parameter 0, ..."
+  (and ", color 5, ..." for another memory space: pinned host memory, not device)."""
+  fields = [f.strip() for f in re.sub(r"\|[^|]*\|", "||", attrs).split(",")]
+  color = next((f.split()[1] for f in fields if re.fullmatch(r"color \d+", f)), "0")
+  if color != "0":
+    return "host"
+  if any(re.match(r"parameter \d+$", f) for f in fields):
+    return "argument"  # a donated argument is also the output: its bytes are the argument's
+  if any(f.startswith("output shape is") for f in fields):
+    return "output"
+  return "constant" if "constant" in fields else "temp"
 
 
 _RANGE = re.compile(r"^\s+(\S+\{[\d,]*\}):(\d+)-(\d+)$")
@@ -407,15 +419,29 @@ class HloText:
                   computation=computation)
 
   def _root(self, instr: _Instr) -> _Instr:
-    """A fusion's root instruction (the instruction itself otherwise)."""
-    seen = 0
-    while instr.opcode == "fusion" and instr.calls in self.roots and seen < 16:
-      instr, seen = self.instrs[self.roots[instr.calls]], seen + 1
+    """A fusion's root instruction, an async op's (XLA:GPU wraps fusions in async-start /
+    async-done pairs) that of the computation it runs; the instruction itself otherwise."""
+    for _ in range(16):
+      called = (self._async_start(instr) if instr.opcode == "async-done" else
+                instr if instr.opcode == "fusion" else None)
+      if called is None or called.calls not in self.roots:
+        break
+      instr = self.instrs[self.roots[called.calls]]
     return instr
 
+  def _async_start(self, done: _Instr) -> _Instr | None:
+    """The async-start of an async-done (through any async-updates)."""
+    instr = done
+    for _ in range(16):
+      instr = self.instrs.get(instr.operands[0]) if instr.operands else None
+      if instr is None or instr.opcode != "async-update":
+        break
+    return instr if instr is not None and instr.opcode == "async-start" else None
+
   def origin(self, name: str, index: Sequence[int] = ()) -> _Instr | None:
-    """The instruction whose value a buffer holds: through fusions, copies, bitcasts and
-    dynamic-update-slices (a scan stacking a residual) to the op that computed it.
+    """The instruction whose value a buffer holds: through fusions, async ops, copies,
+    bitcasts and dynamic-update-slices (a scan stacking a residual) to the op that
+    computed it.
     ``index``: the tuple element of ``name``'s value (a loop's state)."""
     instr = self.instrs.get(name)
     if instr is not None and len(index) == 1:
@@ -474,13 +500,16 @@ class HloText:
         return None
       if cur.opcode == "parameter":
         callers = [i for i in self.instrs.values()
-                   if i.opcode == "fusion" and i.calls == cur.computation]
+                   if i.opcode in _CALLERS and i.calls == cur.computation]
         params = self.params.get(cur.computation, [])
         if not callers or cur.name not in params:
           return cur
         k = params.index(cur.name)
         outer = callers[0].operands[k] if k < len(callers[0].operands) else None
-        return self.instrs.get(outer) if outer else None
+        cur = self.instrs.get(outer) if outer else None
+        if cur is None or cur.opcode != "parameter":
+          return cur
+        continue  # a fusion's parameter inside an async computation: out once more
       if cur.opcode in ("bitcast", "copy", "reshape", "convert") and cur.operands \
           and cur.computation == inner.computation:
         if cur.opcode == "convert":

@@ -156,6 +156,149 @@ def test_host_memory_is_not_device_memory():
   assert sorted(buffer_assignment._peak_live(ranges, values)) == [("p{}", 64), ("t{}", 128)]
 
 
+def test_allocation_kinds_read_off_cpu_and_gpu_headers():
+  """XLA:GPU (jax 0.11) starts each allocation's attributes with ``page N``; CPU does not.
+  The kind comes from the attributes in any order (a donated argument is also the output;
+  a tuple shape's commas are not attributes)."""
+  kind = buffer_assignment._allocation_kind
+  assert kind(", parameter 0, shape |f32[16]| at ShapeIndex {}") == "argument"
+  assert kind(", page 0, parameter 1, shape |f32[512,32]| at ShapeIndex {}") == "argument"
+  assert kind(", page 0, parameter 0, shape |(f32[2], s32[])| at ShapeIndex {1}") == "argument"
+  assert kind(", parameter 0, shape |f32[8]| at ShapeIndex {}, output shape is |f32[8]|, "
+              "maybe-live-out") == "argument"
+  assert kind(", page 0, output shape is |f32[6,32,32]|, maybe-live-out") == "output"
+  assert kind(", output shape is |(f32[2], f32[3])|, maybe-live-out") == "output"
+  assert kind(", page 0, constant") == "constant"
+  assert kind(", page 0, preallocated-temp") == "temp"
+  assert kind(", color 5, preallocated-temp") == "host"
+  assert kind(", color 0, parameter 0, shape |f32[8]| at ShapeIndex {}") == "argument"
+
+
+# reduced from XLA:GPU's dump (jax 0.11.2, H100) of the scan test above: "page 0" in every
+# allocation's header, and a dynamic-update-slice fusion run as an async-start/async-done
+# pair whose computation wraps the fusion (so the stacked value is two calls deep)
+_GPU_HLO = """HloModule jit_step, is_scheduled=true
+
+FileNames
+1 "tests/test_buffer_assignment.py"
+
+FunctionNames
+1 "step.<locals>.loss.<locals>.body"
+2 "step.<locals>.loss"
+
+FileLocations
+1 {file_name_id=1 function_name_id=1 line=50 end_line=50 column=15 end_column=30}
+2 {file_name_id=1 function_name_id=2 line=51 end_line=51 column=21 end_column=46}
+
+StackFrames
+1 {file_location_id=1 parent_frame_id=1}
+2 {file_location_id=2 parent_frame_id=1}
+
+%fused_dynamic_update_slice (param_0.1: f32[6,8], param_1.1: s32[], param_2.1: f32[8]) -> f32[6,8] {
+  %param_0.1 = f32[6,8]{1,0} parameter(0)
+  %param_2.1 = f32[8]{0} parameter(2)
+  %bitcast.1 = f32[1,8]{1,0} bitcast(%param_2.1), \
+metadata={op_name="jit(step)/tanh" stack_frame_id=1}
+  %param_1.1 = s32[] parameter(1)
+  %constant_1 = s32[] constant(0)
+  ROOT %dynamic_update_slice.1 = f32[6,8]{1,0} dynamic-update-slice(%param_0.1, %bitcast.1, \
+%param_1.1, %constant_1), metadata={op_name="jit(step)/dynamic_update_slice" stack_frame_id=2}
+}
+
+%async_computation (param_0.2: f32[6,8], param_1.2: s32[], param_2.2: f32[8]) -> f32[6,8] {
+  %param_0.2 = f32[6,8]{1,0} parameter(0)
+  %param_1.2 = s32[] parameter(1)
+  %param_2.2 = f32[8]{0} parameter(2)
+  ROOT %loop_dynamic_update_slice_fusion = f32[6,8]{1,0} fusion(%param_0.2, %param_1.2, \
+%param_2.2), kind=kLoop, calls=%fused_dynamic_update_slice, \
+metadata={op_name="jit(step)/dynamic_update_slice" stack_frame_id=2}
+}
+
+%wrapped_tanh_computation (param_0.3: f32[8]) -> f32[8] {
+  %param_0.3 = f32[8]{0} parameter(0)
+  ROOT %tanh.1 = f32[8]{0} tanh(%param_0.3), metadata={op_name="jit(step)/tanh" stack_frame_id=1}
+}
+
+ENTRY %main.1 (x.1: f32[8], i.1: s32[], acc.1: f32[6,8]) -> f32[6,8] {
+  %x.1 = f32[8]{0} parameter(0), metadata={op_name="x"}
+  %i.1 = s32[] parameter(1), metadata={op_name="i"}
+  %acc.1 = f32[6,8]{1,0} parameter(2), metadata={op_name="acc"}
+  %constant_2 = s32[] constant(6)
+  %wrapped_tanh = f32[8]{0} fusion(%x.1), kind=kLoop, calls=%wrapped_tanh_computation, \
+metadata={op_name="jit(step)/tanh" stack_frame_id=1}
+  %copy.1 = f32[6,8]{1,0} copy(%acc.1)
+  %fusion-start = ((f32[6,8]{1,0}, s32[], f32[8]{0}), f32[6,8]{1,0}, u32[]) async-start(%copy.1, \
+%i.1, %wrapped_tanh), calls=%async_computation, \
+metadata={op_name="jit(step)/dynamic_update_slice" stack_frame_id=2}
+  ROOT %fusion-done = f32[6,8]{1,0} async-done(%fusion-start), \
+metadata={op_name="jit(step)/dynamic_update_slice" stack_frame_id=2}
+}
+"""
+
+_GPU_BUFFERS = """BufferAssignment:
+allocation 0: size 192, page 0, output shape is |f32[6,8]|, maybe-live-out:
+ value: <6 loop_dynamic_update_slice_fusion @0> (size=192,offset=0): f32[6,8]{1,0}
+allocation 1: size 32, page 0, parameter 0, shape |f32[8]| at ShapeIndex {}:
+ value: <1 x.1 @0> (size=32,offset=0): f32[8]{0}
+allocation 2: size 4, page 0, parameter 1, shape |s32[]| at ShapeIndex {}:
+ value: <2 i.1 @0> (size=4,offset=0): s32[]
+allocation 3: size 192, page 0, parameter 2, shape |f32[6,8]| at ShapeIndex {}:
+ value: <3 acc.1 @0> (size=192,offset=0): f32[6,8]{1,0}
+allocation 4: size 4, page 0, constant:
+ value: <7 constant_2 @0> (size=4,offset=0): s32[]
+allocation 5: size 256, page 0, preallocated-temp:
+ value: <4 wrapped_tanh @0> (size=32,offset=0): f32[8]{0}
+ value: <8 fusion-start{} @0> (size=24,offset=32): ((f32[6,8]{1,0}, s32[], f32[8]{0}), \
+f32[6,8]{1,0}, u32[])
+ value: <9 fusion-start{2} @0> (size=4,offset=56): u32[]
+ value: <5 copy.1 @0> (size=192,offset=64): f32[6,8]{1,0}
+"""
+
+_GPU_LIVE_RANGES = """HloLiveRange (max 10):
+  BufferLiveRange:
+    x.1{}:0-10
+    i.1{}:0-10
+    acc.1{}:0-10
+    constant_2{}:0-10
+    wrapped_tanh{}:3-9
+    copy.1{}:4-9
+    fusion-start{}:5-10
+    fusion-start{2}:5-10
+    loop_dynamic_update_slice_fusion{}:9-10
+"""
+
+
+def test_a_gpu_dump_reads_its_arguments_and_async_fusions(tmp_path):
+  """XLA:GPU's format, read on any backend: the entry parameters are arguments, and the
+  stack an async dynamic-update-slice fusion writes names the value it stacks (tanh)."""
+  prefix = tmp_path / "module_0013.jit_step.sm_9.0a_gpu_after_optimizations"
+  for suffix, text in (("", _GPU_HLO), ("-buffer-assignment", _GPU_BUFFERS),
+                       ("-live-range", _GPU_LIVE_RANGES)):
+    (tmp_path / f"{prefix.name}{suffix}.txt").write_text(text)
+  peak = buffer_assignment.read_dump(str(tmp_path))
+  got = {b.name: (b.kind, b.instruction, b.source) for b in peak.buffers}
+  body, loss = ("tests/test_buffer_assignment.py:50 (step.<locals>.loss.<locals>.body)",
+                "tests/test_buffer_assignment.py:51 (step.<locals>.loss)")
+  assert got == {
+      "x.1{}": ("argument", "parameter", "x"),
+      "i.1{}": ("argument", "parameter", "i"),
+      "acc.1{}": ("argument", "parameter", "acc"),
+      "constant_2{}": ("constant", "constant", "constant_2"),
+      "wrapped_tanh{}": ("temp", "tanh", body),
+      "copy.1{}": ("temp", "parameter", "acc"),  # an inserted copy holds the argument
+      "fusion-start{}": ("temp", "async-start", loss),
+      "fusion-start{2}": ("temp", "async-start", loss),
+      "loop_dynamic_update_slice_fusion{}": ("output", "tanh", body)}, got
+  assert peak.peak_bytes == 32 + 4 + 192 + 4 + 32 + 192 + 24 + 4 + 192
+  assert peak.bytes_of("argument") == 228 and peak.bytes_of("output") == 192
+  # the async-done's value is the same stack, found through the async-start's computation
+  hlo = buffer_assignment.HloText(_GPU_HLO)
+  done = hlo.origin("fusion-done")
+  assert (done.opcode, hlo.source(done)) == ("tanh", body)
+  assert hlo.instrs["fusion-done"].root_opcode == "dynamic-update-slice"
+  assert hlo.instrs["fusion-start"].root_opcode == "async-start"
+
+
 def test_argument_sources_read_as_python():
   """HLO escapes quotes in metadata (``p[\\'w\\']``); the tables show ``p['w']``."""
   w = jax.ShapeDtypeStruct((64, 64), jnp.float32)
