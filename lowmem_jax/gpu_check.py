@@ -156,7 +156,7 @@ def _has_config_key(key: str) -> bool:
   return key in {f.name for f in dataclasses.fields(TrainConfig)}
 
 
-def test_shard(k: int, n: int) -> list[str]:
+def tests_shard(k: int, n: int) -> list[str]:
   """The K-th of N parts of the test files (``tests/test_*.py`` by name, every N-th from
   the K-th), as paths relative to the checkout: one GPU call does not hold the suite."""
   files = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").glob("test_*.py"))
@@ -708,7 +708,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", args.shard)
     if not match or not 1 <= int(match[1]) <= int(match[2]):
       ap.error(f"--shard expects K/N with 1 <= K <= N, got {args.shard!r}")
-    tests = test_shard(int(match[1]), int(match[2]))
+    tests = tests_shard(int(match[1]), int(match[2]))
   cli_checks.output_dir(ap, args, "--out", "--docs")
 
   started = datetime.datetime.now().astimezone()

@@ -225,9 +225,9 @@ def test_shards_cover_every_test_file_once(tmp_path):
   """--shard K/N: the suite over N calls, each file in exactly one part; the tests
   stage runs the part."""
   files = sorted(f"tests/{p.name}" for p in (gpu_check.ROOT / "tests").glob("test_*.py"))
-  parts = [gpu_check.test_shard(k, 3) for k in (1, 2, 3)]
+  parts = [gpu_check.tests_shard(k, 3) for k in (1, 2, 3)]
   assert sorted(sum(parts, [])) == files and all(parts)
-  assert gpu_check.test_shard(1, 1) == files
+  assert gpu_check.tests_shard(1, 1) == files
   stage = {s.name: s for s in gpu_check.build_stages(tmp_path, tests=parts[1])}["tests"]
   assert stage.cmd[-len(parts[1]):] == parts[1] and "tests" not in stage.cmd
 
