@@ -187,7 +187,8 @@ def cudnn_refusal(q_shape, k_shape, dtype, *, mask_shape=None, backend: str = "g
 #   LLaMA   N=17: flash 1.03, cudnn_padded 1.70   N=197: cudnn_padded 0.96, flash 1.99
 #           N=577: cudnn_padded 1.07, flash 5.73  N=2048: cudnn 1.39, flash 11.0
 # cuDNN also keeps less (ViT-B N=197: 242 against 517 MiB temp). cudnn_padded at 17 is
-# cuDNN at 18 plus copies of ~0.1 ms, so short lengths go to ours as they are, too. Between
+# cuDNN at 18 plus pad and slice copies (~0.1 ms by the bytes they move, not timed), so
+# short even lengths go to ours too. Between
 # N=17 and 197 the crossover is unmeasured: 64 splits the two measured points (the bench
 # now times 64 and 129).
 AUTO_GPU_TABLE: dict[str, tuple[tuple[int | None, str], ...]] = {

@@ -5,8 +5,7 @@
     python -m lowmem_jax.gpu_check --smoke --out DIR       # tiny shapes, one test function
     python -m lowmem_jax.gpu_check --stages env,kernel-bench --out DIR
     python -m lowmem_jax.gpu_check --call 2 --out DIR2 --docs  # the second call's stages
-    python -m lowmem_jax.gpu_check --stages env,tests --budget 540 --shard 1/3  # a third
-                                                               # of the suite, one call
+    python -m lowmem_jax.gpu_check --stages env,tests --budget 540 --shard 1/3  # 1/3 suite
 
 Each stage is a subprocess with its own timeout, run one after another (they share the
 GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's

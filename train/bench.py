@@ -216,7 +216,10 @@ def measure_peaks(argv_base: list[str], specs: Sequence[str],
 
 
 # ----------------------------------------------------------------------------- the bench
-def time_queued(runners: dict, steps: int, rounds: int = 3) -> dict[str, float]:
+QUEUED_ROUNDS = 3  # rounds of time_queued: its median
+
+
+def time_queued(runners: dict, steps: int, rounds: int = QUEUED_ROUNDS) -> dict[str, float]:
   """Seconds per step of each runner as the peers are timed (benchmarks/peers.py: one
   batch on the device, steps queued back to back, the device's time): ``steps`` steps on
   the runner's current batch, dispatched without waiting, over the wall time from the
@@ -527,7 +530,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
         f"overrides {cfg.model_overrides or '{}'}; {result['device_kind']} "
         f"({result['backend']}), jax {result['jax_version']}; median of {args.steps} "
         f"interleaved steps after {args.warmup} warmup, a new batch each; queued: the "
-        f"median of 3 rounds of {args.steps} steps queued on one batch, as the peers are timed")
+        f"median of {QUEUED_ROUNDS} rounds of {args.steps} steps queued on one batch, as the "
+        "peers are timed")
   print(table(result))
   for spec, error in {**result.get("failed", {}), **result.get("peak_errors", {})}.items():
     print(f"{spec}: failed: {error}")
