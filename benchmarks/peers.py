@@ -51,8 +51,11 @@ batch; AdamW's state is made at the first step and so counts in the peak), then
 ``max_memory_allocated()``; step time from CUDA events around each timed step, median.
 On CPU the time is the host clock and the peak is None: PyTorch keeps no allocator
 statistics for CPU memory, and the process RSS would count the interpreter and libraries.
-Prints one line of JSON (also written to ``--json``). A missing package exits with 3 after
-one line naming it (and ``{"missing": ...}`` in the JSON file), bad arguments with 2.
+``--profile`` (CUDA): then up to 5 more steps under ``torch.profiler``; the result's
+``profile`` is their device time by kernel kind (``train.kernel_time.summarize``, as our
+bench's ``--profile``). Prints one line of JSON (also written to ``--json``). A missing
+package exits with 3 after one line naming it (and ``{"missing": ...}`` in the JSON
+file), bad arguments with 2.
 """
 
 from __future__ import annotations
@@ -147,6 +150,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                   type=lambda v: BASE_ALIASES.get(v, v), choices=BASE_DTYPES,
                   help="llama cases: the weights' dtype (bf16, fp32 also accepted; nf4: "
                        "LoRA only, needs bitsandbytes; default: %(default)s)")
+  ap.add_argument("--profile", action="store_true",
+                  help="after timing, trace --steps more steps (torch.profiler, CUDA) and "
+                       "break their device time down by kernel kind (train.kernel_time)")
   ap.add_argument("--find-max-batch", action="store_true",
                   help="the largest batch that runs (out of memory caught), then timed there")
   ap.add_argument("--max-batch", type=int, default=256,
@@ -383,6 +389,12 @@ def measure(args) -> dict:
   loss = float(loss)
   seconds = statistics.median(times)
   peak = torch.cuda.max_memory_allocated() if cuda else None
+  traced = None
+  if args.profile and cuda:
+    try:  # after the timed steps: a trace that fails costs its figures, not the run's
+      traced = profile_steps(args.steps, lambda: step(loss_fn))
+    except Exception as e:  # noqa: BLE001 - any profiler failure (no CUPTI, ...)
+      print(f"warning: --profile failed: {type(e).__name__}: {e}", file=sys.stderr)
   with autocast:  # after the peak is read: which trainable tensors get a nonzero gradient
     loss_fn().backward()
   with_grad = sum(p.grad is not None and bool(p.grad.any()) for p in params)
@@ -413,7 +425,35 @@ def measure(args) -> dict:
       "peak_note": None if cuda else (
           "no peak on CPU: torch keeps allocator statistics for CUDA only"),
       "final_loss": loss, "finite": loss == loss and abs(loss) != float("inf"),
+      "profile": traced,
   }
+
+
+def profile_steps(steps: int, step) -> dict:
+  """``steps`` calls of ``step`` (at most ``PROFILE_STEPS``, as our bench's ``--profile``)
+  under ``torch.profiler`` (CUDA activity), waited for: ``train.kernel_time.summarize``
+  of their kernels."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  _repo_on_path()
+  from train.kernel_time import PROFILE_STEPS, summarize, torch_kernels
+
+  steps = min(steps, PROFILE_STEPS)
+  torch.cuda.synchronize()
+  with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    start = time.perf_counter()
+    for _ in range(steps):
+      step()
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+  return summarize(torch_kernels(prof.events()), steps, wall)
+
+
+def _repo_on_path() -> None:
+  """Run as a script, benchmarks/ is on the path, not the repo root: put the root there."""
+  root = str(Path(__file__).resolve().parents[1])
+  if root not in sys.path:
+    sys.path.insert(0, root)
 
 
 def _versions(case: str, base_dtype: str) -> dict:
@@ -428,9 +468,7 @@ def find_max_batch(args, batch_loss, step, optimizer, cuda: bool) -> dict:
   import gc
 
   import torch
-  root = str(Path(__file__).resolve().parents[1])
-  if root not in sys.path:  # run as a script: benchmarks/ is on the path, not the root
-    sys.path.insert(0, root)
+  _repo_on_path()
   from benchmarks.fit_search import largest_fitting
 
   def peak_of(batch: int) -> float:

@@ -13,7 +13,8 @@ GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
 224 px, batch 64, LoRA r=8 on query/value; and 4 layers of LLaMA-7B widths, batch 4 x
 1024, LoRA r=8 on all 7 linears, WTA-CRS among its policies; random data; with
 ``--peers``: timm / HF Llama + peft on
-the same shapes, with and without checkpointing, which on a GPU implies ``--peak``),
+the same shapes, with and without checkpointing, which on a GPU implies ``--peak``; and
+``--profile``: each run's device time by kernel kind and source line, ours and theirs),
 ``kernel-bench``, ``attention-bench``, ``bench-remat`` (ViT-B LoRA as in
 ``bench-vit``: ``lowmem``, ``mesa8`` and ``wta-crs`` against JAX's remat policies and
 offload, ``--peak``),
@@ -103,8 +104,9 @@ class Stage:
 
 # ----------------------------------------------------------------------------- stages
 # the lean exact baseline, plain Flax autodiff (what a user would write), LowMemoryBP, the
-# combined preset and full remat, beside the peers
-BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "remat")
+# combined preset, the preset under timm + peft + checkpointing's peak (issue 14) and full
+# remat, beside the peers
+BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "lowmem+qkv=recompute", "remat")
 # LLaMA widths: WTA-CRS under LoRA in plain's place (ViT-B's WTA-CRS row is bench-remat's);
 # then the leanest policy with no 8-bit code (q, k, v and the MLP's hidden recomputed:
 # 0.704 of the baseline's temp compiled for an H100), for what its recomputes cost; last,
@@ -135,10 +137,12 @@ def _py(*args: str) -> list[str]:
 def _bench_cmd(out: Path, name: str, sets: Sequence[str], synthetic: int, steps: int,
                warmup: int, peak: bool, policies: Sequence[str] = BENCH_POLICIES,
                peers: bool = True) -> list[str]:
+  """``train.bench``'s command line; with the peers, ``--profile`` too: where each run's
+  device time goes, ours and the peers' alike."""
   cmd = _py("-m", "train.bench", "--synthetic", str(synthetic), "--policies",
             ",".join(policies), "--steps", str(steps), "--warmup", str(warmup),
             "--json", str(out / f"{name}.json"))
-  cmd += ["--peers"] if peers else []
+  cmd += ["--peers", "--profile"] if peers else []
   for item in sets:
     cmd += ["--set", item]
   return cmd + (["--peak"] if peak else [])
@@ -509,10 +513,12 @@ def _bench_figure(rec: dict) -> str | None:
   for r in result.get("rows") or []:
     queued = f" (queued {r['queued_ms']:.1f})" if r.get("queued_ms") else ""
     cell = f"{r['policy']} {r['step_ms']:.1f} ms{queued}, temp {r['temp_mib']:.0f} MiB"
-    cells.append(cell + (f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""))
+    cell += f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""
+    cells.append(cell + _profile_cell(r.get("profile")))
   for r in result.get("peers") or []:
     cell = f"{r['policy']} " + (f"{r['step_ms']:.1f} ms" if "step_ms" in r else "failed")
-    cells.append(cell + (f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""))
+    cell += f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""
+    cells.append(cell + _profile_cell(r.get("profile")))
   if result.get("peers_note"):
     cells.append(f"no peers: {result['peers_note']}")
   if result.get("partial"):  # cut short after the peaks: what the subprocesses measured
@@ -524,6 +530,15 @@ def _bench_figure(rec: dict) -> str | None:
   for spec, error in {**result.get("failed", {}), **result.get("peak_errors", {})}.items():
     cells.append(f"{spec} failed: {error[:120]}")
   return f"{rec['name']}: " + "; ".join(cells) if cells else None
+
+
+def _profile_cell(profile: dict | None) -> str:
+  """A traced run's device time per step (``train.bench --profile``): busy of wall, by kind."""
+  if not profile:
+    return ""
+  kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in profile["kind_ms"].items())
+  return (f", device busy {profile['busy_ms']:.1f} of {profile['wall_ms']:.1f} ms traced "
+          f"({kinds})")
 
 
 def _kernel_figure(rec: dict) -> str | None:

@@ -103,9 +103,10 @@ def test_peer_runs_with_and_without_checkpointing_and_a_failure_is_a_row(tmp_pat
       """)
   monkeypatch.setattr(bench_peers, "PEERS_SCRIPT", script)
   cfg = _cfg("model=vit-tiny", "trainable=lora", "batch_size=8")
-  out = bench_peers.run_peers(cfg, steps=7, warmup=2)
+  out = bench_peers.run_peers(cfg, steps=7, warmup=2, profile=True)
   ok, failed = out["peers"]
   assert ok["name"] == "torch+peft" and "--checkpointing" not in ok["argv"]
+  assert "--profile" in ok["argv"]
   assert ok["argv"][ok["argv"].index("--steps") + 1] == "7"
   assert ok["argv"][ok["argv"].index("--batch") + 1] == "8"
   assert failed["name"] == "torch+peft+ckpt" and "out of memory" in failed["error"]
@@ -137,6 +138,10 @@ def test_merge_puts_peer_rows_beside_ours_with_ratios_to_our_baseline():
   assert ckpt["speed_ratio"] == pytest.approx(28.0 / 56.0)
   assert ckpt["peak_minus_resident_mib"] == 879.0 and ckpt["peer"]["checkpointing"]
   assert failed == {"policy": "torch+peft+ckpt", "peer": peers["peers"][2]}
+  assert "profile" not in lora  # the peer traced nothing (no --profile)
+  traced = {"name": "torch+peft", **_peer(False), "profile": {"busy_ms": 1.0}}
+  merged_traced = bench_peers.merge_peers(_result(peak=False), {"peers": [traced]})
+  assert merged_traced["peers"][0]["profile"] == {"busy_ms": 1.0}
   lines = bench.table(merged).splitlines()
   assert lines[0].split()[-3:] == ["peak", "MiB", "ratio"]
   assert lines[-3].split() == ["torch+peft", "-", "-", "-", "-", "28.40", "0.986", "2254",

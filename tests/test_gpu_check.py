@@ -102,6 +102,10 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   vit, llama = " ".join(stages["bench-vit"].cmd), " ".join(stages["bench-llama"].cmd)
   assert "model=vit-b16" in vit and "batch_size=64" in vit and "lora_targets=query,value" in vit
   assert "--peers" in stages["bench-vit"].cmd and "--peers" in stages["bench-llama"].cmd
+  # where the device time goes, ours and the peers'
+  assert "--profile" in stages["bench-vit"].cmd and "--profile" in stages["bench-llama"].cmd
+  vit_policies = stages["bench-vit"].cmd[stages["bench-vit"].cmd.index("--policies") + 1]
+  assert "lowmem+qkv=recompute" in vit_policies.split(",")
   assert "--peak" not in stages["bench-vit"].cmd  # only when asked for (or implied by GPU peers)
   from train.bench import parse_policies
   llama_cmd = stages["bench-llama"].cmd
@@ -118,7 +122,7 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   smoke = {s.name: s for s in gpu_check.build_stages(tmp_path, smoke=True)}
   assert "--smoke" in smoke["reversible-depth"].cmd
   remat = stages["bench-remat"].cmd
-  assert "--peak" in remat and "--peers" not in remat
+  assert "--peak" in remat and "--peers" not in remat and "--profile" not in remat
   assert parse_policies(remat[remat.index("--policies") + 1]) == list(gpu_check.REMAT_POLICIES)
   budget = gpu_check.GPU_BUDGET_S  # three calls of it fit 30 minutes of device time
   assert 3 * (budget + gpu_check.KILL_GRACE_S + 30) + 120 <= 30 * 60
@@ -298,7 +302,9 @@ def test_markdown_shows_key_figures_and_a_low_copy():
                 "cuda_runtime": 12080}},
       {"name": "bench-vit", "status": "passed", "exit_code": 0, "wall_s": 50.0,
        "timeout_s": 120, "stdout_tail": "table", "json": {"rows": [
-           {"policy": "baseline", "step_ms": 28.1, "temp_mib": 6000.0}], "peers": [
+           {"policy": "baseline", "step_ms": 28.1, "temp_mib": 6000.0, "profile": {
+               "busy_ms": 20.04, "wall_ms": 28.5, "kind_ms": {
+                   "matmul": 12.0, "attention": 3.0, "copy": 0.5, "other": 6.0}}}], "peers": [
            {"policy": "torch+peft", "step_ms": 28.4, "peak_mib": 3653.0},
            {"policy": "torch+peft+ckpt", "error": "CUDA out of memory"}]}},
       {"name": "bench-llama", "status": "passed", "exit_code": 0, "wall_s": 50.0,
@@ -333,8 +339,9 @@ def test_markdown_shows_key_figures_and_a_low_copy():
   md = gpu_check.markdown(report)
   assert md.startswith("# lowmem-jax GPU check: NVIDIA H100 80GB HBM3, jax 0.11.2 "
                        "(CUDA 12.8, cuDNN 9.8.0)")
-  assert ("- bench-vit: baseline 28.1 ms, temp 6000 MiB; torch+peft 28.4 ms, peak 3653 MiB; "
-          "torch+peft+ckpt failed\n") in md
+  assert ("- bench-vit: baseline 28.1 ms, temp 6000 MiB, device busy 20.0 of 28.5 ms traced "
+          "(matmul 12.0, attention 3.0, copy 0.5, other 6.0); torch+peft 28.4 ms, peak 3653 "
+          "MiB; torch+peft+ckpt failed\n") in md
   assert "- bench-llama: baseline 36.0 ms, temp 5000 MiB; no peers: peft is not importable" in md
   assert "measured copy 1076 GB/s (32% of peak) **LOW" in md
   assert "pack_2bit 480 GB/s (1.10x XLA), approx2_backward failed\n" in md

@@ -17,7 +17,7 @@ TINY = set_args(TINY_OVERRIDES)
 @pytest.mark.precision("default")
 def test_bench_end_to_end(tmp_path, capsys):
   out = tmp_path / "bench.json"
-  result = bench.main([*TINY, "--policies", "lowmembp",
+  result = bench.main([*TINY, "--policies", "lowmembp", "--profile",
                        "--steps", "3", "--warmup", "1", "--json", str(out)])
   text = capsys.readouterr().out
   data = json.loads(out.read_text())
@@ -33,7 +33,12 @@ def test_bench_end_to_end(tmp_path, capsys):
     for key in ("temp_mib", "temp_ratio", "total_mib", "total_ratio", "step_ms",
                 "speed_ratio", "throughput", "compiled", "queued_ms", "queued_speed_ratio"):
       assert r[key] > 0 if key != "compiled" else r[key]["temp"] > 0, (key, r)
-    assert r["steps_run"] == 4 + 3 * 3 and r["finite"]  # + 3 rounds of 3 queued steps
+    # + 3 rounds of 3 queued steps, + 3 traced (--profile)
+    assert r["steps_run"] == 4 + 3 * 3 + 3 and r["finite"]
+    if data["backend"] == "cpu":  # no device kernels in a CPU trace: a note, no figures
+      assert "profile" not in r
+    else:
+      assert r["profile"]["steps"] == 3 and r["profile"]["busy_ms"] > 0
     assert r["throughput"] == pytest.approx(16 / (r["step_ms"] / 1e3))
     assert "peak_mib" not in r  # only with --peak on a GPU
   base, low = rows["baseline"], rows["lowmembp"]
@@ -43,6 +48,10 @@ def test_bench_end_to_end(tmp_path, capsys):
     assert low["compiled"]["temp"] < base["compiled"]["temp"]
     assert low["temp_ratio"] < 1.0
   assert "speed vs base" in text and "lowmembp" in text
+  if data["backend"] == "cpu":
+    assert "note: --profile: the traces held no device kernels" in text
+  else:
+    assert "device time per step, traced (3 queued steps" in text
 
   # the figures read off the timed executable are Trainer.compiled_memory's
   from train.config import load_config
@@ -227,6 +236,43 @@ def test_table():
   assert "examples/s" in text.splitlines()[0] and "peak" not in text
   assert "0.600" in text and "0.800" in text  # lowmembp's temp and speed ratios
   assert "peak MiB" in bench.table(_result(peak=True))
+
+
+def test_profiles_are_printed_for_our_rows_and_the_peers(capsys):
+  from train.kernel_time import Kernel, summarize
+  ours = summarize([Kernel("nvjet_tst", "dot.1", 0, 3e6), Kernel("loop_fusion", "f.2", 3e6, 1e6)],
+                   steps=1, wall_s=5e-3, where={"dot.1": "models/linear.py:9 (f)"}.get)
+  theirs = summarize([Kernel("fmha_cutlassF", "", 0, 2e6)], steps=1, wall_s=2e-3)
+  result = _result()
+  result["rows"][0]["profile"] = ours
+  result["peers"] = [{"policy": "torch+peft", "profile": theirs}, {"policy": "torch+peft+ckpt"}]
+  bench.print_profiles(result)
+  lines = capsys.readouterr().out.splitlines()
+  start = lines.index("device time per step, traced (1 queued steps; kind from the kernel's "
+                      "name)")
+  assert lines[start + 3].split()[:8] == ["baseline", "5.00", "4.00", "1.00", "3.00", "0.00",
+                                          "0.00", "1.00"]
+  assert lines[start + 4].split()[:8] == ["torch+peft", "2.00", "2.00", "0.00", "0.00", "2.00",
+                                          "0.00", "0.00"]
+  assert len([x for x in lines if x.startswith(("baseline  ", "torch+peft+ckpt"))]) == 1
+  assert "baseline: device time by source (ms per step)" in lines
+  assert any("models/linear.py:9 (f)" in x and "matmul" in x for x in lines)
+  bench.print_profiles(_result())
+  assert "no device kernels" in capsys.readouterr().out
+
+
+def test_a_failing_trace_is_a_warning_not_a_failed_bench(monkeypatch, capsys):
+  from train import kernel_time
+
+  def boom(run, steps, where=None):
+    raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED")
+  monkeypatch.setattr(kernel_time, "trace_steps", boom)
+
+  class Runner:  # a runner whose trainer has no compiled step kept (compiled for a target)
+    trainer = type("T", (), {"compiled_step": None})()
+  assert bench.profile_runners({"baseline": Runner()}, 2) == {"baseline": None}
+  assert ("warning: --profile [baseline] failed: RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"
+          in capsys.readouterr().out)
 
 
 def test_png_without_matplotlib_is_skipped_with_a_note(tmp_path, monkeypatch, capsys):

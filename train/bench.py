@@ -42,6 +42,12 @@ the peers ran on a GPU it implies ``--peak``, so our rows' peak stands beside th
 missing package (torch, timm, peft, transformers) is one printed line, not a failure.
 See :mod:`train.bench_peers` and docs/peers.md.
 
+``--profile`` then traces each policy's queued steps (``jax.profiler``; the peers'
+with ``torch.profiler``) and prints where the device time goes: per step, the device's
+busy time against the wall time, kernel time by kind (matmul, attention, copy, other) and,
+for ours, by the source line that launched the kernels (:mod:`train.kernel_time`). A CPU
+trace holds no device kernels: a note, no figures.
+
 ``--synthetic N`` replaces the config's data by N random examples shaped for its model
 (images and labels; or tokens, targets and a full loss mask; or tokens, mask and labels):
 full-size models (ViT-B/16 at 224 px, LLaMA-7B widths) need no image folder or tokenizer.
@@ -67,6 +73,7 @@ from lowmem_jax import cli_checks
 from lowmem_jax.memory import (MiB, error_line, format_table, peak_buffers, policy_list,
                                write_json)
 from lowmem_jax.policy import MemoryPolicy
+from train import kernel_time
 from train.batches import batch_items
 from train.bench_peers import merge_peers, ran_on_gpu, run_peers
 from train.config import TrainConfig, add_config_arguments, load_config
@@ -241,9 +248,34 @@ def time_queued(runners: dict, steps: int, rounds: int = QUEUED_ROUNDS) -> dict[
   return {name: statistics.median(t) for name, t in times.items()}
 
 
+def profile_runners(runners: dict, steps: int) -> dict[str, dict | None]:
+  """Each runner's ``steps`` steps queued on its batch (as :func:`time_queued`) under the
+  JAX profiler: :func:`train.kernel_time.trace_steps`'s figures, the kernels grouped by
+  the source line of the instruction that launched them; None where the trace holds no
+  device kernels (CPU). After the timed runs, so tracing does not touch their times."""
+  profiles = {}
+  for name, runner in runners.items():
+    trainer = runner.trainer
+    compiled = trainer.compiled_step[1] if trainer.compiled_step else None
+    where = kernel_time.hlo_sources(compiled.as_text()) if compiled is not None else None
+
+    def queue(runner=runner, trainer=trainer):
+      for _ in range(steps):
+        runner.metrics = trainer.step(runner.batch)
+      runner.steps += steps
+      return trainer.state
+    try:  # after the timed runs: a trace that fails costs its figures, not the bench's
+      profiles[name] = kernel_time.trace_steps(queue, steps, where)
+    except Exception as e:  # noqa: BLE001 - any profiler failure (no CUPTI, a busy session)
+      print(f"warning: --profile [{name}] failed: {error_line(e)}", flush=True)
+      profiles[name] = None
+  return profiles
+
+
 def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
-        peaks: dict | None = None, synthetic: int = 0) -> dict:
-  """Compiled memory and interleaved step times of each policy; the JSON result."""
+        peaks: dict | None = None, synthetic: int = 0, profile: bool = False) -> dict:
+  """Compiled memory and interleaved step times of each policy; the JSON result.
+  ``profile``: then each policy's device time traced (:func:`profile_runners`)."""
   from lowmem_jax.kernel_bench import time_interleaved
 
   if cfg.batch_size % cfg.grad_accum:
@@ -275,6 +307,7 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
   seconds = time_interleaved(runners, {spec: () for spec in specs}, rounds=steps,
                              warmup=warmup - 1)
   queued = time_queued(runners, steps)
+  profiles = profile_runners(runners, min(steps, kernel_time.PROFILE_STEPS)) if profile else {}
 
   bmem, btime = memory[base], seconds[base]
   rows = []
@@ -294,6 +327,8 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
         "final_loss": float(r.metrics["loss"]),
         "finite": r.trainer.first_bad_step() is None,  # every step run
     }
+    if profiles.get(spec):
+      row["profile"] = profiles[spec]
     if peaks and spec in peaks:
       row["peak_bytes_in_use"] = peaks[spec]
       row["peak_mib"] = peaks[spec] / MiB
@@ -399,6 +434,22 @@ def table(result: dict) -> str:
   return format_table(headers, rows)
 
 
+def print_profiles(result: dict) -> None:
+  """``--profile``'s tables: device time per step by kernel kind for every traced run,
+  then each run's time by source line."""
+  profiles = {r["policy"]: r["profile"] for r in result["rows"] + result.get("peers", [])
+              if r.get("profile")}
+  if not profiles:
+    print("note: --profile: the traces held no device kernels (a CPU backend, or a GPU "
+          "profiler without CUPTI); nothing to break down", flush=True)
+    return
+  print(f"\ndevice time per step, traced ({next(iter(profiles.values()))['steps']} queued "
+        "steps; kind from the kernel's name)")
+  print(kernel_time.table(profiles))
+  for name, profile in profiles.items():
+    print(kernel_time.top_table(name, profile))
+
+
 def plot(result: dict, path: str) -> bool:
   """Memory and throughput bar charts side by side (as in the LowMemoryBP paper's
   figure); False, with a note, when matplotlib is not installed."""
@@ -460,6 +511,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   ap.add_argument("--peers", action="store_true",
                   help="also run the PyTorch peers (benchmarks/peers.py) with the same shapes, "
                        "with and without gradient checkpointing; on a GPU implies --peak")
+  ap.add_argument("--profile", action="store_true",
+                  help="after timing, trace each policy's queued steps (and the peers') and "
+                       "break their device time down by kernel kind and source line (GPU)")
   ap.add_argument("--synthetic", type=int, default=0, metavar="N",
                   help="N random examples shaped for the model instead of the config's data")
   ap.add_argument("--json", metavar="FILE", help="write the figures as JSON")
@@ -505,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
     return result
 
   # the peers and the peaks run before this process allocates on the device (XLA preallocates)
-  peers = run_peers(cfg, args.steps, args.warmup) if args.peers else None
+  peers = run_peers(cfg, args.steps, args.warmup, args.profile) if args.peers else None
   peaks, peak_errors = None, {}
   if args.peak or (peers is not None and ran_on_gpu(peers)):
     base_argv = ["--warmup", str(args.warmup), "--synthetic", str(args.synthetic)]
@@ -520,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
                            "peaks_mib": {k: v / MiB for k, v in (peaks or {}).items()},
                            "peak_errors": peak_errors, "peers_raw": peers})
 
-  result = run(cfg, specs, args.steps, args.warmup, peaks, args.synthetic)
+  result = run(cfg, specs, args.steps, args.warmup, peaks, args.synthetic, args.profile)
   if peak_errors:
     result["peak_errors"] = peak_errors
   if peers is not None:
@@ -540,6 +594,8 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
       print(f"{r['policy']}: resident {r['resident_mib']:.1f} MiB before the step, peak - "
             f"resident {r['peak_minus_resident_mib']:.1f} MiB ({r['peer']['device_name']}, "
             f"torch {r['peer']['versions']['torch']})")
+  if args.profile:
+    print_profiles(result)
   if result["backend"] == "cpu":
     print("note: CPU timings are only indicative, and XLA:CPU's buffer assignment is not "
           "XLA:GPU's; GPU runs are the reference for memory and speed.")

@@ -66,9 +66,10 @@ def peer_args(cfg: TrainConfig) -> list[str]:
   return args
 
 
-def run_peers(cfg: TrainConfig, steps: int, warmup: int) -> dict:
+def run_peers(cfg: TrainConfig, steps: int, warmup: int, profile: bool = False) -> dict:
   """Both peer runs (without, then with checkpointing): ``{"peers": [results]}``, or
-  ``{"peers": [], "peers_note": why}`` when there is no peer or a package is missing."""
+  ``{"peers": [], "peers_note": why}`` when there is no peer or a package is missing.
+  ``profile``: each peer also traces its steps (``benchmarks/peers.py --profile``)."""
   try:
     args = peer_args(cfg)
   except ValueError as e:
@@ -85,6 +86,7 @@ def run_peers(cfg: TrainConfig, steps: int, warmup: int) -> dict:
       name, out = peer_name(lora, ckpt), Path(tmp) / f"peer{int(ckpt)}.json"
       cmd = [sys.executable, str(PEERS_SCRIPT), *args, "--warmup", str(warmup),
              "--steps", str(steps), "--json", str(out)] + (["--checkpointing"] if ckpt else [])
+      cmd += ["--profile"] if profile else []
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       result = json.loads(out.read_text()) if out.exists() else {}
       if "missing" in result:
@@ -118,6 +120,8 @@ def merge_peers(result: dict, peers: dict) -> dict:
   rows = []
   for p in peers["peers"]:
     row = {"policy": p["name"], "peer": p}
+    if p.get("profile"):
+      row["profile"] = p["profile"]
     if "error" not in p:
       row.update(step_ms=p["step_ms"], speed_ratio=base["step_ms"] / p["step_ms"],
                  throughput=p["throughput"])
