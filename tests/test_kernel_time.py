@@ -131,7 +131,7 @@ def test_a_cpu_trace_has_no_device_kernels():
     assert p["kernels_per_step"] >= 1 and p["busy_ms"] > 0
 
 
-def test_hlo_sources_name_the_python_line():
+def test_hlo_sources_name_the_python_line_and_the_phase():
   def body(x):
     return jnp.sin(x) * 2.0  # the line the instruction comes from
 
@@ -140,8 +140,19 @@ def test_hlo_sources_name_the_python_line():
   from lowmem_jax.buffer_assignment import HloText
   ops = [i.name for i in HloText(compiled.as_text()).instrs.values()
          if i.opcode in ("fusion", "sine", "multiply")]
-  assert ops and any("test_kernel_time.py" in where(op) for op in ops)
+  assert ops and any("test_kernel_time.py" in where(op) and where(op).endswith("[fwd]")
+                     for op in ops)
   assert where("no-such-op.1") == ""
+
+  # the gradient of a rematted function: its backward and its recomputed forward
+  step = jax.jit(jax.grad(lambda x: jax.checkpoint(lambda y: jnp.sin(jnp.sin(y)))(x).sum()))
+  hlo = step.lower(jnp.ones(8)).compile().as_text()
+  where = kernel_time.hlo_sources(hlo)
+  phases = {where(i.name).rsplit(" ", 1)[-1] for i in HloText(hlo).instrs.values()
+            if where(i.name) and i.opcode not in ("parameter", "constant")}
+  assert phases and phases <= {"[bwd]", "[bwd+recompute]"}, phases  # grad alone: no fwd
+  if jax.default_backend() == "cpu":  # unfused, the recomputed sin and cos show (a GPU
+    assert "[bwd+recompute]" in phases  # fusion may carry its backward root's name)
 
 
 class _Range:

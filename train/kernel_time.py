@@ -160,14 +160,19 @@ def trace_steps(run: Callable[[], object], steps: int,
 
 
 def hlo_sources(hlo_text: str) -> Callable[[str], str]:
-  """``op -> "file:line (function)"`` for the instructions of a compiled module's HLO
-  text (``compiled.as_text()``); "" for an op it does not hold."""
+  """``op -> "file:line (function) [phase]"`` for the instructions of a compiled module's
+  HLO text (``compiled.as_text()``); "" for an op it does not hold. The phase, from JAX's
+  op name: ``fwd``, ``bwd`` (under ``transpose``), ``+recompute`` (a rematted forward)."""
   from lowmem_jax.buffer_assignment import HloText
   hlo = HloText(hlo_text)
 
   def where(op: str) -> str:
     instr = hlo.instrs.get(op)
-    return hlo.source(instr) if instr is not None else ""
+    if instr is None:
+      return ""
+    phase = "bwd" if "transpose(" in instr.op_name else "fwd"
+    phase += "+recompute" if "rematted_computation" in instr.op_name else ""
+    return f"{hlo.source(instr)} [{phase}]"
   return where
 
 
