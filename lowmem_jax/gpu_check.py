@@ -23,8 +23,8 @@ offload, ``--peak``),
 reversible and pareprop, a fresh process each, and PaReprop's speed in CUDA graphs'
 concurrent regions (vanilla's too, its control), on a second stream and with XLA's
 latency hiding scheduler, in that order, as the stage's time allows) and ``tests`` (the
-suite in pytest-xdist workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, counted from its
-JUnit XML). A stage that fails or times out is recorded and the next one runs; a bench
+suite in pytest-xdist workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, GEMM autotuning
+off, counted from its JUnit XML). A stage that fails or times out is recorded and the next one runs; a bench
 keeps the policies that ran when one fails, and its peers' and peaks' figures when its
 timed run is cut. All stages share a budget (``--budget``, default 420 s on a GPU, so
 three calls fit 30 minutes of device time): a stage's timeout is its own, cut so the
@@ -70,6 +70,7 @@ THIRD_CALL = ("env", "llama-fit")
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in SECOND_CALL[1:] + THIRD_CALL[1:])
 CALLS = {1: DEFAULT_STAGES, 2: SECOND_CALL, 3: THIRD_CALL}  # --call N
 LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
+TESTS_XLA_FLAGS = "--xla_gpu_autotune_level=0"  # the tests stage: no GEMM autotuning
 PEERS_S = (120, 55)  # --peers (+ the --peak it implies on a GPU): (timeout, reserve) per bench
 XLA_CACHE = "xla-cache"  # under --out: the stages' shared persistent compilation cache
 KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
@@ -250,8 +251,14 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
     cmd += ["--timeout", "180"]  # one hung test must not eat the stage
   targets = list(tests) if tests else (
       ["tests/test_kernel_bench.py::test_spec_bandwidth_lookup"] if smoke else ["tests"])
+  # GEMM autotuning off: the tests check values and compiled memory, not speed, and each
+  # worker's compiles then skip timing every GEMM's candidate kernels (most of the suite's
+  # time on the H100 is compiling); it is also what the deviceless compiles that set the
+  # GPU memory bounds (test_block_stack) do, as they cannot time anything
+  xla_flags = " ".join(filter(None, (os.environ.get("XLA_FLAGS"), TESTS_XLA_FLAGS)))
   stages.append(Stage("tests", cmd + targets, 400, 0, junit_file=junit.name,
-                      env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}))
+                      env={"XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+                           "XLA_FLAGS": xla_flags}))
   if smoke:
     for stage in stages:
       stage.timeout_s *= SMOKE_TIMEOUT_FACTOR

@@ -96,6 +96,12 @@ def test_device_slug():
   assert gpu_check.device_slug(None) == "unknown"
 
 
+def test_the_tests_stage_keeps_the_callers_xla_flags(tmp_path, monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+  tests = next(s for s in gpu_check.build_stages(tmp_path) if s.name == "tests")
+  assert tests.env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_gpu_autotune_level=0"
+
+
 def test_gpu_stages_run_the_asked_commands(tmp_path):
   stages = {s.name: s for s in gpu_check.build_stages(tmp_path, workers=12)}
   assert list(stages)[-1] == "tests" and list(stages)[0] == "env"
@@ -115,7 +121,8 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
     assert item in llama
   assert f"out_dir={tmp_path / 'train-run'}" in " ".join(stages["train"].cmd)
   assert "-n 12" in " ".join(stages["tests"].cmd)
-  assert stages["tests"].env == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  assert stages["tests"].env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+  assert stages["tests"].env["XLA_FLAGS"].split()[-1] == "--xla_gpu_autotune_level=0"
   rev = stages["reversible-depth"].cmd
   assert rev[1:3] == ["-m", "benchmarks.reversible_depth"] and "--smoke" not in rev
   assert rev[rev.index("--json") + 1] == str(tmp_path / "reversible-depth.json")
