@@ -16,7 +16,8 @@ that list into figures per step, for ours and the peers alike:
   counts under matmul and other; its source line says where it is;
 * ``top``: the kernels' time grouped by where they come from: for JAX, the Python source
   line of the HLO instruction that launched them (``where``, from the compiled step's
-  HLO text); else the kernel name.
+  HLO text); else the kernel name. ``attributed``: the share of kernel time placed so
+  (without ``where``: the share whose trace event names an HLO op).
 
 Kernel times sum above ``busy_ms`` where kernels overlap on several streams. Only the
 device's planes count (a trace on CPU has none: :func:`trace_steps` returns None).
@@ -52,7 +53,8 @@ PROFILE_STEPS = 5  # steps traced per run (train.bench --profile, the peers'): t
 @dataclasses.dataclass(frozen=True)
 class Kernel:
   """One kernel the device ran: its name, the HLO instruction that launched it ("" when
-  the trace does not say: torch, or kernels in a CUDA graph), start and duration."""
+  the trace does not say: torch, or kernels replayed in a CUDA graph), start and
+  duration."""
   name: str
   op: str
   start_ns: float
@@ -88,10 +90,13 @@ def summarize(kernels: list[Kernel], steps: int, wall_s: float,
   per_step = lambda ns: ns / steps / 1e6  # noqa: E731 - ns over all steps -> ms per step
   by_kind = dict.fromkeys(KINDS, 0.0)
   groups: dict[str, list] = {}
+  known = 0.0  # kernel time with a source (where given) or an op (not)
   for k in kernels:
     kk = kind(k.name)
     by_kind[kk] += k.duration_ns
-    label = (where(k.op) if where and k.op else "") or k.op or k.name
+    source = where(k.op or k.name) if where else k.op
+    known += k.duration_ns if source else 0.0
+    label = source or k.op or k.name
     g = groups.setdefault(label, [0.0, 0, {}])
     g[0] += k.duration_ns
     g[1] += 1
@@ -105,7 +110,7 @@ def summarize(kernels: list[Kernel], steps: int, wall_s: float,
       "kernels_per_step": len(kernels) / steps,
       "kernel_ms": per_step(sum(k.duration_ns for k in kernels)),
       "kind_ms": {kk: per_step(ns) for kk, ns in by_kind.items()},
-      "attributed": sum(1 for k in kernels if k.op) / max(len(kernels), 1),
+      "attributed": known / max(sum(k.duration_ns for k in kernels), 1.0),
       "top": [{"where": label, "ms": per_step(ns), "kernels": n / steps,
                "kind": max(kinds, key=kinds.get)}
               for label, (ns, n, kinds) in ranked],
@@ -161,13 +166,17 @@ def trace_steps(run: Callable[[], object], steps: int,
 
 def hlo_sources(hlo_text: str) -> Callable[[str], str]:
   """``op -> "file:line (function) [phase]"`` for the instructions of a compiled module's
-  HLO text (``compiled.as_text()``); "" for an op it does not hold. The phase, from JAX's
-  op name: ``fwd``, ``bwd`` (under ``transpose``), ``+recompute`` (a rematted forward)."""
+  HLO text (``compiled.as_text()``); "" for an op it does not hold. ``op`` may also be a
+  kernel's name: XLA names the kernel it emits for a fusion after the fusion, ``.`` and
+  ``-`` made ``_`` (``loop_add_fusion_1``), which is how a kernel replayed in a CUDA graph,
+  whose trace event carries no ``hlo_op``, is still placed. The phase, from JAX's op name:
+  ``fwd``, ``bwd`` (under ``transpose``), ``+recompute`` (a rematted forward)."""
   from lowmem_jax.buffer_assignment import HloText
   hlo = HloText(hlo_text)
+  by_kernel_name = {re.sub(r"[.\-]", "_", name): name for name in hlo.instrs}
 
   def where(op: str) -> str:
-    instr = hlo.instrs.get(op)
+    instr = hlo.instrs.get(op) or hlo.instrs.get(by_kernel_name.get(op, ""))
     if instr is None:
       return ""
     phase = "bwd" if "transpose(" in instr.op_name else "fwd"
