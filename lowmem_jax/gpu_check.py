@@ -541,11 +541,8 @@ def _bench_figure(rec: dict) -> str | None:
 
 def _profile_cell(profile: dict | None) -> str:
   """A traced run's device time per step (``train.bench --profile``): busy of wall, by kind."""
-  if not profile:
-    return ""
-  kinds = ", ".join(f"{k} {ms:.1f}" for k, ms in profile["kind_ms"].items())
-  return (f", device busy {profile['busy_ms']:.1f} of {profile['wall_ms']:.1f} ms traced "
-          f"({kinds})")
+  from train.kernel_time import one_line
+  return f", {one_line(profile)}" if profile else ""
 
 
 def _kernel_figure(rec: dict) -> str | None:

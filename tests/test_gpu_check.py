@@ -346,9 +346,9 @@ def test_markdown_shows_key_figures_and_a_low_copy():
   md = gpu_check.markdown(report)
   assert md.startswith("# lowmem-jax GPU check: NVIDIA H100 80GB HBM3, jax 0.11.2 "
                        "(CUDA 12.8, cuDNN 9.8.0)")
-  assert ("- bench-vit: baseline 28.1 ms, temp 6000 MiB, device busy 20.0 of 28.5 ms traced "
-          "(matmul 12.0, attention 3.0, copy 0.5, other 6.0); torch+peft 28.4 ms, peak 3653 "
-          "MiB; torch+peft+ckpt failed\n") in md
+  assert ("- bench-vit: baseline 28.1 ms, temp 6000 MiB, device busy 20.04 of 28.50 ms per "
+          "step (matmul 12.00, attention 3.00, copy 0.50, other 6.00 ms); torch+peft 28.4 ms, "
+          "peak 3653 MiB; torch+peft+ckpt failed\n") in md
   assert "- bench-llama: baseline 36.0 ms, temp 5000 MiB; no peers: peft is not importable" in md
   assert "measured copy 1076 GB/s (32% of peak) **LOW" in md
   assert "pack_2bit 480 GB/s (1.10x XLA), approx2_backward failed\n" in md

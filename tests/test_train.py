@@ -451,11 +451,26 @@ def test_embedded_default_learns_digits(tmp_path):
     assert memory["temp"] < memory["baseline"]["temp"]
 
 
-def test_profile_and_memory_profile_are_written(tmp_path):
+def test_profile_and_memory_profile_are_written(tmp_path, monkeypatch, capsys):
+  from train import kernel_time
   cfg = _cfg(tmp_path, "steps=4", f"profile_dir={tmp_path / 'trace'}", "profile_start=2",
              "profile_stop=3", f"memory_profile={tmp_path / 'mem.prof'}")
+  read = kernel_time.read_trace
+  traces = []
+
+  def read_trace(folder):  # the real trace's kernels (none on CPU), then one GEMM of ours
+    traces.append(read(folder))
+    return traces[-1] or [kernel_time.Kernel("nvjet_tst_gemm", "", 0.0, 2e6)]
+  monkeypatch.setattr(kernel_time, "read_trace", read_trace)
   train(cfg)
   assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+  profile = next(r for r in _records(tmp_path) if r.get("event") == "profile")
+  assert profile["step"] == 3 and profile["steps"] == 2  # steps 2..3
+  out = capsys.readouterr().out
+  assert "profile: steps 2..3 traced to" in out
+  if jax.default_backend() == "cpu":  # the one GEMM: 2 ms over the 2 steps
+    assert traces == [[]] and profile["kind_ms"]["matmul"] == pytest.approx(1.0)
+    assert "; device busy 1.00 of " in out
   assert (tmp_path / "mem.prof").stat().st_size > 0
   pytest.importorskip("tensorboardX")
   assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

@@ -31,7 +31,9 @@ def main(argv=None) -> dict:
                   help="continue the run in --out-dir (default: the newest run of the config)")
   ap.add_argument("--overwrite", action="store_true",
                   help="replace the run already in --out-dir")
-  ap.add_argument("--profile", metavar="DIR", help="write a jax.profiler trace to DIR")
+  ap.add_argument("--profile", metavar="DIR",
+                  help="write a jax.profiler trace to DIR (on a GPU also summarized: device "
+                       "busy vs wall time per step, kernel time by kind)")
   ap.add_argument("--memory-profile", metavar="FILE",
                   help="save jax.profiler.device_memory_profile() after step 1")
   ap.add_argument("--mesh", help="data=N[,fsdp=M]: shard over N*M devices")

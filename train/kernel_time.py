@@ -81,6 +81,13 @@ def busy_ns(kernels: Iterable[Kernel]) -> float:
   return total
 
 
+def one_line(profile: dict) -> str:
+  """``device busy B of W ms per step (matmul ..., attention ..., copy ..., other ...)``."""
+  kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in profile["kind_ms"].items())
+  return (f"device busy {profile['busy_ms']:.2f} of {profile['wall_ms']:.2f} ms per step "
+          f"({kinds} ms)")
+
+
 def summarize(kernels: list[Kernel], steps: int, wall_s: float,
               where: Callable[[str], str] | None = None, top: int = TOP) -> dict:
   """Per-step figures of ``steps`` steps' ``kernels`` (module docstring), ``wall_s`` their
@@ -157,11 +164,22 @@ def trace_steps(run: Callable[[], object], steps: int,
       start = time.perf_counter()
       jax.block_until_ready(run())
       wall = time.perf_counter() - start
-    files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
-    kernels = [k for f in files for k in xspace_kernels(f)]
+    kernels = read_trace(folder)
   if not kernels:
     return None
   return summarize(kernels, steps, wall, where)
+
+
+def read_trace(folder: str) -> list[Kernel]:
+  """The device kernels of the newest trace under ``folder`` (``jax.profiler`` writes
+  each trace to ``plugins/profile/<time>/``, one ``*.xplane.pb`` per host): [] when there
+  is none, or it holds no device plane."""
+  files = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+  if not files:
+    return []
+  newest = os.path.dirname(max(files, key=os.path.getmtime))
+  return [k for f in sorted(files) if os.path.dirname(f) == newest
+          for k in xspace_kernels(f)]
 
 
 def hlo_sources(hlo_text: str) -> Callable[[str], str]:

@@ -24,7 +24,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
-from train import interrupt, planner, pretrained_record, runs, sharding
+from train import interrupt, kernel_time, planner, pretrained_record, runs, sharding
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import PATH_FIELDS, TrainConfig, config_diff
@@ -142,14 +142,18 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
     for step in range(start + 1, cfg.steps + 1):
       if trace and step == trace[0]:
         jax.profiler.start_trace(cfg.profile_dir)
+        trace_t0 = time.perf_counter()
       batch = trainer.put(next(batches))
       data_after[step] = batches.state()
       metrics = trainer.step(batch)
       if trace and step == trace[1]:
         jax.block_until_ready(trainer.state)
         jax.profiler.stop_trace()
-        print(f"\nprofile: steps {trace[0]}..{trace[1]} traced to {cfg.profile_dir}",
-              flush=True)
+        profile = traced_time(trainer, cfg.profile_dir, trace, time.perf_counter() - trace_t0)
+        print(f"\nprofile: steps {trace[0]}..{trace[1]} traced to {cfg.profile_dir}"
+              + (f"; {kernel_time.one_line(profile)}" if profile else ""), flush=True)
+        if profile:
+          log.write({"event": "profile", "step": step, **profile})
       if step == start + 1 and plan is not None:  # the prediction against the real peak
         jax.block_until_ready(trainer.state)
         report = planner.real_peak_report(plan)
@@ -353,6 +357,20 @@ def check_inputs(cfg: TrainConfig) -> None:
   # the model's shapes, nothing materialized or read: the policy's sites take the backend
   # (attention=cudnn off a GPU), the trainable split its parameter paths
   split_trainable(cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
+
+
+def traced_time(trainer: Trainer, folder: str, steps: tuple[int, int],
+                wall_s: float) -> dict | None:
+  """Where the traced steps' device time went (:func:`train.kernel_time.summarize`, the
+  kernels placed by the compiled step's source lines); None when the trace holds no
+  device kernels (CPU). The steps' wall time includes feeding their batches, so ``idle``
+  is what the input pipeline and the host cost the device."""
+  kernels = kernel_time.read_trace(folder)
+  if not kernels:
+    return None
+  compiled = trainer.compiled_step[1] if trainer.compiled_step else None
+  where = kernel_time.hlo_sources(compiled.as_text()) if compiled is not None else None
+  return kernel_time.summarize(kernels, steps[1] - steps[0] + 1, wall_s, where)
 
 
 def profile_window(cfg: TrainConfig, start: int) -> tuple[int, int] | None:
