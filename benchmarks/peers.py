@@ -151,7 +151,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="llama cases: the weights' dtype (bf16, fp32 also accepted; nf4: "
                        "LoRA only, needs bitsandbytes; default: %(default)s)")
   ap.add_argument("--profile", action="store_true",
-                  help="after timing, trace --steps more steps (torch.profiler, CUDA) and "
+                  help="after timing, trace up to 5 more steps (torch.profiler, CUDA) and "
                        "break their device time down by kernel kind (train.kernel_time)")
   ap.add_argument("--find-max-batch", action="store_true",
                   help="the largest batch that runs (out of memory caught), then timed there")

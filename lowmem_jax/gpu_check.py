@@ -8,36 +8,32 @@
     python -m lowmem_jax.gpu_check --stages env,tests --budget 540 --shard 1/3  # 1/3 suite
 
 Each stage is a subprocess with its own timeout, run one after another (they share the
-GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's
-``python -m train``), ``bench-vit`` and ``bench-llama`` (``train.bench`` on ViT-B/16 at
-224 px, batch 64, LoRA r=8 on query/value; and 4 layers of LLaMA-7B widths, batch 4 x
-1024, LoRA r=8 on all 7 linears, WTA-CRS among its policies; random data; with
-``--peers``: timm / HF Llama + peft on
-the same shapes, with and without checkpointing, which on a GPU implies ``--peak``; and
-``--profile``: each run's device time by kernel kind and source line, ours and theirs),
-``kernel-bench``, ``attention-bench``, ``bench-remat`` (ViT-B LoRA as in
-``bench-vit``: ``lowmem``, ``mesa8`` and ``wta-crs`` against JAX's remat policies and
-offload, ``--peak``),
-``reversible-depth``
-(``benchmarks.reversible_depth``: RevViT-B peak at 12 and 24 layers under baseline,
-reversible and pareprop, a fresh process each, and PaReprop's speed in CUDA graphs'
-concurrent regions (vanilla's too, its control), on a second stream and with XLA's
-latency hiding scheduler, in that order, as the stage's time allows) and ``tests`` (the
-suite in pytest-xdist workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, GEMM autotuning
-off, counted from its JUnit XML). A stage that fails or times out is recorded and the next one runs; a bench
-keeps the policies that ran when one fails, and its peers' and peaks' figures when its
-timed run is cut. All stages share a budget (``--budget``, default 420 s on a GPU, so
-three calls fit 30 minutes of device time): a stage's timeout is its own, cut so the
-stages after it keep their expected times; ``tests`` runs last and gets what is left. All
-stages share one persistent compilation cache (``DIR/xla-cache``): a bench's timed
-process loads what its ``--peak`` subprocesses compiled. One call runs
+GPU): ``env`` (device, jax/jaxlib/CUDA/cuDNN versions), ``train`` (the README's ``python -m
+train``), ``bench-vit`` and ``bench-llama`` (``train.bench`` on ViT-B/16 at 224 px, batch
+64, LoRA r=8 on query/value; and 4 layers of LLaMA-7B widths, batch 4 x 1024, LoRA r=8 on
+all 7 linears, WTA-CRS among its policies; random data; with ``--peers``: timm / HF Llama +
+peft on the same shapes, with and without checkpointing, which on a GPU implies ``--peak``;
+and ``--profile``: each run's device time by kernel kind and source line, ours and theirs),
+``kernel-bench``, ``attention-bench``, ``bench-remat`` (ViT-B LoRA as in ``bench-vit``:
+``lowmem``, ``mesa8`` and ``wta-crs`` against JAX's remat policies and offload,
+``--peak``), ``reversible-depth`` (``benchmarks.reversible_depth``: RevViT-B peak at 12 and
+24 layers under baseline, reversible and pareprop, a fresh process each, and PaReprop's
+speed in CUDA graphs' concurrent regions (vanilla's too, its control), on a second stream
+and with XLA's latency hiding scheduler, in that order, as the stage's time allows) and
+``tests`` (the suite in pytest-xdist workers, ``XLA_PYTHON_CLIENT_PREALLOCATE=false``, GEMM
+autotuning off, counted from its JUnit XML). A stage that fails or times out is recorded
+and the next one runs; a bench keeps the policies that ran when one fails, and its peers'
+and peaks' figures when its timed run is cut. All stages share a budget (``--budget``,
+default 420 s on a GPU, so three calls fit 30 minutes of device time): a stage's timeout is
+its own, cut so the stages after it keep their expected times; ``tests`` runs last and gets
+what is left. All stages share one persistent compilation cache (``DIR/xla-cache``): a
+bench's timed process loads what its ``--peak`` subprocesses compiled. One call runs
 :data:`DEFAULT_STAGES`; ``bench-remat``, ``kernel-bench``, ``attention-bench`` and
 ``reversible-depth`` make the second call (:data:`SECOND_CALL`, ``--call 2``): together
-they would not fit in one.
-``llama-fit`` (``benchmarks.llama_fit``: LLaMA-7B LoRA on bf16 and nf4 bases, the largest
-batch per policy found by compiling and confirmed by running, beside HF + peft) is a third
-call of its own (:data:`THIRD_CALL`: ``--call 3``). On the
-GPU machines, which hold no ``.git``, pass ``--commit <hash>`` to record the commit.
+they would not fit in one. ``llama-fit`` (``benchmarks.llama_fit``: LLaMA-7B LoRA on bf16
+and nf4 bases, the largest batch per policy found by compiling and confirmed by running,
+beside HF + peft) is a third call of its own (:data:`THIRD_CALL`: ``--call 3``). On the GPU
+machines, which hold no ``.git``, pass ``--commit <hash>`` to record the commit.
 """
 
 from __future__ import annotations
