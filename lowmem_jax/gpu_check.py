@@ -32,8 +32,11 @@ bench's timed process loads what its ``--peak`` subprocesses compiled. One call 
 ``reversible-depth`` make the second call (:data:`SECOND_CALL`, ``--call 2``): together
 they would not fit in one. ``llama-fit`` (``benchmarks.llama_fit``: LLaMA-7B LoRA on bf16
 and nf4 bases, the largest batch per policy found by compiling and confirmed by running,
-beside HF + peft) is a third call of its own (:data:`THIRD_CALL`: ``--call 3``). On the GPU
-machines, which hold no ``.git``, pass ``--commit <hash>`` to record the commit.
+beside HF + peft) is a third call of its own (:data:`THIRD_CALL`: ``--call 3``), with
+``train-plan`` after it as time allows (``python -m train`` choosing its plan for ViT-B/16
+LoRA batch 64 under ``memory_budget=2GiB``, 3 steps, the predicted peak's error against
+``peak_bytes_in_use`` after step 1). On the GPU machines, which hold no ``.git``, pass
+``--commit <hash>`` to record the commit.
 """
 
 from __future__ import annotations
@@ -58,11 +61,12 @@ from lowmem_jax import cli_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("env", "train", "bench-vit", "bench-llama", "bench-remat", "kernel-bench",
-          "attention-bench", "reversible-depth", "llama-fit", "tests")
+          "attention-bench", "reversible-depth", "llama-fit", "train-plan", "tests")
 # what one call runs (GPU_BUDGET_S); the rest is a second call (SECOND_CALL) and a
-# third (THIRD_CALL: LLaMA-7B's largest batches, a call of its own)
+# third (THIRD_CALL: LLaMA-7B's largest batches, then the planner in the train loop, as
+# the call's time allows)
 SECOND_CALL = ("env", "bench-remat", "reversible-depth", "kernel-bench", "attention-bench")
-THIRD_CALL = ("env", "llama-fit")
+THIRD_CALL = ("env", "llama-fit", "train-plan")
 DEFAULT_STAGES = tuple(s for s in STAGES if s not in SECOND_CALL[1:] + THIRD_CALL[1:])
 CALLS = {1: DEFAULT_STAGES, 2: SECOND_CALL, 3: THIRD_CALL}  # --call N
 LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
@@ -83,6 +87,11 @@ SMOKE_TIMEOUT_FACTOR = 3
 # lowmem and perhaps lowmembp; the rest (remat, nf4, the peer) need more calls:
 # `python -m benchmarks.llama_fit --policies ... --bases ... --json F` (see its docstring).
 LLAMA_FIT_S = (400, 200)
+# train-plan: python -m train choosing a plan for ViT-B/16 LoRA batch 64 under a 2 GiB
+# budget, the H100's bench peaks being baseline 3348, lowmembp 2314, lowmem 1562 MiB
+# (75013e6): the fastest plan that fits is a real choice, then 3 steps and the
+# prediction's error against peak_bytes_in_use after step 1
+PLAN_BUDGET = "2GiB"
 
 
 @dataclasses.dataclass
@@ -238,6 +247,15 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
   stages.append(Stage("llama-fit", fit, LLAMA_FIT_S[0], LLAMA_FIT_S[0] - 60,
                       json_file="llama-fit.json"))
 
+  plan = _py("-m", "train", "--set", f"out_dir={out / 'train-plan-run'}", "--set",
+             "overwrite=true", "--set", "eval_every=0", "--set", "trainable=lora", "--set",
+             "lora_targets=query,value", "--set", "steps=3")
+  plan += (["--set", "model=vit-tiny", "--set", "batch_size=8", "--set", "memory_budget=1GiB"]
+           if smoke else ["--set", "model=vit-b16", "--set", "batch_size=64", "--set",
+                          f"memory_budget={PLAN_BUDGET}"])
+  # reserve 0: in --call 3 it gets what llama-fit leaves (run alone: --stages env,train-plan)
+  stages.append(Stage("train-plan", plan, 240, 0, json_file="train-plan-run/metrics.jsonl"))
+
   junit = out / "tests-junit.xml"
   # -o addopts=: the project's "-n auto --maxprocesses 8" would cap --workers at 8, and
   # stop pytest outright where pytest-xdist is missing; -n is added below when it is there
@@ -328,7 +346,9 @@ def run_stage(stage: Stage, out: Path, timeout_s: float) -> dict:
     rec["stderr_tail"] = _tail(out / rec["stderr"], 30)
   if stage.json_file and (out / stage.json_file).exists():
     try:
-      rec["json"] = json.loads((out / stage.json_file).read_text())
+      text = (out / stage.json_file).read_text()
+      rec["json"] = ({"records": [json.loads(x) for x in text.splitlines() if x.strip()]}
+                     if stage.json_file.endswith(".jsonl") else json.loads(text))
     except json.JSONDecodeError as e:
       rec["json_error"] = str(e)
   if stage.name == "train":
@@ -512,6 +532,24 @@ def _train_figure(rec: dict) -> str | None:
           f"loss {train.get('eval_loss', float('nan')):.4f}")
 
 
+def _plan_figure(rec: dict) -> str | None:
+  """The plan ``python -m train`` chose under ``memory_budget`` and, after step 1, its
+  predicted peak against ``peak_bytes_in_use`` (the run's metrics.jsonl)."""
+  records = (rec.get("json") or {}).get("records") or []
+  plan = next((r for r in records if r.get("event") == "plan"), None)
+  if plan is None:
+    return None
+  gib = 2 ** 30
+  line = (f"train-plan (memory_budget {plan['memory_budget'] / gib:.2f} GiB): "
+          f"{plan['policy']} x grad_accum {plan['grad_accum']}, predicted peak "
+          f"{plan['predicted_peak'] / gib:.3f} GiB")
+  check = next((r for r in records if r.get("event") == "plan_check"), None)
+  if check and check.get("real_peak"):
+    line += (f", real {check['real_peak'] / gib:.3f} GiB (error "
+             f"{check['error_pct']:+.2f}% of the real peak)")
+  return line
+
+
 def _bench_figure(rec: dict) -> str | None:
   """Our policies' step time, temp and peak; then the peers' step time and peak."""
   cells = []
@@ -589,7 +627,7 @@ def _llama_fit_figure(rec: dict) -> str | None:
 FIGURES = {"train": _train_figure, "bench-vit": _bench_figure, "bench-llama": _bench_figure,
            "bench-remat": _bench_figure,
            "kernel-bench": _kernel_figure, "reversible-depth": _reversible_figure,
-           "llama-fit": _llama_fit_figure}
+           "llama-fit": _llama_fit_figure, "train-plan": _plan_figure}
 
 
 def key_figures(report: dict) -> list[str]:

@@ -120,6 +120,11 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
                "lora_rank=8", "lora_targets=query,key,value,out,gate,up,down"):
     assert item in llama
   assert f"out_dir={tmp_path / 'train-run'}" in " ".join(stages["train"].cmd)
+  plan = " ".join(stages["train-plan"].cmd)  # the planner in the train loop, on a real choice
+  for item in ("-m train", "model=vit-b16", "batch_size=64", "trainable=lora",
+               "memory_budget=2GiB", f"out_dir={tmp_path / 'train-plan-run'}"):
+    assert item in plan
+  assert "train-plan" in gpu_check.THIRD_CALL and "train-plan" not in gpu_check.DEFAULT_STAGES
   assert "-n 12" in " ".join(stages["tests"].cmd)
   assert stages["tests"].env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
   assert stages["tests"].env["XLA_FLAGS"].split()[-1] == "--xla_gpu_autotune_level=0"
@@ -209,7 +214,8 @@ def test_unknown_stage_is_an_error(tmp_path):
     gpu_check.main(["--stages", "nope", "--out", str(tmp_path)])
   with pytest.raises(SystemExit):  # two ways of choosing the stages at once
     gpu_check.main(["--stages", "env", "--call", "2", "--out", str(tmp_path)])
-  assert gpu_check.CALLS[2] == gpu_check.SECOND_CALL and gpu_check.CALLS[3][-1] == "llama-fit"
+  assert gpu_check.CALLS[2] == gpu_check.SECOND_CALL and gpu_check.CALLS[3] == (
+      "env", "llama-fit", "train-plan")
 
 
 def _no_stages(*args, **kwargs):
@@ -357,6 +363,33 @@ def test_markdown_shows_key_figures_and_a_low_copy():
   assert ("- llama-fit (batch AOT/run): baseline bfloat16 batch 6/5 x 2048 9000 tok/s, peak "
           "60.0 GiB (pred +2.5%); lowmem bfloat16 failed; torch+peft nf4 missing "
           "bitsandbytes\n") in md
+
+
+def test_train_plan_reads_the_runs_plan_and_its_check(tmp_path):
+  """The stage's JSON is the run's metrics.jsonl: the plan chosen and, after step 1, the
+  prediction against the real peak (the records as python -m train writes them)."""
+  gib = 2 ** 30
+  records = [{"event": "memory", "step": 0},
+             {"event": "plan", "step": 0, "memory_budget": 2 * gib, "policy": "lowmem",
+              "grad_accum": 2, "predicted_peak": int(1.5 * gib), "planning_s": 30.0},
+             {"event": "plan_check", "step": 1, "predicted_peak": int(1.5 * gib),
+              "real_peak": int(1.48 * gib), "error_pct": 1.35},
+             {"step": 3, "loss": 2.0}]
+  writer = ("import json, pathlib, sys; p = pathlib.Path(sys.argv[1]); "
+            "p.parent.mkdir(parents=True); "
+            "p.write_text(''.join(json.dumps(r) + chr(10) for r in json.loads(sys.argv[2])))")
+  stage = gpu_check.Stage("train-plan", [sys.executable, "-c", writer,
+                                         str(tmp_path / "run" / "metrics.jsonl"),
+                                         json.dumps(records)],
+                          60, 10, json_file="run/metrics.jsonl")
+  rec = gpu_check.run_stage(stage, tmp_path, 60)
+  assert rec["status"] == "passed" and rec["json"] == {"records": records}
+  assert gpu_check._plan_figure(rec) == (
+      "train-plan (memory_budget 2.00 GiB): lowmem x grad_accum 2, predicted peak 1.500 GiB, "
+      "real 1.480 GiB (error +1.35% of the real peak)")
+  cpu = {"json": {"records": records[:2] + [{**records[2], "real_peak": None}]}}
+  assert gpu_check._plan_figure(cpu).endswith("predicted peak 1.500 GiB")  # no check
+  assert gpu_check._plan_figure({"json": None}) is None
 
 
 def test_a_cut_or_partly_failed_bench_still_shows_what_it_measured():
