@@ -451,6 +451,17 @@ def test_embedded_default_learns_digits(tmp_path):
     assert memory["temp"] < memory["baseline"]["temp"]
 
 
+def test_a_trace_that_cannot_be_summarized_is_a_warning(tmp_path, monkeypatch, capsys):
+  from train import kernel_time
+  from train.loop import traced_time
+
+  def broken(folder):
+    raise OSError("truncated xplane.pb")
+  monkeypatch.setattr(kernel_time, "read_trace", broken)
+  assert traced_time(None, str(tmp_path), (2, 3), 1.0) is None
+  assert ("warning: profile: the trace in " in capsys.readouterr().err)
+
+
 def test_profile_and_memory_profile_are_written(tmp_path, monkeypatch, capsys):
   from train import kernel_time
   cfg = _cfg(tmp_path, "steps=4", f"profile_dir={tmp_path / 'trace'}", "profile_start=2",

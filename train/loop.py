@@ -365,12 +365,17 @@ def traced_time(trainer: Trainer, folder: str, steps: tuple[int, int],
   kernels placed by the compiled step's source lines); None when the trace holds no
   device kernels (CPU). The steps' wall time includes feeding their batches, so ``idle``
   is what the input pipeline and the host cost the device."""
-  kernels = kernel_time.read_trace(folder)
-  if not kernels:
+  try:  # the trace is written; a summary that cannot be made must not stop the run
+    kernels = kernel_time.read_trace(folder)
+    if not kernels:
+      return None
+    compiled = trainer.compiled_step[1] if trainer.compiled_step else None
+    where = kernel_time.hlo_sources(compiled.as_text()) if compiled is not None else None
+    return kernel_time.summarize(kernels, steps[1] - steps[0] + 1, wall_s, where)
+  except Exception as e:  # noqa: BLE001 - any reader failure: the run goes on
+    print(f"warning: profile: the trace in {folder} could not be summarized "
+          f"({type(e).__name__}: {e})", file=sys.stderr, flush=True)
     return None
-  compiled = trainer.compiled_step[1] if trainer.compiled_step else None
-  where = kernel_time.hlo_sources(compiled.as_text()) if compiled is not None else None
-  return kernel_time.summarize(kernels, steps[1] - steps[0] + 1, wall_s, where)
 
 
 def profile_window(cfg: TrainConfig, start: int) -> tuple[int, int] | None:
