@@ -135,10 +135,11 @@ def _activate_out(inputs, p, cfg: StackConfig, policy: MemoryPolicy):
 
 
 def apply_stack(params, x, cfg: StackConfig, policy: MemoryPolicy | str = "baseline"):
-  """Runs all layers with ``lax.scan``; each block is rematted per the policy."""
+  """Runs all layers with ``lax.scan`` (or as the policy's ``layers`` says); each block
+  is rematted per the policy."""
   policy = MemoryPolicy.parse(policy)
   body = policy.remat_block(lambda p, h: block(p, h, cfg, policy))
-  out, _ = jax.lax.scan(lambda h, p: (body(p, h), None), x, params)
+  out, _ = policy.layers_strategy()(lambda h, p: (body(p, h), None), x, params)
   return out
 
 

@@ -50,7 +50,10 @@ from collections.abc import Callable, Mapping, Sequence
 #                                          ``strategy.recomputes``); the activation's
 #                                          site's ``kind`` and ``gated``
 #   block()                                ``fn -> fn`` run as a rematted/offloaded block
-SITES = ("shared", "linear", "activation", "norm", "attention", "qkv", "hidden", "block")
+#   layers()                               ``(step, carry, xs) -> (carry, ys)``: a stack's
+#                                          blocks run in order, as ``lax.scan`` would
+SITES = ("shared", "linear", "activation", "norm", "attention", "qkv", "hidden", "block",
+         "layers")
 
 
 class Strategy:

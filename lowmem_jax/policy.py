@@ -42,6 +42,7 @@ METHOD_MODULES = (
     "lowmem_jax.reversible_bp",
     "lowmem_jax.qkv_recompute",
     "lowmem_jax.lowmem",
+    "lowmem_jax.layers",
 )
 METHODS = methods.load(*METHOD_MODULES)
 
@@ -201,6 +202,11 @@ class _PolicyMethods:
     """``fn -> fn`` running a block as the policy says (rematted, offloaded, as is);
     ``checkpoint_policy`` is the ``jax.checkpoint`` policy or None."""
     return self.strategy("block")
+
+  def layers_strategy(self):
+    """``(step, carry, xs) -> (carry, ys)`` with ``lax.scan``'s meaning: how a stack runs
+    its blocks (``step`` is one block, ``xs`` the blocks' stacked variables)."""
+    return self.strategy("layers")
 
   # -------------------------------------------------------------------------- shortcuts
   def kernel_implementation(self) -> str:

@@ -5,7 +5,9 @@ module whose variables carry a leading layer axis (``nnx.vmap`` over ``make_bloc
 layer its own init key), and ``stack(carry, *shared)`` runs them in order with a
 scan: the program holds one block however deep the model, so compile time does
 not grow with depth, and remat is applied here, once, by the policy
-(``policy.remat_block``). ``carry`` is any pytree a block maps to the same structure
+(``policy.remat_block``). The policy's ``layers`` field may run the same blocks
+unrolled instead (:mod:`lowmem_jax.layers`: no residuals stacked, which on a GPU are
+copies). ``carry`` is any pytree a block maps to the same structure
 (ViT/LLaMA: the hidden state; BERT: the norm output and the affine it carries);
 ``shared`` are the same for every layer (RoPE tables, masks).
 
@@ -57,7 +59,8 @@ class BlockStack(nnx.Module):
   def __call__(self, carry, *shared):
     """``carry`` through every block in order: ``carry = block_i(carry, *shared)``.
 
-    Functional inside (``lax.scan`` over the stacked state, each layer merged afresh), so
+    Functional inside (``lax.scan``, or the policy's ``layers`` strategy, over the stacked
+    state, each layer merged afresh), so
     the stack also runs in a model that was merged inside a jax transform; state the
     blocks update (anything but ``nnx.Param`` and stored frozen kernels) is written back
     once, after the scan.
@@ -69,7 +72,8 @@ class BlockStack(nnx.Module):
       carry = block(carry, *shared)
       return carry, nnx.state(block, nnx.Not(READ_ONLY))
 
-    carry, new_rest = jax.lax.scan(self.policy.remat_block(layer), carry, (params, rest))
+    run_layers = self.policy.layers_strategy()  # lax.scan, or its unrolled twin
+    carry, new_rest = run_layers(self.policy.remat_block(layer), carry, (params, rest))
     if jax.tree.leaves(rest):
       nnx.update(self.blocks, new_rest)
     return carry

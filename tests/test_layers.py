@@ -1,0 +1,142 @@
+"""lowmem_jax.layers: a block stack scanned or unrolled, same values and gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lowmem_jax import MemoryPolicy
+from lowmem_jax.layers import Scanned, Unrolled, ordered
+from models import bert, llama, revvit, vit
+from models.sites import seed_sites
+from train.config import TrainConfig
+from train.trainer import Trainer
+
+TINY = {
+    "vit": lambda pol: vit.ViT(vit.config("vit-tiny", num_layers=3), pol, dtype=jnp.float32),
+    "llama": lambda pol: llama.Llama(llama.config("llama-tiny", num_layers=3), pol,
+                                     dtype=jnp.float32),
+    "bert": lambda pol: bert.Bert(bert.config("bert-tiny", num_layers=3), pol,
+                                  dtype=jnp.float32),
+}
+
+
+def _inputs(kind):
+  if kind == "vit":
+    return (jax.random.normal(jax.random.key(1), (4, 32, 32, 3)),)
+  tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 100)
+  return (tokens,) if kind == "llama" else (tokens, jnp.ones((4, 16), bool))
+
+
+def _step(carry, layer):
+  """A toy layer: a matmul and a bias on the carry, an integer per layer, and a per-layer
+  output that depends on the carry (scan's ``ys``)."""
+  w, b, n = layer
+  return jnp.tanh(carry @ w + b), carry.sum() * n
+
+
+def _toy_loss(strategy, w, b, x):
+  carry, ys = strategy(_step, x, (w, b, jnp.arange(1, w.shape[0] + 1)))
+  return jnp.sum(carry ** 2) + jnp.sum(ys)
+
+
+def test_unrolled_matches_scan_values_and_gradients():
+  k = jax.random.split(jax.random.key(0), 3)
+  w = 0.3 * jax.random.normal(k[0], (4, 8, 8))
+  b = jax.random.normal(k[1], (4, 8))
+  x = jax.random.normal(k[2], (3, 8))
+  want = jax.value_and_grad(functools.partial(_toy_loss, Scanned()), argnums=(0, 1, 2))
+  got = jax.jit(jax.value_and_grad(functools.partial(_toy_loss, Unrolled()), argnums=(0, 1, 2)))
+  (v0, g0), (v1, g1) = want(w, b, x), got(w, b, x)
+  np.testing.assert_allclose(v1, v0, rtol=1e-6)
+  for a, e in zip(g1, g0):
+    np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6)
+  # only some inputs differentiated (a frozen weight): the others get no cotangent work
+  g_b = jax.grad(functools.partial(_toy_loss, Unrolled()), argnums=1)(w, b, x)
+  np.testing.assert_allclose(g_b, g0[1], rtol=1e-5, atol=1e-6)
+
+
+def test_ordered_fences_what_backward_keeps():
+  """The forward's kept tensors and output pass one optimization barrier, the backward's
+  kept tensors and cotangent another: two barriers in the step's jaxpr, one per
+  direction; without differentiation, none."""
+  fn = ordered(lambda x, w: jnp.sin(x @ w))
+  x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
+  grad_jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: fn(x, w).sum(), argnums=(0, 1)))(x, w))
+  assert grad_jaxpr.count("optimization_barrier") == 2
+  assert "optimization_barrier" not in str(jax.make_jaxpr(fn)(x, w))
+
+
+@pytest.mark.parametrize("kind,policy", [
+    ("vit", "baseline"), ("vit", "lowmembp"), ("vit", "remat"), ("vit", "mesa8"),
+    ("llama", "baseline"), ("llama", "wta-crs"), ("llama", "lowmem+qkv=recompute"),
+    ("bert", "lowmembp"), ("bert", "offload")])
+def test_models_unrolled_match_scanned(kind, policy):
+  """Same loss, gradients and per-layer site state (Mesa ranges, WTA-CRS keys) whether
+  the stack scans or unrolls its blocks: a scale-relative tolerance (a gradient that is 0
+  in exact arithmetic, the key bias's under softmax, is rounding noise either way)."""
+  scanned, unrolled = TINY[kind](policy), TINY[kind](policy + "+layers=unrolled")
+  nnx.update(unrolled, nnx.state(scanned, nnx.Param))
+  results = []
+  for model in (scanned, unrolled):
+    seed_sites(model, nnx.Rngs(3))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(p, graphdef=graphdef, rest=rest):
+      m = nnx.merge(graphdef, p, rest, copy=True)
+      return jnp.mean(jnp.sin(m(*_inputs(kind)))), nnx.state(m, nnx.Not(nnx.Param))
+    results.append(jax.jit(jax.value_and_grad(loss, has_aux=True))(params))
+  ((v0, state0), g0), ((v1, state1), g1) = results
+  np.testing.assert_allclose(v1, v0, rtol=1e-6)
+  scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g0))
+  for a, e in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6 * scale)
+  for a, e in zip(jax.tree.leaves(state1), jax.tree.leaves(state0)):
+    if jnp.issubdtype(e.dtype, jax.dtypes.prng_key):
+      a, e = jax.random.key_data(a), jax.random.key_data(e)
+    if jnp.issubdtype(e.dtype, jnp.floating):  # Mesa's EMA ranges: an ulp apart at most
+      np.testing.assert_allclose(a, e, rtol=1e-6)
+    else:  # keys, counts
+      np.testing.assert_array_equal(a, e)
+
+
+def test_lora_train_steps_unrolled_match_scanned():
+  """The trainer with LoRA: the frozen base and the first layer's input (a frozen
+  embedding's output) are not differentiated, the adapters are."""
+  states = []
+  for layers in ("scan", "unrolled"):
+    cfg = TrainConfig(name="t", task="lm", model="llama-tiny",
+                      model_overrides={"num_layers": 2, "dim": 32, "mlp_dim": 64,
+                                       "num_heads": 2, "num_kv_heads": 2},
+                      policy=f"lowmembp+layers={layers}", trainable="lora", lora_rank=4,
+                      dtype="float32", precision="highest", batch_size=4, optimizer="sgd",
+                      lr=0.1, warmup_steps=0, eval_every=0, compare_baseline=False)
+    trainer = Trainer.create(cfg)
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 13), dtype=np.int32)
+    batch = {"tokens": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+             "loss_mask": jnp.ones((4, 12), jnp.int32)}
+    for _ in range(2):
+      metrics = trainer.step(batch)
+    states.append((jax.device_get(metrics), jax.device_get(trainer.state["params"])))
+  (m0, p0), (m1, p1) = states
+  np.testing.assert_allclose(m1["loss"], m0["loss"], rtol=1e-6)
+  assert float(m0["grad_norm"]) > 0
+  np.testing.assert_allclose(m1["grad_norm"], m0["grad_norm"], rtol=1e-5)
+  jax.tree.map(lambda a, e: np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-7), p1, p0)
+
+
+def test_layers_field_parses_and_checks():
+  policy = MemoryPolicy.parse("lowmem+layers=unrolled")
+  assert policy.layers == "unrolled" and MemoryPolicy.parse(policy.spec) == policy
+  assert isinstance(policy.layers_strategy(), Unrolled)
+  assert isinstance(MemoryPolicy.parse("lowmem").layers_strategy(), Scanned)
+  with pytest.raises(ValueError, match="unknown layers 'loop'"):
+    MemoryPolicy.parse("layers=loop")
+
+
+def test_reversible_stack_refuses_unrolled_layers():
+  with pytest.raises(ValueError, match="layers='unrolled' is for standard block stacks"):
+    revvit.RevViT("revvit-digits", "layers=unrolled", dtype=jnp.float32)
