@@ -12,7 +12,8 @@
 For the config's model and batch, each policy gets its own :class:`train.trainer.Trainer`
 (``cfg.replace(policy=spec)``), its own state and its own :class:`train.batches.Batches`.
 The bench records the compiled memory of the train step (temporaries, arguments, total:
-``Trainer.compiled_memory``'s figures, read off the executable that is then timed), then
+``Trainer.compiled_memory``'s figures, read off the executable that is then timed; with
+what it launches per step, :mod:`lowmem_jax.hlo_kernels`), then
 times the train steps of all policies interleaved in one process (round-robin, median
 after warmup, ``jax.block_until_ready`` on the state), and reports each policy's memory
 and speed as ratios to ``baseline`` (put first when not asked for): speed ratio =
@@ -70,8 +71,9 @@ from pathlib import Path
 import numpy as np
 
 from lowmem_jax import cli_checks
-from lowmem_jax.memory import (MiB, error_line, format_table, peak_buffers, policy_list,
-                               write_json)
+from lowmem_jax.hlo_kernels import count_kernels
+from lowmem_jax.memory import (MiB, compiled_memory, error_line, format_table, peak_buffers,
+                               policy_list, write_json)
 from lowmem_jax.policy import MemoryPolicy
 from train import kernel_time
 from train.batches import batch_items
@@ -285,11 +287,11 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
 
   train_set = train_dataset(cfg, synthetic)
   base = next(s for s in specs if _is_baseline(s))
-  runners, memory, failed = {}, {}, {}
+  runners, memory, kernels, failed = {}, {}, {}, {}
   for spec in specs:
     try:  # built, compiled and one step run: a policy that cannot is reported, not fatal
       runner = _make_runner(cfg, spec, train_set)
-      mem = runner.trainer.compiled_memory(runner.batch)
+      mem, kern = _compiled(runner)
       jax.block_until_ready(runner())
     except Exception as e:  # noqa: BLE001 - any failure of one policy, the baseline's fatal
       if spec == base:
@@ -297,9 +299,8 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
       failed[spec] = error_line(e, 500)
       print(f"failed [{spec}]: {failed[spec]}", flush=True)
       continue
-    runners[spec], memory[spec] = runner, mem
-    print(f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
-          f"{memory[spec].total / MiB:.1f} MiB", flush=True)
+    runners[spec], memory[spec], kernels[spec] = runner, mem, kern
+    print(_compiled_line(spec, mem, kern), flush=True)
   specs = [s for s in specs if s in runners]
   items = batch_items(runners[base].batch, cfg.task)
   unit = "tokens/s" if cfg.task == "lm" else "examples/s"
@@ -320,6 +321,7 @@ def run(cfg: TrainConfig, specs: Sequence[str], steps: int, warmup: int,
         "temp_mib": mem.temp / MiB, "temp_ratio": mem.temp / max(bmem.temp, 1),
         "argument_mib": mem.argument / MiB,
         "total_mib": mem.total / MiB, "total_ratio": mem.total / max(bmem.total, 1),
+        **_kernel_fields(kernels[spec]),
         "step_ms": t * 1e3, "speed_ratio": btime / t,
         "throughput": items / t, "throughput_unit": unit,
         "queued_ms": queued[spec] * 1e3, "queued_speed_ratio": queued[base] / queued[spec],
@@ -351,14 +353,13 @@ def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
   source lines holding the most of them."""
   train_set = train_dataset(cfg, synthetic)
   base_spec = next(s for s in specs if _is_baseline(s))
-  memory, peaks, failed = {}, {}, {}
+  memory, kernels, peaks, failed = {}, {}, {}, {}
   for spec in specs:
     try:  # a policy that cannot build or compile is reported, not fatal (the baseline is)
       runner = _make_runner(cfg, spec, train_set)
       trainer = runner.trainer
-      memory[spec] = trainer.compiled_memory(runner.batch)
-      line = (f"compiled [{spec}]: temp {memory[spec].temp / MiB:.1f} MiB, total "
-              f"{memory[spec].total / MiB:.1f} MiB")
+      memory[spec], kernels[spec] = _compiled(runner)
+      line = _compiled_line(spec, memory[spec], kernels[spec])
       if live:
         peaks[spec] = peak_buffers(trainer.train_step, trainer.state, trainer.first_bad,
                                    runner.batch)
@@ -376,6 +377,7 @@ def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
            "compiled": mem.as_dict(), "temp_mib": mem.temp / MiB,
            "temp_ratio": mem.temp / max(base.temp, 1), "argument_mib": mem.argument / MiB,
            "total_mib": mem.total / MiB, "total_ratio": mem.total / max(base.total, 1),
+           **_kernel_fields(kernels[spec]),
            "step_ms": None, "speed_ratio": None, "throughput": None}
           for spec, mem in memory.items()]
   for row in rows if live else ():
@@ -391,6 +393,23 @@ def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
   return {**result, "failed": failed} if failed else result
 
 
+def _compiled(runner):
+  """The policy's train step compiled: its memory and what it launches per step."""
+  compiled = runner.trainer.compile(runner.batch)
+  return compiled_memory(compiled), count_kernels(compiled.as_text())
+
+
+def _compiled_line(spec: str, mem, kern) -> str:
+  return (f"compiled [{spec}]: temp {mem.temp / MiB:.1f} MiB, total {mem.total / MiB:.1f} "
+          f"MiB, {kern.launches} kernel launches per step, "
+          f"{kern.stack_copy_bytes / MiB:.0f} MiB copied in and out of layer stacks")
+
+
+def _kernel_fields(kern) -> dict:
+  return {"launches": kern.launches, "stack_copies": kern.stack_copies,
+          "stack_copy_mib": kern.stack_copy_bytes / MiB}
+
+
 def _fmt(value, spec: str) -> str:
   return "-" if value is None else format(value, spec)
 
@@ -402,6 +421,8 @@ def table(result: dict) -> str:
   live = any("live_mib" in r for r in result["rows"])
   headers = ["policy", "temp MiB", "ratio", "total MiB", "ratio"]
   headers += ["live MiB", "ratio"] if live else []
+  launches = any("launches" in r for r in result["rows"])
+  headers += ["launches", "stack copy MiB"] if launches else []
   headers += ["step ms", "speed vs base", result["throughput_unit"]]
   queued = any("queued_ms" in r for r in result["rows"])
   headers += ["queued ms", "speed vs base"] if queued else []
@@ -412,6 +433,8 @@ def table(result: dict) -> str:
     row = [r["policy"], f"{r['temp_mib']:.1f}", f"{r['temp_ratio']:.3f}",
            f"{r['total_mib']:.1f}", f"{r['total_ratio']:.3f}"]
     row += [f"{r['live_mib']:.1f}", f"{r['live_ratio']:.3f}"] if live else []
+    row += [_fmt(r.get("launches"), "d"), _fmt(r.get("stack_copy_mib"), ".0f")] if (
+        launches) else []
     row += [_fmt(r["step_ms"], ".2f"), _fmt(r["speed_ratio"], ".3f"),
             _fmt(r["throughput"], ".0f")]
     row += [_fmt(r.get("queued_ms"), ".2f"), _fmt(r.get("queued_speed_ratio"), ".3f")] if (
@@ -422,6 +445,7 @@ def table(result: dict) -> str:
     rows.append(row)
   for r in peers:
     row = [r["policy"], "-", "-", "-", "-"] + (["-", "-"] if live else [])
+    row += ["-", "-"] if launches else []
     row += (["failed", "-", "-"] if "step_ms" not in r else
             [f"{r['step_ms']:.2f}", f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"])
     if queued:  # a peer is timed one way, queued: the same figure against our queued base

@@ -207,14 +207,19 @@ class Trainer:
     for the compile target's device under :func:`lowmem_jax.gpu_target.compiling_for`."""
     return self.train_step.lower(*gpu_target.place((self.state, self.first_bad, batch)))
 
-  def compiled_memory(self, batch) -> StepMemory:
-    """Compiled memory of this very train step (temp, arguments, total...). Compiled for
-    this process's devices, the executable is kept: :meth:`step` runs it on batches like
-    ``batch`` rather than compiling the same step again."""
+  def compile(self, batch):
+    """This very train step compiled for ``batch``. Compiled for this process's devices,
+    the executable is kept: :meth:`step` runs it on batches like ``batch`` rather than
+    compiling the same step again."""
     compiled = self.lower(batch).compile()
     if gpu_target.active() is None:
       self.compiled_step = (_signature(batch), compiled)
-    return compiled_memory(compiled)
+    return compiled
+
+  def compiled_memory(self, batch) -> StepMemory:
+    """Compiled memory of this very train step (temp, arguments, total...), from
+    :meth:`compile`."""
+    return compiled_memory(self.compile(batch))
 
   def evaluate(self, batches) -> dict:
     loss = correct = count = 0.0

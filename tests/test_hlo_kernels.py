@@ -1,0 +1,106 @@
+"""lowmem_jax.hlo_kernels: kernel launches and stack copies of a compiled step."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from lowmem_jax.hlo_kernels import count_kernels
+from lowmem_jax.layers import Scanned, Unrolled
+
+# Cut from XLA:GPU's optimized HLO of a scanned ViT-B step (deviceless H100 compile, XLA
+# 0.10.2), names kept, metadata dropped: a while of 12 trips whose body writes a residual
+# into its stack (a copy, then dynamic-update-slice), reads a weight slice out (a
+# dynamic-slice, then copy), casts another slice (dynamic-slice fused into a convert: work,
+# not a copy) and runs a cuBLAS matmul; the entry runs one more fusion.
+GPU_EXCERPT = """\
+HloModule jit_step, entry_computation_layout={()->f32[]}
+
+%fused_dynamic_update_slice.2 (param_0.8: bf16[12,64,197,3072], param_1.7: s32[], param_2.351: bf16[12608,3072]) -> bf16[12,64,197,3072] {
+  %param_0.8 = bf16[12,64,197,3072]{3,2,1,0} parameter(0)
+  %param_2.351 = bf16[12608,3072]{1,0} parameter(2)
+  %bitcast.106.1 = bf16[1,64,197,3072]{3,2,1,0} bitcast(%param_2.351)
+  %copy.193 = bf16[1,64,197,3072]{3,2,1,0} copy(%bitcast.106.1)
+  %param_1.7 = s32[] parameter(1)
+  %constant_457_6 = s32[] constant(0)
+  ROOT %dynamic_update_slice.72.1 = bf16[12,64,197,3072]{3,2,1,0} dynamic-update-slice(%param_0.8, %copy.193, %param_1.7, %constant_457_6, %constant_457_6, /*index=5*/%constant_457_6)
+}
+
+%fused_dynamic_slice.26 (param_0.757: f32[12,3072,768], param_1.951: s32[]) -> f32[1,3072,768] {
+  %param_0.757 = f32[12,3072,768]{2,1,0} parameter(0)
+  %constant_453_24 = s32[] constant(11)
+  %param_1.951 = s32[] parameter(1)
+  %subtract.24 = s32[] subtract(%constant_453_24, %param_1.951)
+  %constant_162_23 = s32[] constant(0)
+  %dynamic_slice.85.1 = f32[1,3072,768]{2,1,0} dynamic-slice(%param_0.757, %subtract.24, %constant_162_23, %constant_162_23), dynamic_slice_sizes={1,3072,768}
+  ROOT %copy.228 = f32[1,3072,768]{2,1,0} copy(%dynamic_slice.85.1)
+}
+
+%fused_convert.3 (param_0.1: f32[12,768,3072], param_1.1: s32[]) -> bf16[768,3072] {
+  %param_0.1 = f32[12,768,3072]{2,1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %constant_1 = s32[] constant(0)
+  %dynamic_slice.1 = f32[1,768,3072]{2,1,0} dynamic-slice(%param_0.1, %param_1.1, %constant_1, %constant_1), dynamic_slice_sizes={1,768,3072}
+  %bitcast.1 = f32[768,3072]{1,0} bitcast(%dynamic_slice.1)
+  ROOT %convert.1 = bf16[768,3072]{1,0} convert(%bitcast.1)
+}
+
+%region_0.23 (arg_tuple.1: (s32[], bf16[12,64,197,3072], f32[12,3072,768], f32[12,768,3072], bf16[12608,768])) -> (s32[], bf16[12,64,197,3072], f32[12,3072,768], f32[12,768,3072], bf16[12608,768]) {
+  %arg_tuple.1 = (s32[], bf16[12,64,197,3072]{3,2,1,0}, f32[12,3072,768]{2,1,0}, f32[12,768,3072]{2,1,0}, bf16[12608,768]{1,0}) parameter(0)
+  %get-tuple-element.1 = s32[] get-tuple-element(%arg_tuple.1), index=0
+  %get-tuple-element.2 = bf16[12,64,197,3072]{3,2,1,0} get-tuple-element(%arg_tuple.1), index=1
+  %get-tuple-element.3 = f32[12,3072,768]{2,1,0} get-tuple-element(%arg_tuple.1), index=2
+  %get-tuple-element.4 = f32[12,768,3072]{2,1,0} get-tuple-element(%arg_tuple.1), index=3
+  %get-tuple-element.5 = bf16[12608,768]{1,0} get-tuple-element(%arg_tuple.1), index=4
+  %wrapped_convert.9 = bf16[768,3072]{1,0} fusion(%get-tuple-element.4, %get-tuple-element.1), kind=kLoop, calls=%fused_convert.3
+  %cublas-lt-matmul.4 = (bf16[12608,3072]{1,0}, s8[4194304]{0}) custom-call(%get-tuple-element.5, %wrapped_convert.9), custom_call_target="__cublas$lt$matmul"
+  %get-tuple-element.6 = bf16[12608,3072]{1,0} get-tuple-element(%cublas-lt-matmul.4), index=0
+  %loop_dynamic_update_slice_fusion.2 = bf16[12,64,197,3072]{3,2,1,0} fusion(%get-tuple-element.2, %get-tuple-element.1, %get-tuple-element.6), kind=kCustom, calls=%fused_dynamic_update_slice.2
+  %loop_dynamic_slice_fusion.26 = f32[1,3072,768]{2,1,0} fusion(%get-tuple-element.3, %get-tuple-element.1), kind=kLoop, calls=%fused_dynamic_slice.26
+  ROOT %tuple.1 = (s32[], bf16[12,64,197,3072]{3,2,1,0}, f32[12,3072,768]{2,1,0}, f32[12,768,3072]{2,1,0}, bf16[12608,768]{1,0}) tuple(%get-tuple-element.1, %loop_dynamic_update_slice_fusion.2, %get-tuple-element.3, %get-tuple-element.4, %get-tuple-element.5)
+}
+
+%fused_add.1 (param_0.2: f32[]) -> f32[] {
+  %param_0.2 = f32[] parameter(0)
+  ROOT %add.1 = f32[] add(%param_0.2, %param_0.2)
+}
+
+ENTRY %main.101 (p0: (s32[], bf16[12,64,197,3072], f32[12,3072,768], f32[12,768,3072], bf16[12608,768]), p1: f32[]) -> f32[] {
+  %p0 = (s32[], bf16[12,64,197,3072]{3,2,1,0}, f32[12,3072,768]{2,1,0}, f32[12,768,3072]{2,1,0}, bf16[12608,768]{1,0}) parameter(0)
+  %p1 = f32[] parameter(1)
+  %while.1 = (s32[], bf16[12,64,197,3072]{3,2,1,0}, f32[12,3072,768]{2,1,0}, f32[12,768,3072]{2,1,0}, bf16[12608,768]{1,0}) while(%p0), condition=%region_cond, body=%region_0.23, backend_config={"known_trip_count":{"n":"12"},"known_init_step":{"init":"0","step":"1"}}
+  ROOT %loop_add_fusion = f32[] fusion(%p1), kind=kLoop, calls=%fused_add.1
+}
+"""
+
+
+def test_counts_a_scan_body_per_trip_and_its_stack_copies():
+  k = count_kernels(GPU_EXCERPT)
+  assert k.loop_trips == (12,)
+  # per trip: convert fusion, matmul, DUS fusion, DS fusion; once: the entry's fusion
+  assert k.launches == 12 * 4 + 1
+  assert k.stack_copies == 12 * 2  # the convert that slices a weight is work, not a copy
+  write = 64 * 197 * 3072 * 2      # one layer's bf16 residual into the stack
+  read = 3072 * 768 * 4            # one layer's fp32 weight out of it
+  assert k.stack_copy_bytes == 12 * 2 * (write + read)
+
+
+def test_a_module_without_entry_is_an_error():
+  with pytest.raises(ValueError, match="no ENTRY"):
+    count_kernels("HloModule m\n")
+
+
+def test_unrolled_layers_launch_no_loop():
+  """A scanned stack compiles to a loop that runs its body once per layer; unrolled, the
+  same layers are straight-line code (the local backend's compile)."""
+  w = jnp.ones((3, 16, 16)) * 0.1
+
+  def loss(strategy, w, x):
+    carry, _ = strategy(lambda c, wi: (jnp.tanh(c @ wi), None), x, w)
+    return carry.sum()
+
+  x = jnp.ones((4, 16))
+  texts = {name: jax.jit(jax.grad(lambda w, x, s=s: loss(s, w, x))).lower(w, x).compile()
+           .as_text() for name, s in (("scan", Scanned()), ("unrolled", Unrolled()))}
+  assert count_kernels(texts["scan"]).loop_trips == (3, 3)  # forward and backward
+  unrolled = count_kernels(texts["unrolled"])
+  assert unrolled.loop_trips == () and unrolled.stack_copies == 0 and unrolled.launches > 0
