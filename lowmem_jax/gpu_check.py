@@ -109,18 +109,18 @@ class Stage:
 
 
 # ----------------------------------------------------------------------------- stages
-# the lean exact baseline, plain Flax autodiff (what a user would write), LowMemoryBP, the
-# combined preset, the preset under timm + peft + checkpointing's peak (issue 14) and full
-# remat, beside the peers
-BENCH_POLICIES = ("baseline", "plain", "lowmembp", "lowmem", "lowmem+qkv=recompute", "remat")
-# LLaMA widths: WTA-CRS under LoRA in plain's place (ViT-B's WTA-CRS row is bench-remat's);
-# then the leanest policy with no 8-bit code (q, k, v and the MLP's hidden recomputed:
-# 0.704 of the baseline's temp compiled for an H100), for what its recomputes cost; last,
-# the same recomputes under lowmem (the MLP's from Mesa codes: 0.478 of the baseline's
-# temp; at 32 layers 1.57x lowmem's tokens per step)
+# the lean exact baseline, LowMemoryBP, the combined preset, the preset under timm + peft
+# + checkpointing's peak (issue 14) and full remat, beside the peers; the baseline and
+# that preset also with their layers unrolled (lowmem_jax.layers: no residual copied in
+# and out of a scan's stacks; compiled for an H100, the baseline launches 561 fewer
+# kernels and copies 10.2 GiB less per step). plain (39.9 ms on 2026-11-25) made room.
+BENCH_POLICIES = ("baseline", "baseline+layers=unrolled", "lowmembp", "lowmem",
+                  "lowmem+qkv=recompute", "lowmem+qkv=recompute+layers=unrolled", "remat")
+# LLaMA widths: WTA-CRS under LoRA (ViT-B's WTA-CRS row is bench-remat's); then the
+# baseline and lowmem with their layers unrolled (the hidden=recompute rows of 2026-11-25
+# made room)
 LLAMA_POLICIES = ("baseline", "lowmembp", "lowmem", "wta-crs", "remat",
-                  "lowmembp+hidden=recompute+qkv=recompute",
-                  "lowmem+hidden=recompute+qkv=recompute")
+                  "baseline+layers=unrolled", "lowmem+layers=unrolled")
 # the combined preset, Mesa alone (is lowmem <= mesa8; mesa8's activation memory and speed
 # against the baseline) and WTA-CRS under LoRA against JAX's own remat and offload
 # policies (ViT-B LoRA, --peak); lowmem+offload: compiled for the H100 it is the one
