@@ -10,26 +10,11 @@ from flax import nnx
 
 from lowmem_jax import MemoryPolicy
 from lowmem_jax.layers import Scanned, Unrolled, ordered
-from models import bert, llama, revvit, vit
+from models import revvit
 from models.sites import seed_sites
+from test_methods_in_models import TINY, _inputs  # tiny 2-layer ViT, LLaMA, BERT
 from train.config import TrainConfig
 from train.trainer import Trainer
-
-TINY = {
-    "vit": lambda pol: vit.ViT(vit.config("vit-tiny", num_layers=3), pol, dtype=jnp.float32),
-    "llama": lambda pol: llama.Llama(llama.config("llama-tiny", num_layers=3), pol,
-                                     dtype=jnp.float32),
-    "bert": lambda pol: bert.Bert(bert.config("bert-tiny", num_layers=3), pol,
-                                  dtype=jnp.float32),
-}
-
-
-def _inputs(kind):
-  if kind == "vit":
-    return (jax.random.normal(jax.random.key(1), (4, 32, 32, 3)),)
-  tokens = jax.random.randint(jax.random.key(1), (4, 16), 0, 100)
-  return (tokens,) if kind == "llama" else (tokens, jnp.ones((4, 16), bool))
-
 
 def _step(carry, layer):
   """A toy layer: a matmul and a bias on the carry, an integer per layer, and a per-layer
