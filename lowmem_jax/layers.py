@@ -7,17 +7,20 @@ every residual of every layer into one ``[layers, ...]`` buffer, and XLA:GPU wri
 into it with a ``dynamic-update-slice`` in the forward and reads it out with a
 ``dynamic-slice`` in the backward (a cuBLAS matmul or cuDNN call can neither write into
 nor read from a slice of a stacked buffer: each is a copy). Compiled for an H100 (XLA
-0.10.2, ViT-B/16 LoRA batch 64, ``baseline``): 528 such copy kernels and about 11 GB
-moved per step, about 4 ms at the H100's measured 2.55 TB/s, in a step of 36 ms.
+0.10.2, ViT-B/16 LoRA batch 64, ``baseline``): 456 such copy kernels and 10466 MiB read
+and written per step, about 4 ms at the H100's measured 2.55 TB/s, in a step of 36 ms
+(``docs/h100_compiled.md``; :mod:`lowmem_jax.hlo_kernels` counts them).
 
 ``layers="unrolled"`` runs the blocks in a Python loop, each layer its own slice of the
-stacked variables: no stacked residuals and no copies (the same step: 506 fusions in
-place of 1047, temp 2602 MiB in place of 2733), at the price of compile time that grows
-with depth. Left alone, XLA:GPU schedules an unrolled program's layers into each other
-(under ``lowmem`` it computed every layer's 8-bit codes late, their bf16 inputs all live
-at once: temp 1932 MiB against the scan's 913), so each layer runs as :func:`ordered`:
-what its backward keeps is ready before its output is, and its backward starts only
-once its output's cotangent has arrived, as inside a scan (``lowmem``: 1054 MiB).
+stacked variables: no stacked residuals and no copies (the same step: 795 kernel
+launches in place of 1356, temp 2602 MiB in place of 2733), at the price of compile
+time that grows with depth. Left alone, XLA:GPU schedules an unrolled program's layers
+into each other (under ``lowmem`` it computed every layer's 8-bit codes late, their bf16
+inputs all live at once: temp 1932 MiB against the scan's 913), so each layer runs as
+:func:`ordered`: what its backward keeps is ready before its output is, and its
+backward starts only once its output's cotangent has arrived, as inside a scan
+(``lowmem``: 1054 MiB). Where a policy keeps codes rather than bf16 residuals (Mesa),
+the scan copies almost nothing and unrolling only saves launches, at more memory.
 
 Both keep the same values (the same blocks, the same per-layer state) and give the same
 gradients; what a policy saves is unchanged; only how XLA lays the step out differs.
