@@ -36,7 +36,7 @@ from collections.abc import Callable
 import jax
 
 from lowmem_jax import attention as attention_lib
-from lowmem_jax import gpu_target, norms
+from lowmem_jax import gpu_target, layers, norms
 from lowmem_jax.methods import Field, Method, Strategy, check_choice, read, value_of
 
 KERNELS = ("auto", "xla", "pallas", "pallas_interpret")
@@ -51,8 +51,9 @@ STANDARD_NORMS = {"layer": norms.layer_norm, "rms": norms.rms_norm}
 
 def keep_inputs(fn: Callable) -> Callable:
   """``fn`` whose backward keeps only its (differentiable) inputs and recomputes what
-  else its derivative needs: ``jax.checkpoint`` saving nothing computed inside."""
-  return jax.checkpoint(fn, policy=jax.checkpoint_policies.nothing_saveable)
+  else its derivative needs: ``jax.checkpoint`` saving nothing computed inside
+  (:func:`lowmem_jax.layers.checkpoint`)."""
+  return layers.checkpoint(fn, jax.checkpoint_policies.nothing_saveable)
 
 
 @functools.cache
@@ -216,7 +217,7 @@ class Block(Strategy):
   def __call__(self, fn: Callable) -> Callable:
     if self.checkpoint_policy is None:
       return fn
-    return jax.checkpoint(fn, policy=self.checkpoint_policy)
+    return layers.checkpoint(fn, self.checkpoint_policy)
 
 
 # ----------------------------------------------------------------------------- hooks

@@ -112,8 +112,8 @@ class Stage:
 # the lean exact baseline, LowMemoryBP, the combined preset, the preset under timm + peft
 # + checkpointing's peak (issue 14) and full remat, beside the peers; the baseline and
 # that preset also with their layers unrolled (lowmem_jax.layers: no residual copied in
-# and out of a scan's stacks; compiled for an H100, the baseline launches 561 fewer
-# kernels and copies 10.2 GiB less per step). plain (39.9 ms on 2026-11-25) made room.
+# and out of a scan's stacks; compiled for an H100, the baseline launches 441 fewer
+# kernels and copies 7.9 GiB less per step). plain (39.9 ms on 2026-11-25) made room.
 BENCH_POLICIES = ("baseline", "baseline+layers=unrolled", "lowmembp", "lowmem",
                   "lowmem+qkv=recompute", "lowmem+qkv=recompute+layers=unrolled", "remat")
 # LLaMA widths: WTA-CRS under LoRA (ViT-B's WTA-CRS row is bench-remat's); then the

@@ -42,9 +42,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import jax
 
-from lowmem_jax import wta_crs
+from lowmem_jax import layers, wta_crs
 from lowmem_jax.methods import Field, Method, Strategy
 
 HIDDEN = ("keep", "recompute")
@@ -58,7 +57,7 @@ class RecomputeHidden(Strategy):
   recomputes = True
 
   def __call__(self, run: Callable, inputs, params, consts):
-    return jax.checkpoint(run)(inputs, params, consts)
+    return layers.checkpoint(run)(inputs, params, consts)
 
 
 def _active(policy) -> bool:

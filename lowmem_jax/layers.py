@@ -7,13 +7,15 @@ every residual of every layer into one ``[layers, ...]`` buffer, and XLA:GPU wri
 into it with a ``dynamic-update-slice`` in the forward and reads it out with a
 ``dynamic-slice`` in the backward (a cuBLAS matmul or cuDNN call can neither write into
 nor read from a slice of a stacked buffer: each is a copy). Compiled for an H100 (XLA
-0.10.2, ViT-B/16 LoRA batch 64, ``baseline``): 456 such copy kernels and 10466 MiB read
-and written per step, about 4 ms at the H100's measured 2.55 TB/s, in a step of 36 ms
-(``docs/h100_compiled.md``; :mod:`lowmem_jax.hlo_kernels` counts them).
+0.10.2, ViT-B/16 LoRA batch 64, ``baseline``): 348 such copy kernels and 8044 MiB read
+and written per step, about 3.3 ms at the H100's measured 2.55 TB/s, in a step of 36 ms
+(``docs/h100_compiled.md``; :mod:`lowmem_jax.hlo_kernels` counts them). The recomputes
+in a scanned layer run without ``jax.checkpoint``'s CSE barrier (:func:`checkpoint`),
+which there only added copies (10466 MiB with it).
 
 ``layers="unrolled"`` runs the blocks in a Python loop, each layer its own slice of the
 stacked variables: no stacked residuals and no copies (the same step: 795 kernel
-launches in place of 1356, temp 2602 MiB in place of 2733), at the price of compile
+launches in place of 1236, temp 2602 MiB in place of 2733), at the price of compile
 time that grows with depth. Left alone, XLA:GPU schedules an unrolled program's layers
 into each other (under ``lowmem`` it computed every layer's 8-bit codes late, their bf16
 inputs all live at once: temp 1932 MiB against the scan's 913), so each layer runs as
@@ -28,7 +30,9 @@ gradients; what a policy saves is unchanged; only how XLA lays the step out diff
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -40,13 +44,39 @@ from lowmem_jax.methods import Field, Method, Strategy
 
 LAYERS = ("scan", "unrolled")
 
+# True while a scanned layer's body is traced (Scanned below)
+_IN_SCAN = contextvars.ContextVar("lowmem_jax_in_scanned_layer", default=False)
+
+
+def checkpoint(fn: Callable, policy: Callable | None = None) -> Callable:
+  """``jax.checkpoint(fn, policy=policy)``, whose ``prevent_cse`` is decided where it is
+  called: off inside a scanned layer, on elsewhere.
+
+  ``prevent_cse`` wraps what the recompute reads in an optimization barrier, so that XLA
+  cannot merge the recompute with the forward's copy of the same work (which would keep
+  that copy from forward to backward). A scanned layer's forward and backward are two
+  loops: nothing can merge, and the barrier only forces its inputs into buffers of their
+  own. On XLA:GPU that was a copy of every frozen weight's slice out of its stack before
+  its cast, each layer, in backward (LLaMA-7B widths, 4 layers, LoRA: 6189 MiB a step)."""
+  @functools.wraps(fn)
+  def run(*args, **kwargs):
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not _IN_SCAN.get())(*args, **kwargs)
+  return run
+
 
 @dataclasses.dataclass(frozen=True)
 class Scanned(Strategy):
-  """``(step, carry, xs) -> (carry, ys)``: ``lax.scan`` over the layer axis of ``xs``."""
+  """``(step, carry, xs) -> (carry, ys)``: ``lax.scan`` over the layer axis of ``xs``;
+  the recomputes traced in its body skip the CSE barrier (:func:`checkpoint`)."""
 
   def __call__(self, step: Callable, carry, xs):
-    return jax.lax.scan(step, carry, xs)
+    def body(carry, x):
+      inside = _IN_SCAN.set(True)
+      try:
+        return step(carry, x)
+      finally:
+        _IN_SCAN.reset(inside)
+    return jax.lax.scan(body, carry, xs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,9 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-import jax
-
-from lowmem_jax import quant, wta_crs
+from lowmem_jax import layers, quant, wta_crs
 from lowmem_jax.baseline import Attention
 from lowmem_jax.methods import Field, Method, Strategy
 
@@ -48,7 +46,7 @@ class RecomputeQKV(Strategy):
   def __call__(self, run: Callable, x, params, consts):
     if isinstance(x, quant.QTensor):
       return quant.coded_vjp(run, [x], (params,), (consts,))
-    return jax.checkpoint(run)(x, params, consts)
+    return layers.checkpoint(run)(x, params, consts)
 
 
 def _active(policy) -> bool:

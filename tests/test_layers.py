@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lowmem_jax import MemoryPolicy
+from lowmem_jax import MemoryPolicy, layers
 from lowmem_jax.layers import Scanned, Unrolled, ordered
 from models import revvit
 from models.sites import seed_sites
@@ -125,3 +125,23 @@ def test_layers_field_parses_and_checks():
 def test_reversible_stack_refuses_unrolled_layers():
   with pytest.raises(ValueError, match="layers='unrolled' is for standard block stacks"):
     revvit.RevViT("revvit-digits", "layers=unrolled", dtype=jnp.float32)
+
+
+def test_recomputes_skip_the_cse_barrier_in_a_scanned_layer_only():
+  """layers.checkpoint decides prevent_cse where it runs: off in a scanned layer (its
+  forward and backward are two loops, nothing to merge; the barrier only forced each
+  frozen weight's slice into a copy on XLA:GPU), on in an unrolled one and outside."""
+  f = layers.checkpoint(lambda c, w: jnp.sin(c @ w))
+  w, x = jnp.ones((3, 4, 4)), jnp.ones((2, 4))
+
+  def jaxpr(strategy):
+    return str(jax.make_jaxpr(lambda x, w: strategy(lambda c, wi: (f(c, wi), None), x, w))(x, w))
+
+  assert "prevent_cse=False" in jaxpr(Scanned()) and "prevent_cse=True" not in jaxpr(Scanned())
+  assert "prevent_cse=True" in jaxpr(Unrolled()) and "prevent_cse=False" not in jaxpr(Unrolled())
+  assert "prevent_cse=True" in str(jax.make_jaxpr(f)(x, w[0]))
+  # the same values and gradients either way
+  loss = lambda s: lambda w, x: s(lambda c, wi: (f(c, wi), None), x, w)[0].sum()  # noqa: E731
+  for a, e in zip(jax.grad(loss(Scanned()), argnums=(0, 1))(w, x),
+                  jax.grad(loss(Unrolled()), argnums=(0, 1))(w, x)):
+    np.testing.assert_allclose(a, e, rtol=1e-6)
