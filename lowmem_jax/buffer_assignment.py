@@ -174,7 +174,7 @@ def read_dump(folder: str) -> PeakBuffers:
   buffers = []
   for name, nbytes in _peak_live(_read(live_range), values):
     value = values[name]
-    shape, dtype = _parse_type(value.type_text)
+    shape, dtype = parse_type(value.type_text)
     base, _, index = name.partition("{")
     instr = hlo.origin(base, [int(i) for i in index.rstrip("}").split(",") if i])
     buffers.append(Buffer(name=name, nbytes=nbytes, shape=shape, dtype=dtype, kind=value.kind,
@@ -191,7 +191,9 @@ def _read(path: str) -> str:
     return f.read()
 
 
-def _parse_type(text: str | None):
+def parse_type(text: str | None):
+  """``(shape, dtype name)`` of an HLO array type ("bf16[64,197]{1,0}"); (None, None)
+  for anything else (a tuple type)."""
   m = re.fullmatch(r"(\w+)\[([\d,]*)\](?:\{.*\})?", text or "")
   if not m:
     return None, None
@@ -313,6 +315,8 @@ class _Instr:
   source_file: str | None    # older dumps: source_file / source_line in the metadata
   source_line: int | None
   computation: str
+  type_text: str = ""        # "bf16[64,197,768]{2,1,0}", or a tuple type
+  trip_count: int | None = None  # a while loop's known trip count
   root_opcode: str = ""
 
 
@@ -323,7 +327,8 @@ class HloText:
 
   def __init__(self, text: str):
     self.module = ""
-    self.instrs: dict[str, _Instr] = {}
+    self.entry = ""                           # the ENTRY computation
+    self.instrs: dict[str, _Instr] = {}       # in the text's order
     self.roots: dict[str, str] = {}          # computation -> root instruction
     self.params: dict[str, list[str]] = {}   # computation -> parameter names by number
     self.files: dict[int, str] = {}
@@ -345,6 +350,7 @@ class HloText:
       m = self._HEADER.match(line)
       if m and not line.startswith(" "):
         computation = m.group(1)
+        self.entry = computation if line.startswith("ENTRY ") else self.entry
         self.params[computation] = []
         continue
       m = self._INSTR.match(line)
@@ -387,9 +393,9 @@ class HloText:
         depth -= ch == ")"
         if depth == 0:
           break
-      rest = rhs[i + 1:].lstrip()
+      type_text, rest = rhs[:i + 1], rhs[i + 1:].lstrip()
     else:
-      rest = rhs.split(" ", 1)[1] if " " in rhs else ""
+      type_text, _, rest = rhs.partition(" ")
     opcode = rest.split("(", 1)[0].strip()
     depth, args = 0, ""
     for j, ch in enumerate(rest[len(opcode):]):
@@ -403,6 +409,7 @@ class HloText:
     body = re.search(r"body=%?([\w.\-]+)", rest)
     condition = re.search(r"condition=%?([\w.\-]+)", rest)
     index = re.search(r"index=(\d+)", rest)
+    trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
     op_name = _quoted("op_name", rest)
     frame = re.search(r"stack_frame_id=(\d+)", rest)
     src_file = _quoted("source_file", rest)
@@ -416,7 +423,8 @@ class HloText:
                   frame=int(frame.group(1)) if frame else None,
                   source_file=src_file,
                   source_line=int(src_line.group(1)) if src_line else None,
-                  computation=computation)
+                  computation=computation, type_text=type_text,
+                  trip_count=int(trips.group(1)) if trips else None)
 
   def _root(self, instr: _Instr) -> _Instr:
     """A fusion's root instruction, an async op's (XLA:GPU wraps fusions in async-start /

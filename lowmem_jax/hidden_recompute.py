@@ -42,7 +42,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-
 from lowmem_jax import layers, wta_crs
 from lowmem_jax.methods import Field, Method, Strategy
 

@@ -6,6 +6,7 @@ import pytest
 
 from lowmem_jax.hlo_kernels import count_kernels
 from lowmem_jax.layers import Scanned, Unrolled
+from test_buffer_assignment import _GPU_HLO  # an XLA:GPU 0.11 excerpt: async-wrapped fusion
 
 # Cut from XLA:GPU's optimized HLO of a scanned ViT-B step (deviceless H100 compile, XLA
 # 0.10.2), names kept, metadata dropped: a while of 12 trips whose body writes a residual
@@ -82,6 +83,14 @@ def test_counts_a_scan_body_per_trip_and_its_stack_copies():
   write = 64 * 197 * 3072 * 2      # one layer's bf16 residual into the stack
   read = 3072 * 768 * 4            # one layer's fp32 weight out of it
   assert k.stack_copy_bytes == 12 * 2 * (write + read)
+
+
+def test_counts_the_fusion_an_async_pair_runs():
+  """XLA:GPU 0.11 wraps fusions in async-start / async-done: the fusion inside is the
+  launch (here a dynamic-update-slice of an f32[8] row into an f32[6,8] stack), beside
+  the entry's fusion and copy."""
+  k = count_kernels(_GPU_HLO)
+  assert (k.launches, k.stack_copies, k.stack_copy_bytes, k.loop_trips) == (3, 1, 2 * 8 * 4, ())
 
 
 def test_a_module_without_entry_is_an_error():

@@ -141,7 +141,9 @@ def test_recomputes_skip_the_cse_barrier_in_a_scanned_layer_only():
   assert "prevent_cse=True" in jaxpr(Unrolled()) and "prevent_cse=False" not in jaxpr(Unrolled())
   assert "prevent_cse=True" in str(jax.make_jaxpr(f)(x, w[0]))
   # the same values and gradients either way
-  loss = lambda s: lambda w, x: s(lambda c, wi: (f(c, wi), None), x, w)[0].sum()  # noqa: E731
-  for a, e in zip(jax.grad(loss(Scanned()), argnums=(0, 1))(w, x),
-                  jax.grad(loss(Unrolled()), argnums=(0, 1))(w, x)):
+  def loss(strategy, w, x):
+    return strategy(lambda c, wi: (f(c, wi), None), x, w)[0].sum()
+  grads = [jax.grad(functools.partial(loss, s), argnums=(0, 1))(w, x)
+           for s in (Scanned(), Unrolled())]
+  for a, e in zip(*grads):
     np.testing.assert_allclose(a, e, rtol=1e-6)
