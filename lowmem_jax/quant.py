@@ -160,13 +160,20 @@ def dequantize(codes, lo, hi, dtype, *, axis: int = -1, groups: int = 1,
 # ----------------------------------------------------------------------------- EMA range
 def batch_range(x, *, axis: int = -1, groups: int = 1):
   """Per-group (min, max) of ``x`` in fp32, gradient-free. Reduced in ``x``'s dtype
-  (exact: min and max only pick), only the ``[G]`` results cast: no fp32 copy of ``x``."""
+  (exact: min and max only pick), only the ``[G]`` results cast: no fp32 copy of ``x``.
+  One reduction yields both: XLA:GPU ran ``x.min()`` and ``x.max()`` as two kernels that
+  each read all of ``x`` (compiled for an H100, ``docs/h100_compiled.md``)."""
   view = group_view(x.shape, axis, groups)
   x = jax.lax.stop_gradient(x)
   # one group: reduce x flat (a [O, 1, I] view gets a layout copy on XLA:CPU)
-  x3, reduced = (x.reshape(-1), 0) if groups == 1 else (x.reshape(view), (0, 2))
-  lo, hi = x3.min(axis=reduced), x3.max(axis=reduced)
+  x3, reduced = (x.reshape(-1), (0,)) if groups == 1 else (x.reshape(view), (0, 2))
+  inf = jnp.array(jnp.inf, x.dtype)
+  lo, hi = jax.lax.reduce((x3, x3), (inf, -inf), _min_max, reduced)
   return lo.astype(jnp.float32).reshape(groups), hi.astype(jnp.float32).reshape(groups)
+
+
+def _min_max(a, b):
+  return jax.lax.min(a[0], b[0]), jax.lax.max(a[1], b[1])
 
 
 def ema_range(lo, hi, count, batch_lo, batch_hi, decay: float = DECAY):

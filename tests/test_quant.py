@@ -333,6 +333,18 @@ def test_batch_range_reduces_in_the_input_dtype(axis, groups):
   fp32 = [e for e in jaxpr.eqns for v in e.outvars
           if v.aval.dtype == jnp.float32 and v.aval.size == x.size]
   assert fp32 == [], jaxpr
+  # min and max in one reduction: XLA:GPU ran two reductions as two reads of x
+  reductions = [e.primitive.name for e in jaxpr.eqns if "reduce" in e.primitive.name]
+  assert reductions == ["reduce"], jaxpr
+
+
+def test_batch_range_propagates_nan():
+  """A NaN in a group makes that group's min and max NaN (as ``jnp.min``/``jnp.max``), so
+  a non-finite activation is not hidden by the range."""
+  x = jnp.array([[1.0, 2.0], [jnp.nan, -3.0]], jnp.float32)
+  lo, hi = quant.batch_range(x, axis=0, groups=2)
+  assert np.isnan(lo[1]) and np.isnan(hi[1])
+  np.testing.assert_array_equal(np.asarray([lo[0], hi[0]]), [1.0, 2.0])
 
 
 def test_ema_range_updates():
