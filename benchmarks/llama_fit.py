@@ -35,7 +35,12 @@ length; then the peer at each base and length. Each row:
 
 ``--target h100`` (:mod:`lowmem_jax.gpu_target`): step 1 only, compiled for that GPU on any
 machine (XLA:GPU's executable, no device): the largest batch by XLA:GPU's compiled memory,
-to be confirmed by running on the GPU itself.
+to be confirmed by running on the GPU itself. ``--aot-json FILE`` (that run's JSON, e.g.
+``docs/h100_compiled/llama7b_fit.json``) does that on the GPU: the rows the file holds
+skip step 1 and go straight to 2 at its batch (a search on the device compiled 4-7 times
+a row, 22-59 s on the H100 of 2026-11-25). The batch is then the compile target's,
+confirmed, not searched again with the device's own compiler; the prediction error is
+still that of the executable that ran.
 
 The JSON is rewritten after every row (a cut run keeps the finished ones); rows left out
 by ``--budget-s`` (no new row starts after it) are listed under ``not_run``. The child
@@ -262,7 +267,7 @@ def our_row(spec: dict, mem_fraction: float) -> dict:
   """A policy's row: the AOT fit, then runs at it (stepping down on out of memory)."""
   row = {"kind": "ours", "policy": spec["policy"], "base_dtype": spec["base_dtype"],
          "seq": spec["seq"]}
-  found = run_child("search", spec, mem_fraction)
+  found = spec.get("aot") or run_child("search", spec, mem_fraction)
   row["search"] = found
   if "error" in found:
     return {**row, "error": found["error"]}
@@ -272,6 +277,8 @@ def our_row(spec: dict, mem_fraction: float) -> dict:
              compiles=found["compiles"], compile_s=found["compile_s"],
              budget_bytes=found["budget_bytes"],
              device_kind=found["device_kind"], backend=found["backend"])
+  if "aot_from" in found:
+    row["aot_from"] = found["aot_from"]
   if found["max_batch"] == 0:
     return {**row, "max_batch_run": 0,
             "note": f"batch 1 is predicted at {found['tried'][0][1]} bytes, over the budget"}
@@ -293,6 +300,7 @@ def our_row(spec: dict, mem_fraction: float) -> dict:
              confirm_runs=list(runs.values()))
   if best:
     run = runs[best]
+    row.update(device_kind=run["device_kind"], backend=run["backend"])  # what ran it
     row.update({k: run[k] for k in ("predicted_peak", "real_peak", "error_pct", "state_bytes",
                                     "step_s", "tokens_per_step", "tokens_per_s",
                                     "final_loss", "finite")})
@@ -372,6 +380,8 @@ def summary(row: dict) -> str:
   if "missing" in row:
     return f"missing: {row['missing']}"
   aot = f"{row['max_batch_aot']} by compiling, " if "max_batch_aot" in row else ""
+  if "aot_from" in row:
+    aot = f"{row['max_batch_aot']} by compiling ({row['aot_from']['file']}), "
   if row.get("compile_target"):
     return (f"batch {row['max_batch_aot']} by compiling for {row['compile_target']} "
             f"(predicted peak {_bytes(row['predicted_peak_aot'])}), not run")
@@ -405,6 +415,10 @@ def row_specs(args) -> list[dict]:
     common["target"] = args.target
   specs = [{**common, "kind": "ours", "base_dtype": b, "policy": p, "seq": s}
            for b in args.bases for p in args.policies for s in args.seq]
+  for spec in specs:
+    aot = (args.aot or {}).get((spec["base_dtype"], spec["policy"], spec["seq"]))
+    if aot is not None:
+      spec["aot"] = aot
   if args.peer and not args.target:
     specs += [{**common, "kind": "peer", "base_dtype": b, "seq": s}
               for b in args.bases for s in args.seq]
@@ -414,6 +428,39 @@ def row_specs(args) -> list[dict]:
 def _label(spec: dict) -> str:
   who = spec.get("policy") or "torch+peft"
   return f"{who} / {spec['base_dtype']} / seq {spec['seq']}"
+
+
+def read_aot(path: str, model: str, layers: int | None) -> dict:
+  """``(base_dtype, policy, seq) -> fit`` from a ``--target`` run's JSON (``--aot-json``):
+  each of its rows with a largest batch, as :func:`search_child` would have found it.
+  ValueError naming the file when it is missing, not such a JSON, or of another model."""
+  try:
+    result = json.loads(Path(path).read_text())
+  except OSError as e:
+    raise ValueError(f"--aot-json {path}: {e.strerror or e}") from None
+  except json.JSONDecodeError as e:
+    raise ValueError(f"--aot-json {path}: not JSON ({e.msg}, line {e.lineno})") from None
+  if not isinstance(result, dict) or result.get("benchmark") != "llama_fit" or \
+      not result.get("compile_target"):
+    raise ValueError(f"--aot-json {path}: not the JSON of a "
+                     "'python -m benchmarks.llama_fit --target GPU' run")
+  if (result.get("model"), result.get("layers")) != (model, layers):
+    raise ValueError(f"--aot-json {path}: its rows are {result.get('model')} with layers="
+                     f"{result.get('layers')}, this run is {model} with layers={layers}")
+  fits = {}
+  for row in result.get("rows", []):
+    if row.get("kind") != "ours" or not row.get("max_batch_aot"):
+      continue
+    search = row.get("search", {})
+    fits[(row["base_dtype"], row["policy"], row["seq"])] = {
+        "max_batch": row["max_batch_aot"], "predicted_peak": row["predicted_peak_aot"],
+        "capped": row["capped"], "compiles": 0, "compile_s": 0.0,
+        "budget_bytes": row["budget_bytes"], "tried": search.get("tried", []),
+        "device_kind": None, "backend": None,
+        "aot_from": {"file": str(path), "compile_target": result["compile_target"],
+                     "jax_version": search.get("jax_version"),
+                     "device_kind": row.get("device_kind")}}
+  return fits
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -442,6 +489,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="only the fit (AOT), compiled for this GPU instead of the local "
                        "device (lowmem_jax.gpu_target: h100; no GPU needed): no run, no "
                        "peer; 'auto' budget: its memory x --mem-fraction less 10%%")
+  ap.add_argument("--aot-json", metavar="FILE",
+                  help="each row's fit from this JSON of an earlier --target run (e.g. "
+                       "docs/h100_compiled/llama7b_fit.json) instead of a search here: its "
+                       "rows only confirm that batch by running (stepping down on out of "
+                       "memory); rows it lacks search as usual")
   ap.add_argument("--mem-fraction", type=float, default=0.95,
                   help="XLA_PYTHON_CLIENT_MEM_FRACTION of the child processes "
                        "(default %(default)s)")
@@ -458,6 +510,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if getattr(args, key) is None:
       setattr(args, key, value)
   try:
+    if args.aot_json and args.target:
+      raise ValueError("--aot-json gives a --target run's fit to confirm by running; it "
+                       "does not go with --target")
     args.policies = split_policies(args.policies)
     for p in args.policies:
       MemoryPolicy.parse(p)
@@ -475,6 +530,7 @@ def parse_args(argv=None) -> argparse.Namespace:
       cfg = row_config({"model": args.model, "layers": args.layers, "seq": args.seq[0],
                         "base_dtype": base})
     model_config(cfg)  # and a bad model or layer count
+    args.aot = read_aot(args.aot_json, args.model, args.layers) if args.aot_json else None
   except (ValueError, RuntimeError) as e:  # RuntimeError: gpu_target.TargetUnavailable
     ap.error(str(e))
   for name in ("cap", "steps"):

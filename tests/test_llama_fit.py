@@ -123,6 +123,87 @@ def test_smoke_run_end_to_end(tmp_path, capsys, monkeypatch):
   assert "max batch AOT" in printed and "baseline" in printed
 
 
+def _aot_file(tmp_path, **over):
+  """A --target run's JSON for the smoke shapes: baseline on nf4 at seq 32, batch 2."""
+  result = {"benchmark": "llama_fit", "model": "llama-tiny", "layers": 2,
+            "compile_target": "h100",
+            "rows": [{"kind": "ours", "policy": "baseline", "base_dtype": "nf4", "seq": 32,
+                      "max_batch_aot": 2, "predicted_peak_aot": 1000, "capped": False,
+                      "budget_bytes": 2000, "device_kind": "NVIDIA H100 80GB HBM3",
+                      "search": {"tried": [[1, 600], [2, 1000], [3, 2100]],
+                                 "jax_version": "0.10.2"}},
+                     {"kind": "ours", "policy": "remat", "base_dtype": "nf4", "seq": 32,
+                      "max_batch_aot": 0, "predicted_peak_aot": None, "capped": False,
+                      "budget_bytes": 2000}]}
+  result.update(over)
+  path = tmp_path / "aot.json"
+  path.write_text(json.dumps(result))
+  return path
+
+
+def test_aot_json_gives_the_rows_it_holds_their_fit(tmp_path):
+  path = _aot_file(tmp_path)
+  args = llama_fit.parse_args(["--smoke", "--policies", "baseline,lowmem,remat",
+                               "--aot-json", str(path)])
+  specs = {s.get("policy"): s for s in llama_fit.row_specs(args) if s["kind"] == "ours"}
+  fit = specs["baseline"]["aot"]
+  assert (fit["max_batch"], fit["predicted_peak"], fit["compiles"]) == (2, 1000, 0)
+  assert fit["aot_from"] == {"file": str(path), "compile_target": "h100",
+                             "jax_version": "0.10.2",
+                             "device_kind": "NVIDIA H100 80GB HBM3"}
+  # a row the file lacks, and one whose batch 1 did not fit there, search here
+  assert "aot" not in specs["lowmem"] and "aot" not in specs["remat"]
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file"),
+    ("{oops", "not JSON"),
+    (json.dumps({"benchmark": "llama_fit", "model": "llama-tiny", "layers": 2}),
+     "not the JSON of a 'python -m benchmarks.llama_fit --target GPU' run"),
+    (json.dumps({"benchmark": "train_bench", "compile_target": "h100"}), "--target GPU"),
+])
+def test_aot_json_that_is_not_a_target_run_is_refused(tmp_path, capsys, content, message):
+  path = tmp_path / "aot.json"
+  if content is not None:
+    path.write_text(content)
+  with pytest.raises(SystemExit) as e:
+    llama_fit.parse_args(["--smoke", "--aot-json", str(path)])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and f"--aot-json {path}" in err and message in err
+
+
+def test_aot_json_of_another_model_or_with_target_is_refused(tmp_path, capsys):
+  other = _aot_file(tmp_path, model="llama-7b", layers=None)
+  with pytest.raises(SystemExit):
+    llama_fit.parse_args(["--smoke", "--aot-json", str(other)])
+  assert "its rows are llama-7b with layers=None, this run is llama-tiny with layers=2" in \
+      capsys.readouterr().err
+  with pytest.raises(SystemExit):
+    llama_fit.parse_args(["--smoke", "--aot-json", str(_aot_file(tmp_path)), "--target",
+                          "h100"])
+  assert "does not go with --target" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_aot_json_row_confirms_without_searching(tmp_path, monkeypatch):
+  """A row the file holds runs its batch in one fresh process and compiles nothing else;
+  the prediction is the executable's that ran, beside the file's."""
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  path = _aot_file(tmp_path)
+  calls = []
+  real = llama_fit.run_child
+  monkeypatch.setattr(llama_fit, "run_child",
+                      lambda kind, *a, **k: calls.append(kind) or real(kind, *a, **k))
+  result = llama_fit.main(["--smoke", "--no-peer", "--aot-json", str(path)])
+  (row,) = result["rows"]
+  assert calls == ["confirm"]
+  assert row["max_batch_aot"] == row["max_batch_run"] == 2 and row["compiles"] == 0
+  assert row["predicted_peak_aot"] == 1000 and row["predicted_peak"] > 0
+  assert row["aot_from"]["file"] == str(path) and row["device_kind"] == "cpu"
+  assert result["device_kind"] == "cpu" and row["finite"]
+  assert f"by compiling ({path})" in llama_fit.summary(row)
+
+
 def test_budget_s_leaves_rows_out_and_says_which(tmp_path):
   result = llama_fit.main(["--smoke", "--budget-s", "-1", "--json", str(tmp_path / "f.json")])
   assert result["rows"] == []
