@@ -421,7 +421,7 @@ def row_specs(args) -> list[dict]:
       spec["aot"] = aot
   if args.peer and not args.target:
     specs += [{**common, "kind": "peer", "base_dtype": b, "seq": s}
-              for b in args.bases for s in args.seq]
+              for b in args.peer_bases or args.bases for s in args.seq]
   return specs
 
 
@@ -485,6 +485,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help="no new row starts after this many seconds (default: none)")
   ap.add_argument("--no-peer", dest="peer", action="store_false",
                   help="leave out the HF transformers + peft rows")
+  ap.add_argument("--peer-bases", help="the peer rows' base dtypes, comma-separated "
+                  f"(default: --bases; the peer builds {', '.join(PEER_BASES)}; nf4 needs "
+                  "bitsandbytes)")
   ap.add_argument("--target", metavar="GPU",
                   help="only the fit (AOT), compiled for this GPU instead of the local "
                        "device (lowmem_jax.gpu_target: h100; no GPU needed): no run, no "
@@ -517,6 +520,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for p in args.policies:
       MemoryPolicy.parse(p)
     args.bases = [b.strip() for b in args.bases.split(",") if b.strip()]
+    if args.peer_bases is not None:
+      args.peer_bases = [b.strip() for b in args.peer_bases.split(",") if b.strip()]
+      unknown = [b for b in args.peer_bases if b not in PEER_BASES]
+      if unknown or not args.peer_bases:
+        raise ValueError(f"--peer-bases {','.join(unknown) or '(none)'}: the peer builds "
+                         f"{', '.join(PEER_BASES)}")
     args.seq = [int(s) for s in str(args.seq).split(",") if s.strip()]
     if not args.bases or not args.seq or min(args.seq) < 1:
       raise ValueError(f"--bases and --seq need at least one value each, lengths >= 1; got "

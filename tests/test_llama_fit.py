@@ -155,6 +155,18 @@ def test_aot_json_gives_the_rows_it_holds_their_fit(tmp_path):
   assert "aot" not in specs["lowmem"] and "aot" not in specs["remat"]
 
 
+def test_peer_bases_choose_the_peer_rows(capsys):
+  args = llama_fit.parse_args(["--smoke", "--bases", "nf4", "--peer-bases", "bfloat16"])
+  assert [(s["kind"], s["base_dtype"]) for s in llama_fit.row_specs(args)] == [
+      ("ours", "nf4"), ("peer", "bfloat16")]
+  args = llama_fit.parse_args(["--smoke", "--bases", "nf4,bfloat16"])
+  assert [s["base_dtype"] for s in llama_fit.row_specs(args) if s["kind"] == "peer"] == [
+      "nf4", "bfloat16"]
+  with pytest.raises(SystemExit):
+    llama_fit.parse_args(["--smoke", "--peer-bases", "int8"])
+  assert "--peer-bases int8: the peer builds float32, bfloat16, nf4" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "No such file"),
     ("{oops", "not JSON"),
