@@ -301,6 +301,10 @@ def our_row(spec: dict, mem_fraction: float) -> dict:
   if best:
     run = runs[best]
     row.update(device_kind=run["device_kind"], backend=run["backend"])  # what ran it
+    compiled_for = row.get("aot_from", {}).get("device_kind")
+    if compiled_for and compiled_for != run["device_kind"]:
+      row["note"] = (f"the batch was compiled for {compiled_for} and ran on "
+                     f"{run['device_kind']}: not searched for this device")
     row.update({k: run[k] for k in ("predicted_peak", "real_peak", "error_pct", "state_bytes",
                                     "step_s", "tokens_per_step", "tokens_per_s",
                                     "final_loss", "finite")})
@@ -385,8 +389,9 @@ def summary(row: dict) -> str:
   if row.get("compile_target"):
     return (f"batch {row['max_batch_aot']} by compiling for {row['compile_target']} "
             f"(predicted peak {_bytes(row['predicted_peak_aot'])}), not run")
+  note = f" ({row['note']})" if row.get("note") else ""
   return (f"batch {aot}{row.get('max_batch_run')} by running, "
-          f"{_num(row.get('tokens_per_s'), '.0f')} tokens/s")
+          f"{_num(row.get('tokens_per_s'), '.0f')} tokens/s{note}")
 
 
 def table(result: dict) -> str:

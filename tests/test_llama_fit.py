@@ -214,6 +214,10 @@ def test_aot_json_row_confirms_without_searching(tmp_path, monkeypatch):
   assert row["aot_from"]["file"] == str(path) and row["device_kind"] == "cpu"
   assert result["device_kind"] == "cpu" and row["finite"]
   assert f"by compiling ({path})" in llama_fit.summary(row)
+  # compiled for an H100, run on this CPU: the row says its batch was not searched here
+  assert row["note"] == ("the batch was compiled for NVIDIA H100 80GB HBM3 and ran on cpu: "
+                         "not searched for this device")
+  assert row["note"] in llama_fit.summary(row)
 
 
 def test_budget_s_leaves_rows_out_and_says_which(tmp_path):
