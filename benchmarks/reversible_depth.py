@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import gpu_target
+from lowmem_jax.hlo_kernels import async_overlaps
 from lowmem_jax.memory import MiB, compiled_memory, format_table, policy_list, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,7 +97,14 @@ def compile_row(model: str, spec: str, layers: int, batch: int, dtype, overrides
   args = gpu_target.place((params, rest, inputs, targets))  # unchanged without a target
   compiled = jax.jit(grad_step).lower(graphdef, *args).compile()
   return {"policy": spec, "layers": layers, "batch": batch, "param_bytes": _nbytes(params),
-          "compiled": compiled_memory(compiled).as_dict()}
+          "compiled": compiled_memory(compiled).as_dict(), "async_overlap": overlap(compiled)}
+
+
+def overlap(compiled) -> list[int]:
+  """Per asynchronous op of the compiled step (``pareprop-stream``'s rebuild on its own
+  stream, a host copy), the launches scheduled between its start and its done, sorted
+  (:func:`lowmem_jax.hlo_kernels.async_overlaps`): all 0, and nothing can run beside it."""
+  return sorted(async_overlaps(compiled.as_text()).values())
 
 
 def depth_growth(rows: Sequence[dict], field: str = "compiled") -> dict:
@@ -160,6 +168,7 @@ def run_case(case: dict) -> dict:
     del out
   loss = float(step(graphdef, *args)[0])
   return {"param_bytes": _nbytes(args[0]), "compiled": compiled_memory(step).as_dict(),
+          "async_overlap": overlap(step),
           "resident_bytes": resident, "peak_bytes_in_use": peak,
           "step_ms": statistics.median(times) * 1e3, "finite": math.isfinite(loss),
           "device_kind": device.device_kind, "backend": jax.default_backend(),
@@ -249,15 +258,17 @@ def run_table(rows) -> str:
   body = []
   for r in rows:
     if "error" in r:
-      body.append((r["case"], r["layers"], "error", "", "", "", "", "", "", ""))
+      body.append((r["case"], r["layers"], "error", "", "", "", "", "", "", "", ""))
       continue
     body.append((r["case"], r["layers"], _mib(r["compiled"]["temp"]),
                  _mib(r["peak_bytes_in_use"]), _mib(r["resident_bytes"]),
                  _mib(r.get("peak_beyond_params_grads")), f"{r['step_ms']:.2f}",
-                 speed(r, "reversible"), speed(r, "baseline"), r["xla_flags"] or "-"))
+                 speed(r, "reversible"), speed(r, "baseline"),
+                 ",".join(map(str, r.get("async_overlap") or ())) or "-",
+                 r["xla_flags"] or "-"))
   return format_table(("case", "layers", "temp MiB", "peak MiB", "resident MiB",
                        "peak-res-grads", "step ms", "vs reversible", "vs baseline",
-                       "XLA_FLAGS"), body)
+                       "async overlap", "XLA_FLAGS"), body)
 
 
 # ----------------------------------------------------------------------------- CLI

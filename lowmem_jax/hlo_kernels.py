@@ -72,6 +72,31 @@ def count_kernels(hlo_text: str) -> Kernels:
   return Kernels(launches, copies, copy_bytes, tuple(sorted(trips)))
 
 
+def async_overlaps(hlo_text: str) -> dict[str, int]:
+  """For each asynchronous op of a scheduled HLO module's text (an ``*-start`` / ``*-done``
+  pair: a call put on another stream, a host copy, an async-wrapped fusion), how many
+  launches the schedule puts between its start and its done, in the same computation.
+  0: nothing can run beside it (XLA waits for it at once); what overlaps is what a second
+  stream or the copy engine can hide. A proxy read off the compiled schedule, not a
+  timing."""
+  hlo = HloText(hlo_text)
+  by_computation: dict[str, list] = {}
+  for instr in hlo.instrs.values():
+    by_computation.setdefault(instr.computation, []).append(instr)
+  overlaps = {}
+  for instrs in by_computation.values():
+    for k, start in enumerate(instrs):
+      if not start.opcode.endswith("-start"):
+        continue
+      between = 0
+      for instr in instrs[k + 1:]:
+        if instr.opcode.endswith("-done") and start.name in instr.operands:
+          break
+        between += instr.opcode in LAUNCHES
+      overlaps[start.name] = between
+  return overlaps
+
+
 def _stack_copy(fused: list) -> str | None:
   """"dynamic-slice" / "dynamic-update-slice" for a fused computation that only copies a
   slice out of or into a buffer (its other work: scalar index arithmetic, copies,

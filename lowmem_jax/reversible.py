@@ -23,7 +23,10 @@ Schedules of the backward scan (same gradients):
   asynchronously beside the gradient work). Other backends ignore the annotation; the
   arithmetic is PaReprop's. Compiled for an H100 (jaxlib 0.10.2) it keeps more than
   ``"pareprop"`` (the rebuild's buffers beside the gradient's), and the schedule puts
-  the call's start right before its done. Its speed on a GPU is unmeasured so far: the
+  the call's start right before its done: no launch between them
+  (:func:`lowmem_jax.hlo_kernels.async_overlaps`), also with the latency hiding
+  scheduler, its analytical latency estimators, or an XLA ``_scheduling_group_id`` on
+  both halves of the iteration (2026-11-26). Its speed on a GPU is unmeasured so far: the
   H100 run of 2026-11-25 timed out before this variant (``benchmarks/reversible_depth``,
   ``docs/gpu/README.md``; there ``"pareprop"`` ran at 0.81x vanilla's speed).
 

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from lowmem_jax.hlo_kernels import count_kernels
+from lowmem_jax.hlo_kernels import async_overlaps, count_kernels
 from lowmem_jax.layers import Scanned, Unrolled
 from test_buffer_assignment import _GPU_HLO  # an XLA:GPU 0.11 excerpt: async-wrapped fusion
 
@@ -113,3 +113,32 @@ def test_unrolled_layers_launch_no_loop():
   assert count_kernels(texts["scan"]).loop_trips == (3, 3)  # forward and backward
   unrolled = count_kernels(texts["unrolled"])
   assert unrolled.loop_trips == () and unrolled.stack_copies == 0 and unrolled.launches > 0
+
+
+def test_async_overlaps_count_the_launches_between_start_and_done():
+  """The 0.11 excerpt's async fusion: its done follows its start at once (0); an async
+  call with two fusions and a copy scheduled before its done overlaps 3 launches (the
+  scalar constant runs nothing)."""
+  assert async_overlaps(_GPU_HLO) == {"fusion-start": 0}
+  hlo = """HloModule m, is_scheduled=true
+
+%body (p: f32[8]) -> f32[8] {
+  ROOT %p = f32[8]{0} parameter(0)
+}
+
+%fused (q: f32[8]) -> f32[8] {
+  ROOT %q = f32[8]{0} parameter(0)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %call-start = ((f32[8]{0}), f32[8]{0}) call-start(%x), async_execution_thread="main", to_apply=%body
+  %fusion.1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %c = s32[] constant(1)
+  %fusion.2 = f32[8]{0} fusion(%fusion.1), kind=kLoop, calls=%fused
+  %copy.1 = f32[8]{0} copy(%fusion.2)
+  %call-done = f32[8]{0} call-done(%call-start)
+  ROOT %fusion.3 = f32[8]{0} fusion(%call-done), kind=kLoop, calls=%fused
+}
+"""
+  assert async_overlaps(hlo) == {"call-start": 3}
