@@ -68,6 +68,15 @@ def test_summarize_per_step_by_kind_and_source():
       ("lowmem_jax/norms.py:10 (layer_norm)", pytest.approx(2.0), 2, "other"),
       ("Memcpy DtoD", pytest.approx(2.0), 1, "copy")]  # no op: the kernel's name
   assert len(kernel_time.summarize(ks, 2, 0.02, top=1)["top"]) == 1
+  # XLA:GPU's CUDA graphs: the event's op is the graph's thunk, not an HLO instruction;
+  # a fusion's kernel is placed by its name, a library GEMM's is labelled by its name
+  graph = [Kernel("loop_add_fusion_1", "command_buffer_7", 0, 3 * ms),
+           Kernel("nvjet_tst_gemm", "command_buffer_7", 3 * ms, 1 * ms)]
+  g = kernel_time.summarize(graph, 1, 4e-3, where={
+      "loop_add_fusion_1": "lowmem_jax/quant.py:9 (pack) [fwd]"}.get)
+  assert g["attributed"] == pytest.approx(3 / 4)
+  assert [t["where"] for t in g["top"]] == ["lowmem_jax/quant.py:9 (pack) [fwd]",
+                                            "nvjet_tst_gemm"]
   with pytest.raises(ValueError, match="steps must be >= 1"):
     kernel_time.summarize(ks, 0, 1.0)
   text = kernel_time.table({"ours": p})

@@ -16,7 +16,8 @@ that list into figures per step, for ours and the peers alike:
   counts under matmul and other; its source line says where it is;
 * ``top``: the kernels' time grouped by where they come from: for JAX, the Python source
   line of the HLO instruction that launched them (``where``, from the compiled step's
-  HLO text); else the kernel name. ``attributed``: the share of kernel time placed so
+  HLO text; for a kernel replayed in a CUDA graph, whose event names the graph's
+  ``command_buffer_N`` thunk, the fusion its kernel is named after); else the kernel name. ``attributed``: the share of kernel time placed so
   (without ``where``: the share whose trace event names an HLO op).
 
 Kernel times sum above ``busy_ms`` where kernels overlap on several streams. Only the
@@ -101,9 +102,14 @@ def summarize(kernels: list[Kernel], steps: int, wall_s: float,
   for k in kernels:
     kk = kind(k.name)
     by_kind[kk] += k.duration_ns
-    source = where(k.op or k.name) if where else k.op
+    if where:  # the op's source, else the kernel name's: XLA:GPU replays most kernels in
+      # CUDA graphs, whose trace events name the graph's thunk (command_buffer_N) as op
+      source = (k.op and where(k.op)) or where(k.name)
+      label = source or k.name
+    else:
+      source = k.op
+      label = k.op or k.name
     known += k.duration_ns if source else 0.0
-    label = source or k.op or k.name
     g = groups.setdefault(label, [0.0, 0, {}])
     g[0] += k.duration_ns
     g[1] += 1
