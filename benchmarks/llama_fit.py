@@ -477,7 +477,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                   help=f"tiny defaults ({', '.join(f'{k}={v}' for k, v in SMOKE.items())})")
   ap.add_argument("--model", help=f"a llama preset (default {FULL['model']})")
   ap.add_argument("--layers", type=int, help="number of layers (default: the preset's)")
-  ap.add_argument("--policies", help=f"comma-separated (default {FULL['policies']})")
+  ap.add_argument("--policies", help=f"comma-separated (default {FULL['policies']}); "
+                  "none: the peer's rows only")
   ap.add_argument("--bases", help="frozen base dtypes (TrainConfig.base_dtype), "
                   f"comma-separated (default {FULL['bases']})")
   ap.add_argument("--seq", help=f"sequence lengths, comma-separated (default {FULL['seq']})")
@@ -521,7 +522,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.aot_json and args.target:
       raise ValueError("--aot-json gives a --target run's fit to confirm by running; it "
                        "does not go with --target")
-    args.policies = split_policies(args.policies)
+    # "none": the peer's rows only (ours ran in an earlier call)
+    args.policies = ([] if args.policies.strip() == "none"
+                     else split_policies(args.policies))
+    if not args.policies and (not args.peer or args.target):
+      raise ValueError("--policies none leaves only the peer's rows, which --no-peer and "
+                       "--target leave out: nothing to run")
     for p in args.policies:
       MemoryPolicy.parse(p)
     args.bases = [b.strip() for b in args.bases.split(",") if b.strip()]

@@ -165,6 +165,10 @@ def test_peer_bases_choose_the_peer_rows(capsys):
   with pytest.raises(SystemExit):
     llama_fit.parse_args(["--smoke", "--peer-bases", "int8"])
   assert "--peer-bases int8: the peer builds float32, bfloat16, nf4" in capsys.readouterr().err
+  # --policies none: the peer's rows only
+  args = llama_fit.parse_args(["--smoke", "--policies", "none", "--peer-bases", "bfloat16"])
+  assert [(s["kind"], s["base_dtype"]) for s in llama_fit.row_specs(args)] == [
+      ("peer", "bfloat16")]
 
 
 @pytest.mark.parametrize("content, message", [
@@ -259,6 +263,8 @@ def test_peer_ratios_and_table():
     (["--memory-budget", "lots"], "memory_budget='lots'"),
     (["--model", "llama-huge"], "llama-huge"),
     (["--cap", "0"], "--cap must be >= 1"),
+    (["--policies", "none", "--no-peer"], "--policies none leaves only the peer's rows"),
+    (["--policies", "none", "--target", "h100"], "nothing to run"),
     (["--json", "."], "--json . is a directory; give a file name"),
     (["--json", "/no-such-dir/f.json"], "--json /no-such-dir/f.json: the directory "
      "/no-such-dir does not exist"),

@@ -200,7 +200,7 @@ def test_table_is_printed_fastest_first(example, predict, truth):
 
 def test_speeds_from_the_table_or_the_cost_model():
   table = planner.load_speed_table()
-  assert {"cpu", "h100"} <= set(table)
+  assert {"cpu", "h100", "h200"} <= set(table)
   cands = planner.candidates(_cfg("batch_size=4"), ("baseline", "lowmembp+remat", "offload"),
                              table, None)
   model = {(c.policy, c.grad_accum): c for c in cands}  # unknown device: the cost model
@@ -222,7 +222,8 @@ def test_speeds_from_the_table_or_the_cost_model():
                                         + planner.RECOMPUTE_HIDDEN)
   gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
   assert planner.device_family(table, gpu("NVIDIA H100 80GB HBM3")) == "h100"
-  assert planner.device_family(table, gpu("NVIDIA H200")) is None  # not measured: the model
+  assert planner.device_family(table, gpu("NVIDIA H200")) == "h200"
+  assert planner.device_family(table, gpu("NVIDIA A100-SXM4-80GB")) is None  # the model
   assert planner.device_family(table, jax.devices("cpu")[0]) == "cpu"
 
 
