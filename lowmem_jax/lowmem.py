@@ -33,11 +33,13 @@ keeps no codes of q, k and v either: backward recomputes them from the norm outp
 code, three matmuls per block. Compiled for an H100 (ViT-B/16 LoRA batch 64,
 ``docs/h100_compiled.md``) it is under timm+peft with checkpointing's 1279 MiB without remat
 (1205 MiB in all against ``lowmem``'s 1575), as is ``lowmembp+qkv=recompute+
-attention_block=64`` (1272); it joins the
-preset when the GPU has timed those matmuls. Whether it meets its GPU target (peak at or below timm+peft
-with gradient checkpointing, at >= 0.9x the speed of timm+peft without) is for the GPU
-check to say: its ``bench-vit`` stage runs it beside the peers, ``bench-remat`` beside
-JAX's remat and offload policies (``python -m lowmem_jax.gpu_check``).
+attention_block=64`` (1272). Measured on an H200 (``docs/gpu/README.md``, 2026-11-27):
+1037 MiB at 0.98x timm+peft's speed (timm+peft with checkpointing: 1291 MiB at 0.50x),
+``lowmem`` 1513 MiB at 0.99x: the recompute costs 1.2% of the step there. It stays a
+field, not part of ``lowmem``: at LLaMA-7B widths it saves 19-70 MiB of 5.6 GiB
+(compiled for an H100), its three matmuls cost more of a step dominated by the MLP, and
+a preset of its own would rename ``lowmem+qkv=recompute`` (the canonical spec) in every
+report and table.
 """
 
 from __future__ import annotations
