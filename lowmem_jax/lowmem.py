@@ -36,8 +36,9 @@ code, three matmuls per block. Compiled for an H100 (ViT-B/16 LoRA batch 64,
 attention_block=64`` (1272). Measured on an H200 (``docs/gpu/README.md``, 2026-11-27):
 1037 MiB at 0.98x timm+peft's speed (timm+peft with checkpointing: 1291 MiB at 0.50x),
 ``lowmem`` 1513 MiB at 0.99x: the recompute costs 1.2% of the step there. It stays a
-field, not part of ``lowmem``: at LLaMA-7B widths it saves 19-70 MiB of 5.6 GiB
-(compiled for an H100), its three matmuls cost more of a step dominated by the MLP, and
+field, not part of ``lowmem``: at LLaMA-7B widths (compiled for an H100) it keeps 70 MiB
+less of 5.6 GiB at 4 layers, and at 2 layers 19 MiB less with a bf16 base, 30 more with
+an fp32 one (``docs/h100_compiled.md``); its three matmuls are untimed there, and
 a preset of its own would rename ``lowmem+qkv=recompute`` (the canonical spec) in every
 report and table.
 """
