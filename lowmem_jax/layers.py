@@ -21,8 +21,12 @@ into each other (under ``lowmem`` it computed every layer's 8-bit codes late, th
 inputs all live at once: temp 1932 MiB against the scan's 913), so each layer runs as
 :func:`ordered`: what its backward keeps is ready before its output is, and its
 backward starts only once its output's cotangent has arrived, as inside a scan
-(``lowmem``: 1054 MiB). Where a policy keeps codes rather than bf16 residuals (Mesa),
-the scan copies almost nothing and unrolling only saves launches, at more memory.
+(``lowmem``: 1054 MiB). A frozen weight's slice is not kept for the backward either:
+the backward slices the stacked weight again (:func:`ordered`'s ``layer_of``), as the
+scan's backward loop does; kept, XLA held every layer's slices (or their bf16 casts)
+from forward to backward (``lowmem+qkv=recompute``: temp 848 MiB, 626 without). Where a
+policy keeps codes rather than bf16 residuals (Mesa), the scan copies almost nothing
+and unrolling only saves launches.
 
 Both keep the same values (the same blocks, the same per-layer state) and give the same
 gradients; what a policy saves is unchanged; only how XLA lays the step out differs.
