@@ -76,12 +76,15 @@ def test_unrolled_backward_slices_frozen_weights_again():
 
 def test_ordered_fences_what_backward_keeps():
   """The forward's kept tensors and output pass one optimization barrier, the backward's
-  kept tensors and cotangent another: two barriers in the step's jaxpr, one per
-  direction; without differentiation, none."""
+  kept tensors and cotangent another, and the backward's results (the input's and the
+  weight's cotangents) a third, so a weight's gradient is not deferred past the layer;
+  without differentiation, none."""
   fn = ordered(lambda x, w: jnp.sin(x @ w))
   x, w = jnp.ones((2, 3)), jnp.ones((3, 3))
   grad_jaxpr = str(jax.make_jaxpr(jax.grad(lambda x, w: fn(x, w).sum(), argnums=(0, 1)))(x, w))
-  assert grad_jaxpr.count("optimization_barrier") == 2
+  assert grad_jaxpr.count("optimization_barrier") == 3
+  last = [line for line in grad_jaxpr.splitlines() if "optimization_barrier" in line][-1]
+  assert "f32[2,3]" in last.split("=")[0] and "f32[3,3]" in last.split("=")[0], last
   assert "optimization_barrier" not in str(jax.make_jaxpr(fn)(x, w))
 
 
