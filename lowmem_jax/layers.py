@@ -25,7 +25,8 @@ backward starts only once its output's cotangent has arrived, as inside a scan
 layer's backward starts. A frozen weight's slice is not kept for the backward either:
 the backward slices the stacked weight again (:func:`ordered`'s ``layer_of``), as the
 scan's backward loop does; kept, XLA held every layer's slices (or their bf16 casts)
-from forward to backward (``lowmem+qkv=recompute``: temp 848 MiB, 626 without). Where a
+from forward to backward (``lowmem+qkv=recompute``: temp 848 MiB, 626 without; 532
+with the weight gradients in order too, against the scan's 557). Where a
 policy keeps codes rather than bf16 residuals (Mesa), the scan copies almost nothing
 and unrolling only saves launches.
 
