@@ -16,7 +16,8 @@ which there only added copies (10466 MiB with it).
 ``layers="unrolled"`` runs the blocks in a Python loop, each layer its own slice of the
 stacked variables: no stacked residuals and no copies (the same step: 795 kernel
 launches in place of 1236, temp 2602 MiB in place of 2733), at the price of compile
-time that grows with depth. Left alone, XLA:GPU schedules an unrolled program's layers
+time that grows with depth (LLaMA-7B, 32 layers, compiled for an H100 on a 2-core CPU:
+207 s against the scan's 10.5). Left alone, XLA:GPU schedules an unrolled program's layers
 into each other (under ``lowmem`` it computed every layer's 8-bit codes late, their bf16
 inputs all live at once: temp 1932 MiB against the scan's 913), so each layer runs as
 :func:`ordered`: what its backward keeps is ready before its output is, and its
