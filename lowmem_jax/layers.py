@@ -14,7 +14,7 @@ in a scanned layer run without ``jax.checkpoint``'s CSE barrier (:func:`checkpoi
 which there only added copies (10466 MiB with it).
 
 ``layers="unrolled"`` runs the blocks in a Python loop, each layer its own slice of the
-stacked variables: no stacked residuals and no copies (the same step: 795 kernel
+stacked variables: no stacked residuals and no copies (the same step: 810 kernel
 launches in place of 1236, temp 2602 MiB in place of 2733), at the price of compile
 time that grows with depth (LLaMA-7B, 32 layers, compiled for an H100 on a 2-core CPU:
 207 s against the scan's 10.5). Left alone, XLA:GPU schedules an unrolled program's layers
