@@ -160,14 +160,16 @@ def ordered(fn: Callable, layer_of: int | None = None) -> Callable:
     for j, k in zip(fenced, through):
       kept[j] = k
     # the last argument's leaves, frozen and kept as they are: sliced again in backward
-    resliced = {}  # position in kept -> position in stacked
+    resliced = {}  # position in kept -> position in the stacked residuals
     if stacked is not None:
       first = len(values) - len(stacked)
       frozen = {id(values[first + n]): n for n in range(len(stacked))
                 if first + n not in moving}
-      resliced = {j: frozen[id(k)] for j, k in enumerate(kept) if id(k) in frozen}
+      needed = sorted({frozen[id(k)] for k in kept if id(k) in frozen})
+      resliced = {j: needed.index(frozen[id(k)]) for j, k in enumerate(kept)
+                  if id(k) in frozen}
       kept = [None if j in resliced else k for j, k in enumerate(kept)]
-      stacked = [stacked[n] for n in sorted(set(resliced.values()))]
+      stacked = [stacked[n] for n in needed]
     traced.update(tree=tree, moving=moving, kept_tree=kept_tree, fenced=fenced,
                   count=len(values), resliced=resliced)
     return out, (kept, stacked)
@@ -186,9 +188,8 @@ def ordered(fn: Callable, layer_of: int | None = None) -> Callable:
     kept = list(kept)
     for j, k in zip(fenced, through):
       kept[j] = k
-    order = {n: m for m, n in enumerate(sorted(set(traced["resliced"].values())))}
-    for j, n in traced["resliced"].items():
-      kept[j] = stacked[order[n]][layer_of]
+    for j, m in traced["resliced"].items():
+      kept[j] = stacked[m][layer_of]
     for i, x in zip(real, g_real):
       g[i] = x
     pullback = jax.tree.unflatten(traced["kept_tree"], kept)

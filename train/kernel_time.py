@@ -17,8 +17,9 @@ that list into figures per step, for ours and the peers alike:
 * ``top``: the kernels' time grouped by where they come from: for JAX, the Python source
   line of the HLO instruction that launched them (``where``, from the compiled step's
   HLO text; for a kernel replayed in a CUDA graph, whose event names the graph's
-  ``command_buffer_N`` thunk, the fusion its kernel is named after); else the kernel name. ``attributed``: the share of kernel time placed so
-  (without ``where``: the share whose trace event names an HLO op).
+  ``command_buffer_N`` thunk, the fusion its kernel is named after); else the kernel
+  name. ``attributed``: the share of kernel time placed so (without ``where``: the
+  share whose trace event names an HLO op).
 
 Kernel times sum above ``busy_ms`` where kernels overlap on several streams. Only the
 device's planes count (a trace on CPU has none: :func:`trace_steps` returns None).
