@@ -245,7 +245,7 @@ def _backward_pareprop(f, g, params_f, params_g, keys_f, keys_g, y1, y2, dy1, dy
 
 
 def _on_stream(fn, stream: int):
-  """``fn`` as one jitted call under JAX's GPU stream annotation (ignored off the GPU).
+  """``fn`` as one call under JAX's GPU stream annotation (ignored off the GPU).
 
   ``fn`` is traced before the annotation is entered, so only the call carries it, not
   every op and nested call inside: traced under ``compute_on``, each of the rebuild's ~180
@@ -254,20 +254,24 @@ def _on_stream(fn, stream: int):
   detected" on those inside the attention's key-block loop. Replaying the jaxpr restores
   each equation's own context, which has no annotation.
   """
-  from jax.experimental.compute_on import compute_on  # experimental: imported on use
   from jax.extend.core import jaxpr_as_fun
 
   def call(*args):
     traced, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-
-    @jax.jit
-    def on_stream(*leaves):  # the one call the annotation marks
-      return jaxpr_as_fun(traced)(*leaves)
-
-    with compute_on(f"gpu_stream:{stream}"):
-      out = on_stream(*jax.tree.leaves(args))
+    out = stream_call(jaxpr_as_fun(traced), stream)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(out_shape), out)
   return call
+
+
+def stream_call(fn, stream: int):
+  """``fn`` (of arrays, on the device) as one call under JAX's annotation for GPU stream
+  ``stream``. JAX's experimental API moved: jax 0.10 has ``compute_on2(f,
+  compute_type=, out_memory_spaces=)`` beside the context manager ``compute_on(type)``;
+  from 0.11 that decorator is ``compute_on`` itself."""
+  from jax.experimental import compute_on as api  # experimental: imported on use
+  decorate = getattr(api, "compute_on2", None) or api.compute_on
+  return decorate(fn, compute_type=f"gpu_stream:{stream}",
+                  out_memory_spaces=jax.memory.Space.Device)
 
 
 _BACKWARD = {"vanilla": _backward_vanilla, "pareprop": _backward_pareprop,

@@ -304,8 +304,10 @@ def test_under_jit_and_nested_in_grad(schedule):
 
 def test_pareprop_stream_annotates_the_rebuild_and_equals_pareprop():
   """The rebuild goes out as one call under JAX's GPU stream annotation, not each op and
-  nested call in it (XLA:GPU failed to compile those: a cycle); CPU ignores it and runs
-  the same arithmetic: equal to pareprop's gradients to rounding."""
+  nested call in it (XLA:GPU failed to compile those: a cycle), through the API of this
+  jax (0.10's ``compute_on2``, 0.11's ``compute_on``: the context manager the first
+  version used is gone in 0.11); CPU ignores it and runs the same arithmetic: equal to
+  pareprop's gradients to rounding."""
   args = (*init_params(3), *inputs(), jax.random.key(2))
   out, texts = {}, {}
   for s in ("pareprop", "pareprop-stream"):
@@ -315,7 +317,7 @@ def test_pareprop_stream_annotates_the_rebuild_and_equals_pareprop():
     texts[s], out[s] = lowered.as_text(), lowered.compile()(*args)
   annotated = [line for line in texts["pareprop-stream"].splitlines()
                if "_xla_stream_annotation" in line]
-  assert len(annotated) == 1 and "call @on_stream(" in annotated[0], annotated[:3]
+  assert len(annotated) == 1 and "call @compute_on(" in annotated[0], annotated[:3]
   assert '_xla_stream_annotation = "1"' in annotated[0]
   assert "_xla_stream_annotation" not in texts["pareprop"]
   # The call moves fusion boundaries (with the suite's CPU flags), so a gradient's sum over
