@@ -318,6 +318,8 @@ class _Instr:
   type_text: str = ""        # "bf16[64,197,768]{2,1,0}", or a tuple type
   trip_count: int | None = None  # a while loop's known trip count
   root_opcode: str = ""
+  stream: int | None = None  # the GPU stream it is put on (JAX's stream annotation or
+                             # XLA:GPU's operation queue); None: not said (the main one)
 
 
 class HloText:
@@ -410,6 +412,8 @@ class HloText:
     condition = re.search(r"condition=%?([\w.\-]+)", rest)
     index = re.search(r"index=(\d+)", rest)
     trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    stream = (re.search(r'_xla_stream_annotation="(\d+)"', rest)
+              or re.search(r'"operation_queue_id":"(\d+)"', rest))
     op_name = _quoted("op_name", rest)
     frame = re.search(r"stack_frame_id=(\d+)", rest)
     src_file = _quoted("source_file", rest)
@@ -424,7 +428,8 @@ class HloText:
                   source_file=src_file,
                   source_line=int(src_line.group(1)) if src_line else None,
                   computation=computation, type_text=type_text,
-                  trip_count=int(trips.group(1)) if trips else None)
+                  trip_count=int(trips.group(1)) if trips else None,
+                  stream=int(stream.group(1)) if stream else None)
 
   def _root(self, instr: _Instr) -> _Instr:
     """A fusion's root instruction, an async op's (XLA:GPU wraps fusions in async-start /

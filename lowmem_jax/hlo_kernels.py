@@ -73,12 +73,14 @@ def count_kernels(hlo_text: str) -> Kernels:
 
 
 def async_overlaps(hlo_text: str) -> dict[str, int]:
-  """For each asynchronous op of a scheduled HLO module's text (an ``*-start`` / ``*-done``
-  pair: a call put on another stream, a host copy, an async-wrapped fusion), how many
-  launches the schedule puts between its start and its done, in the same computation.
-  0: nothing can run beside it (XLA waits for it at once); what overlaps is what a second
-  stream or the copy engine can hide. A proxy read off the compiled schedule, not a
-  timing."""
+  """For each asynchronous op of a scheduled HLO module's text that can run beside the
+  main stream (an ``*-start`` / ``*-done`` pair put on another GPU stream, or a copy to or
+  from the host), how many launches the schedule puts between its start and its done, in
+  the same computation. 0: nothing can run beside it (XLA waits for it at once); what
+  overlaps is what a second stream or the copy engine can hide. A proxy read off the
+  compiled schedule, not a timing. Left out: XLA:GPU 0.11 wraps some fusions (small
+  dynamic-update-slices) in async pairs on the main stream (operation queue 0); the
+  launches between those run in order with them, whatever their number."""
   hlo = HloText(hlo_text)
   by_computation: dict[str, list] = {}
   for instr in hlo.instrs.values():
@@ -86,7 +88,8 @@ def async_overlaps(hlo_text: str) -> dict[str, int]:
   overlaps = {}
   for instrs in by_computation.values():
     for k, start in enumerate(instrs):
-      if not start.opcode.endswith("-start"):
+      if not start.opcode.endswith("-start") or (
+          start.opcode != "copy-start" and not start.stream):
         continue
       between = 0
       for instr in instrs[k + 1:]:

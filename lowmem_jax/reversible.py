@@ -19,16 +19,20 @@ Schedules of the backward scan (same gradients):
   (and one discarded rebuild in the last iteration). A prologue rebuilds block ``L-1``'s
   inputs before the loop.
 * ``"pareprop-stream"``: PaReprop with the rebuild put on a second GPU stream by JAX's
-  stream annotation (``compute_on("gpu_stream:1")`` around a jitted call: XLA runs it
+  stream annotation (``compute_on`` with ``"gpu_stream:1"`` around one call: XLA runs it
   asynchronously beside the gradient work). Other backends ignore the annotation; the
   arithmetic is PaReprop's. Compiled for an H100 (jaxlib 0.10.2) it keeps more than
   ``"pareprop"`` (the rebuild's buffers beside the gradient's), and the schedule puts
   the call's start right before its done: no launch between them
   (:func:`lowmem_jax.hlo_kernels.async_overlaps`), also with the latency hiding
   scheduler, its analytical latency estimators, or an XLA ``_scheduling_group_id`` on
-  both halves of the iteration (2026-11-26). Its speed on a GPU is unmeasured so far: the
-  H100 run of 2026-11-25 timed out before this variant (``benchmarks/reversible_depth``,
-  ``docs/gpu/README.md``; there ``"pareprop"`` ran at 0.81x vanilla's speed).
+  both halves of the iteration (2026-11-26). XLA 0.11.2 (the GPU machines') schedules
+  43 launches between them, at 664.5 against ``"pareprop"``'s 396.6 MiB of temp
+  (RevViT-B, 12 layers, batch 32; ``docs/h100_compiled.md``). Its speed on a GPU is
+  unmeasured so far: the H100 run of 2026-11-25 timed out before this variant
+  (``benchmarks/reversible_depth``, ``docs/gpu/README.md``; there ``"pareprop"`` ran at
+  0.81x vanilla's speed), and on jax 0.11 it crashed until the annotation went through
+  the API both versions have (:func:`stream_call`).
 
 Numerics: ``x = y - f(...)`` is exact in exact arithmetic; in floating point the rebuilt
 inputs differ from the true ones by rounding, so gradients match standard backprop to

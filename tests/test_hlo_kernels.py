@@ -116,10 +116,12 @@ def test_unrolled_layers_launch_no_loop():
 
 
 def test_async_overlaps_count_the_launches_between_start_and_done():
-  """The 0.11 excerpt's async fusion: its done follows its start at once (0); an async
-  call with two fusions and a copy scheduled before its done overlaps 3 launches (the
-  scalar constant runs nothing)."""
-  assert async_overlaps(_GPU_HLO) == {"fusion-start": 0}
+  """A call on stream 1 with two fusions and a copy scheduled before its done overlaps 3
+  launches (the scalar constant runs nothing); a host copy with one before its done, 1.
+  Async pairs on the main stream are left out: the 0.11 excerpt's async-wrapped fusion,
+  an async fusion on operation queue 0 with a launch inside its pair (as 0.11.2 compiles
+  RevViT's gradient stacks), and a call without an annotation."""
+  assert async_overlaps(_GPU_HLO) == {}
   hlo = """HloModule m, is_scheduled=true
 
 %body (p: f32[8]) -> f32[8] {
@@ -132,13 +134,24 @@ def test_async_overlaps_count_the_launches_between_start_and_done():
 
 ENTRY %main (x: f32[8]) -> f32[8] {
   %x = f32[8]{0} parameter(0)
-  %call-start = ((f32[8]{0}), f32[8]{0}) call-start(%x), async_execution_thread="main", to_apply=%body
+  %call-start = ((f32[8]{0}), f32[8]{0}) call-start(%x), async_execution_thread="main", \
+to_apply=%body, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
   %fusion.1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
   %c = s32[] constant(1)
   %fusion.2 = f32[8]{0} fusion(%fusion.1), kind=kLoop, calls=%fused
   %copy.1 = f32[8]{0} copy(%fusion.2)
   %call-done = f32[8]{0} call-done(%call-start)
-  ROOT %fusion.3 = f32[8]{0} fusion(%call-done), kind=kLoop, calls=%fused
+  %fusion-start = ((f32[8]{0}), f32[8]{0}, u32[]) fusion-start(%call-done), kind=kLoop, \
+calls=%fused, backend_config={"operation_queue_id":"0","force_earliest_schedule":false}
+  %fusion.3 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %fusion-done = f32[8]{0} fusion-done(%fusion-start)
+  %call-start.1 = ((f32[8]{0}), f32[8]{0}) call-start(%fusion-done), to_apply=%body
+  %fusion.4 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %call-done.1 = f32[8]{0} call-done(%call-start.1)
+  %copy-start = (f32[8]{0:S(5)}, f32[8]{0}, u32[]) copy-start(%call-done.1)
+  %fusion.5 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %copy-done = f32[8]{0:S(5)} copy-done(%copy-start)
+  ROOT %fusion.6 = f32[8]{0} fusion(%fusion.5), kind=kLoop, calls=%fused
 }
 """
-  assert async_overlaps(hlo) == {"call-start": 3}
+  assert async_overlaps(hlo) == {"call-start": 3, "copy-start": 1}
