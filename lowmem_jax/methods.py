@@ -107,6 +107,9 @@ class Method:
   check_model: Callable | None = None
   # carrier type -> rule(fn, inputs, diff_args, const_args) for ops reading it
   carriers: Mapping[type, Callable] = dataclasses.field(default_factory=dict)
+  # compiler_options(policy): the XLA options a step under the policy is compiled with
+  # ({} for none), for what the method's layout needs from the compiler
+  compiler_options: Callable | None = None
 
   def __post_init__(self):
     unknown = set(self.strategies) - set(SITES)

@@ -276,6 +276,25 @@ class _PolicyMethods:
       if method.check_model is not None:
         method.check_model(self, model, reversible)
 
+  def compiler_options(self) -> dict[str, str]:
+    """The XLA options to compile a step under this policy with (``jax.jit``'s
+    ``compiler_options``; :class:`train.trainer.Trainer` passes them): each method's, and
+    the passes they disable (``xla_disable_hlo_passes``) joined. {} for most policies."""
+    merged: dict[str, str] = {}
+    disabled: list[str] = []
+    for method in METHODS:
+      if method.compiler_options is None:
+        continue
+      for key, value in method.compiler_options(self).items():
+        if key == "xla_disable_hlo_passes":
+          disabled += [p for p in value.split(",") if p and p not in disabled]
+        elif merged.setdefault(key, value) != value:
+          raise ValueError(f"policy {self.spec}: methods ask for {key}={merged[key]!r} "
+                           f"and {key}={value!r}")
+    if disabled:
+      merged["xla_disable_hlo_passes"] = ",".join(disabled)
+    return merged
+
   def checkpoint_policy(self):
     """The ``jax.checkpoint`` policy for a block, or None when blocks are not rematted."""
     return self.block_strategy().checkpoint_policy

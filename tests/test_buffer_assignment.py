@@ -53,9 +53,11 @@ def test_scan_residuals_are_traced_to_the_value_they_stack():
   peak = peak_buffers(step, jax.ShapeDtypeStruct((6, 32, 32), jnp.float32),
                       jax.ShapeDtypeStruct((512, 32), jnp.float32))
   stacked = peak.find(shape=(6, 512, 32), dtype="float32")
-  # the stack of tanh outputs names tanh in the scan's body, not the scan
-  assert any(b.instruction == "tanh" and b.source.endswith(".body)") for b in stacked), \
-      peak.table()
+  # the stack names the op in the scan's body whose value it stacks, not the scan nor its
+  # dynamic-update-slice: tanh's output (XLA:CPU 0.10), or tanh's derivative, a multiply,
+  # where XLA:CPU 0.11 computes that in the forward and stacks it instead
+  assert any(b.instruction in ("tanh", "multiply") and b.source.endswith(".body)")
+             for b in stacked), peak.table()
 
 
 @jax.custom_vjp

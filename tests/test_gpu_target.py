@@ -155,6 +155,31 @@ def test_deviceless_compile_is_xla_gpu(tmp_path):
 
 
 @needs_plugin
+def test_unrolled_layers_keep_no_cast_of_the_whole_weight_stack(tmp_path):
+  """Unrolled layers casting their slices of a stacked fp32 weight to bf16: XLA:GPU
+  (0.10.2 and 0.11.2) turns the casts into one of the whole stack, every layer's bf16
+  copy then live at once; compiled with the unrolled policy's options it does not."""
+  got = _script_json(
+      "import json, jax, jax.numpy as jnp\n"
+      "from lowmem_jax import gpu_target\n"
+      "from lowmem_jax.layers import Unrolled\n"
+      "from lowmem_jax.policy import MemoryPolicy\n"
+      "def loss(w, x):\n"
+      "  step = lambda c, wi: (jnp.tanh(c @ wi.astype(jnp.bfloat16)), None)\n"
+      "  return Unrolled()(step, x, w)[0].astype(jnp.float32).sum()\n"
+      "args = (jax.ShapeDtypeStruct((4, 512, 512), jnp.float32),\n"
+      "        jax.ShapeDtypeStruct((64, 512), jnp.bfloat16))\n"
+      "out = {}\n"
+      "for name, opts in (('without', None),\n"
+      "    ('with', MemoryPolicy.parse('layers=unrolled').compiler_options())):\n"
+      "  g = jax.jit(jax.grad(loss, argnums=1), compiler_options=opts)\n"
+      "  with gpu_target.compiling_for('h100'):\n"
+      "    out[name] = 'bf16[4,512,512]' in g.lower(*gpu_target.place(args)).compile().as_text()\n"
+      "print(json.dumps(out))\n", tmp_path)
+  assert got == {"without": True, "with": False}, got
+
+
+@needs_plugin
 @pytest.mark.slow
 def test_bench_and_llama_fit_compile_for_the_target(tmp_path):
   out = tmp_path / "bench.json"

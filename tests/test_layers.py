@@ -1,5 +1,6 @@
 """lowmem_jax.layers: a block stack scanned or unrolled, same values and gradients."""
 
+import dataclasses
 import functools
 
 import jax
@@ -10,6 +11,7 @@ from flax import nnx
 
 from lowmem_jax import MemoryPolicy, layers
 from lowmem_jax.layers import Scanned, Unrolled, ordered
+from lowmem_jax.methods import Method
 from models import revvit
 from models.sites import seed_sites
 from test_methods_in_models import TINY, _inputs  # tiny 2-layer ViT, LLaMA, BERT
@@ -154,6 +156,31 @@ def test_layers_field_parses_and_checks():
   assert isinstance(MemoryPolicy.parse("lowmem").layers_strategy(), Scanned)
   with pytest.raises(ValueError, match="unknown layers 'loop'"):
     MemoryPolicy.parse("layers=loop")
+
+
+def test_unrolled_steps_compile_without_the_passes_that_hoist_weight_casts(monkeypatch):
+  """An unrolled policy's steps are compiled without XLA's convert-mover and slice-sinker
+  (the GPU compile is tests/test_gpu_target.py's); a scanned policy's with no options.
+  Methods' disabled passes are joined; two values of another option are an error."""
+  unrolled = MemoryPolicy.parse("lowmem+layers=unrolled")
+  assert unrolled.compiler_options() == {
+      "xla_disable_hlo_passes": "convert-mover,slice-sinker"}
+  assert MemoryPolicy.parse("lowmem").compiler_options() == {}
+  cfg = TrainConfig(name="t", task="lm", model="llama-tiny", policy=unrolled.spec,
+                    dtype="float32", batch_size=2, eval_every=0, compare_baseline=False)
+  assert Trainer.create(cfg).compiler_options == unrolled.compiler_options()
+  assert Trainer.create(dataclasses.replace(cfg, policy="lowmem")).compiler_options is None
+
+  from lowmem_jax import policy as policy_module
+  extra = [Method(name="a", compiler_options=lambda p: {"xla_disable_hlo_passes": "x,slice-sinker",
+                                                        "xla_foo": "1"}),
+           Method(name="b", compiler_options=lambda p: {"xla_foo": "2"})]
+  monkeypatch.setattr(policy_module, "METHODS", (*policy_module.METHODS, extra[0]))
+  assert unrolled.compiler_options() == {
+      "xla_disable_hlo_passes": "convert-mover,slice-sinker,x", "xla_foo": "1"}
+  monkeypatch.setattr(policy_module, "METHODS", (*policy_module.METHODS, extra[1]))
+  with pytest.raises(ValueError, match="xla_foo='1' and xla_foo='2'"):
+    unrolled.compiler_options()
 
 
 def test_reversible_stack_refuses_unrolled_layers():

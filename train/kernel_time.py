@@ -195,7 +195,8 @@ def hlo_sources(hlo_text: str) -> Callable[[str], str]:
   kernel's name: XLA names the kernel it emits for a fusion after the fusion, ``.`` and
   ``-`` made ``_`` (``loop_add_fusion_1``), which is how a kernel replayed in a CUDA graph,
   whose trace event carries no ``hlo_op``, is still placed. The phase, from JAX's op name:
-  ``fwd``, ``bwd`` (under ``transpose``), ``+recompute`` (a rematted forward)."""
+  ``fwd``, ``bwd`` (under ``transpose``), ``+recompute`` (a rematted forward); none for an
+  instruction without one (XLA's own)."""
   from lowmem_jax.buffer_assignment import HloText
   hlo = HloText(hlo_text)
   by_kernel_name = {re.sub(r"[.\-]", "_", name): name for name in hlo.instrs}
@@ -204,6 +205,8 @@ def hlo_sources(hlo_text: str) -> Callable[[str], str]:
     instr = hlo.instrs.get(op) or hlo.instrs.get(by_kernel_name.get(op, ""))
     if instr is None:
       return ""
+    if not instr.op_name:  # one XLA made (0.11: a broadcast): its phase is not known
+      return hlo.source(instr)
     phase = "bwd" if "transpose(" in instr.op_name else "fwd"
     phase += "+recompute" if "rematted_computation" in instr.op_name else ""
     return f"{hlo.source(instr)} [{phase}]"

@@ -25,6 +25,7 @@ from flax import nnx
 
 from lowmem_jax import gpu_target
 from lowmem_jax.memory import StepMemory, compiled_memory
+from lowmem_jax.policy import MemoryPolicy
 from models import sites
 from train import sharding
 from train.checkpoint import Checkpoints
@@ -166,7 +167,7 @@ class Trainer:
       return new, first_bad, {"loss": loss, "grad_norm": grad_norm,
                               "correct": aux[1], "count": aux[2]}
 
-    return jax.jit(step, donate_argnums=(0, 1))
+    return jax.jit(step, donate_argnums=(0, 1), compiler_options=self.compiler_options)
 
   def step(self, batch: dict) -> dict:
     """One train step on ``batch``, dispatched only (nothing is read back): updates
@@ -195,7 +196,13 @@ class Trainer:
       return loss_and_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task,
                               cfg.lm_loss_chunk)[1]
 
-    return jax.jit(step)
+    return jax.jit(step, compiler_options=self.compiler_options)
+
+  @property
+  def compiler_options(self) -> dict[str, str] | None:
+    """The policy's XLA options for its steps (``MemoryPolicy.compiler_options``), None
+    for none."""
+    return MemoryPolicy.parse(self.cfg.policy).compiler_options() or None
 
   def put(self, batch: dict) -> dict:
     if self.mesh is not None:
