@@ -29,7 +29,9 @@ scan's backward loop does; kept, XLA held every layer's slices (or their bf16 ca
 from forward to backward (``lowmem+qkv=recompute``: temp 848 MiB, 626 without; 532
 with the weight gradients in order too, against the scan's 557). Where a
 policy keeps codes rather than bf16 residuals (Mesa), the scan copies almost nothing
-and unrolling only saves launches.
+and unrolling only saves launches. An unrolled step is compiled without two XLA passes
+that merge the layers' bf16 casts of their weight slices into one cast of the whole
+stack (:data:`UNROLLED_DISABLED_PASSES`; the policy's ``compiler_options``).
 
 Both keep the same values (the same blocks, the same per-layer state) and give the same
 gradients; what a policy saves is unchanged; only how XLA lays the step out differs.
