@@ -18,6 +18,7 @@ import pytest
 from lowmem_jax import attention, gpu_target
 from lowmem_jax.policy import MemoryPolicy
 from train import planner
+from jax_versions import skip_unless_pallas_lowers_for_cuda_here
 
 ROOT = Path(__file__).resolve().parents[1]
 H100 = gpu_target.TARGETS["h100"]
@@ -220,6 +221,7 @@ def test_bench_and_llama_fit_compile_for_the_target(tmp_path):
 def test_kernel_bench_programs_compile_for_the_target(tmp_path):
   """Every Pallas kernel and its jnp reference, looped as the kernel bench times them,
   compiles for the target: the kernel to a Triton call, each loop with its work intact."""
+  skip_unless_pallas_lowers_for_cuda_here()
   rows = _script_json(
       "import json, jax.numpy as jnp\n"
       "from lowmem_jax import gpu_target\n"

@@ -12,6 +12,7 @@ import pytest
 
 from lowmem_jax import quant
 from pallas_kernels import quant as pq
+from jax_versions import skip_unless_pallas_lowers_for_cuda_here
 
 ON_GPU = jax.default_backend() == "gpu"
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -224,6 +225,7 @@ def test_gpu_lowering_uses_ieee_arithmetic():
   """The compiled kernels do XLA:GPU's arithmetic: its fp32 division is ``div.full.f32``
   (``-nvptx-prec-divf32=1``), and ``-``, ``+``, ``*`` are the unfused ``.rn`` forms (with an IEEE
   division here the large GPU cases below disagreed with XLA's codes on an H100)."""
+  skip_unless_pallas_lowers_for_cuda_here()
   x = jnp.zeros((300, 12, 64), jnp.bfloat16)
   lo, hi = jnp.zeros((12,), jnp.float32), jnp.ones((12,), jnp.float32)
   ir = _gpu_ir(lambda x, lo, hi: pq.quantize(x, lo, hi, jnp.uint32(3)), x, lo, hi)

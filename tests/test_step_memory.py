@@ -5,6 +5,7 @@ import pytest
 
 from conftest import cli_error
 from models import step_memory
+from jax_versions import skip_unless_cpu_bounds_hold
 
 
 # Per compiler: (compiled temp ratio, saved-residual ratio) lowmembp / lean baseline that
@@ -32,6 +33,7 @@ def test_lowmembp_step_memory_vs_baseline(request, model, overrides, batch, seq)
   backend = jax.default_backend()
   if backend not in RATIOS:
     pytest.skip(f"no compiled-memory figure for the {backend} compiler")
+  skip_unless_cpu_bounds_hold(backend)
   temp_ratio, residual_ratio = RATIOS[backend][request.node.callspec.id]
   rows = step_memory.measure(model, ["baseline+attention=flash", "lowmembp+attention=flash"],
                              batch, seq, jnp.bfloat16, overrides)
