@@ -55,9 +55,10 @@ class StepMemory:
 
 
 def step_memory(fn: Callable, *args, donate_argnums: int | Sequence[int] = (),
-                **kwargs) -> StepMemory:
-  """Compiles ``jax.jit(fn)`` for these arguments and returns its memory figures."""
-  jitted = jax.jit(fn, donate_argnums=donate_argnums)
+                compiler_options: dict | None = None, **kwargs) -> StepMemory:
+  """Compiles ``jax.jit(fn)`` for these arguments and returns its memory figures;
+  ``compiler_options``: ``jax.jit``'s (a policy's: ``MemoryPolicy.compiler_options``)."""
+  jitted = jax.jit(fn, donate_argnums=donate_argnums, compiler_options=compiler_options)
   return compiled_memory(jitted.lower(*args, **kwargs).compile())
 
 

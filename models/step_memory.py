@@ -80,7 +80,8 @@ def step_args(model_name, spec, batch, seq, dtype, overrides):
 def explain(model_name, spec, batch, seq, dtype, overrides, top: int = 20):
   """The buffers live at the peak of the compiled step under ``spec``."""
   graphdef, *args = step_args(model_name, spec, batch, seq, dtype, overrides)
-  return peak_buffers(sgd_step, graphdef, *args, top=top)
+  step = jax.jit(sgd_step, compiler_options=MemoryPolicy.parse(spec).compiler_options())
+  return peak_buffers(step, graphdef, *args, top=top)
 
 
 def measure(model_name, policies, batch, seq, dtype, overrides):
@@ -88,7 +89,8 @@ def measure(model_name, policies, batch, seq, dtype, overrides):
   for spec in policies:
     graphdef, params, rest, inputs, targets = step_args(model_name, spec, batch, seq, dtype,
                                                         overrides)
-    mem = step_memory(sgd_step, graphdef, params, rest, inputs, targets)
+    mem = step_memory(sgd_step, graphdef, params, rest, inputs, targets,
+                      compiler_options=MemoryPolicy.parse(spec).compiler_options())
     res = saved_residuals(
         lambda p, r, x, t: loss_fn(nnx.merge(graphdef, p, r, copy=True), x, t),
         params, rest, inputs, targets)

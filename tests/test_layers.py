@@ -169,11 +169,22 @@ def test_unrolled_steps_compile_without_the_passes_that_hoist_weight_casts(monke
   cfg = TrainConfig(name="t", task="lm", model="llama-tiny", policy=unrolled.spec,
                     dtype="float32", batch_size=2, eval_every=0, compare_baseline=False)
   assert Trainer.create(cfg).compiler_options == unrolled.compiler_options()
-  assert Trainer.create(dataclasses.replace(cfg, policy="lowmem")).compiler_options is None
+  assert Trainer.create(dataclasses.replace(cfg, policy="lowmem")).compiler_options == {}
+  # the memory report's step (models.step_memory) is compiled with them too
+  from models import step_memory as report
+  seen = []
+
+  def record(*args, compiler_options=None, **kwargs):
+    seen.append(compiler_options)
+    raise StopIteration  # the options are what this checks, not the compile
+  monkeypatch.setattr(report, "step_memory", record)
+  with pytest.raises(StopIteration):
+    report.measure("llama-tiny", [unrolled.spec], 2, 8, jnp.float32, {"num_layers": 2})
+  assert seen == [unrolled.compiler_options()]
 
   from lowmem_jax import policy as policy_module
-  extra = [Method(name="a", compiler_options=lambda p: {"xla_disable_hlo_passes": "x,slice-sinker",
-                                                        "xla_foo": "1"}),
+  extra = [Method(name="a", compiler_options=lambda p: {
+               "xla_disable_hlo_passes": "x,slice-sinker", "xla_foo": "1"}),
            Method(name="b", compiler_options=lambda p: {"xla_foo": "2"})]
   monkeypatch.setattr(policy_module, "METHODS", (*policy_module.METHODS, extra[0]))
   assert unrolled.compiler_options() == {

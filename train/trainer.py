@@ -199,10 +199,9 @@ class Trainer:
     return jax.jit(step, compiler_options=self.compiler_options)
 
   @property
-  def compiler_options(self) -> dict[str, str] | None:
-    """The policy's XLA options for its steps (``MemoryPolicy.compiler_options``), None
-    for none."""
-    return MemoryPolicy.parse(self.cfg.policy).compiler_options() or None
+  def compiler_options(self) -> dict[str, str]:
+    """The policy's XLA options for its steps (``MemoryPolicy.compiler_options``)."""
+    return MemoryPolicy.parse(self.cfg.policy).compiler_options()
 
   def put(self, batch: dict) -> dict:
     if self.mesh is not None:
