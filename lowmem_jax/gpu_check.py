@@ -24,7 +24,8 @@ and with XLA's latency hiding scheduler, in that order, as the stage's time allo
 autotuning off, counted from its JUnit XML). A stage that fails or times out is recorded
 and the next one runs; a bench keeps the policies that ran when one fails, and its peers'
 and peaks' figures when its timed run is cut. All stages share a budget (``--budget``,
-default 420 s on a GPU, so three calls fit 30 minutes of device time): a stage's timeout is
+default 540 s on a GPU: one call, started, fits a lease of 15 minutes of device time, 10 a
+command): a stage's timeout is
 its own, cut so the stages after it keep their expected times; ``tests`` runs last and gets
 what is left. All stages share one persistent compilation cache (``DIR/xla-cache``): a
 bench's timed process loads what its ``--peak`` subprocesses compiled. One call runs
@@ -73,10 +74,12 @@ LLAMA_LORA_TARGETS = "query,key,value,out,gate,up,down"
 TESTS_XLA_FLAGS = "--xla_gpu_autotune_level=0"  # the tests stage: no GEMM autotuning
 PEERS_S = (120, 55)  # --peers (+ the --peak it implies on a GPU): (timeout, reserve) per bench
 XLA_CACHE = "xla-cache"  # under --out: the stages' shared persistent compilation cache
+SLOWEST = 15  # the tests stage lists its slowest tests (where the GPU suite's time goes)
 KILL_GRACE_S = 20  # after SIGINT at a timeout (pytest then writes its JUnit XML)
-# all stages of one call on an H100: three calls (~7.5 min each with the kill grace), the
-# machine's start and the idle between calls fit a session's 30 minutes of device time
-GPU_BUDGET_S = 420
+# all stages of one call: with the kill grace and the report it stays inside one command's
+# 10 minutes, and with the machine's start (1-2 minutes) inside a lease's 15 minutes of
+# device time, leaving a few minutes for a short second call on the warm machine
+GPU_BUDGET_S = 540
 SMOKE_BUDGET_S = 1800  # a loaded CPU: slow, and --smoke only checks the check
 SMOKE_TIMEOUT_FACTOR = 3
 # llama-fit: (stage timeout, --budget-s: no new row after it). Estimate, unmeasured: on an
@@ -402,13 +405,15 @@ def _nodeid(case: ET.Element) -> str:
 
 
 def parse_junit(path: Path) -> dict:
-  """Passed/failed/error/skipped counts and the failing test ids of a JUnit XML file."""
+  """Passed/failed/error/skipped counts, the failing test ids and the slowest tests
+  (``[id, seconds]``, SLOWEST of them; seconds of one worker) of a JUnit XML file."""
   counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-  failing, interrupted = [], 0
+  failing, interrupted, times = [], 0, []
   for case in ET.parse(path).getroot().iter("testcase"):
     if not case.get("name"):  # the test running when pytest was interrupted
       interrupted += 1
       continue
+    times.append((_nodeid(case), float(case.get("time") or 0.0)))
     tags = {child.tag for child in case}
     if "failure" in tags:
       counts["failed"] += 1
@@ -420,8 +425,11 @@ def parse_junit(path: Path) -> dict:
       counts["skipped"] += 1
     else:
       counts["passed"] += 1
+  slowest = sorted(times, key=lambda t: -t[1])[:SLOWEST]
   return {**counts, "total": sum(counts.values()), "failing": failing,
-          "interrupted": interrupted, "source": "junit"}
+          "interrupted": interrupted, "source": "junit",
+          "test_s": round(sum(t for _, t in times), 1),
+          "slowest": [[name, round(t, 1)] for name, t in slowest]}
 
 
 def parse_pytest_log(text: str) -> dict:
@@ -678,6 +686,9 @@ def markdown(report: dict) -> str:
     lines += [f"- `{t}`" for t in shown]
     if len(tests["failing"]) > len(shown):
       lines.append(f"- ... and {len(tests['failing']) - len(shown)} more (report.json)")
+    if tests.get("slowest"):
+      lines += ["", f"Slowest tests ({tests['test_s']:.0f} s of worker time in all):"]
+      lines += [f"- {t:.1f} s `{name}`" for name, t in tests["slowest"]]
   figures = key_figures(report)
   if figures:
     lines += ["", "**Key figures**", *figures]

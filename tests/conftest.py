@@ -16,12 +16,13 @@ in one run each way: 197 s with it, 256 s with ``JAX_ENABLE_COMPILATION_CACHE=fa
 
 Compile time on the CPU: the suite is mostly XLA:CPU compiling tiny programs, and most of
 a compile is code generation for machine code that then runs for milliseconds. Where no
-GPU plugin is installed the session adds two code-generation flags to ``XLA_FLAGS``
-(:func:`with_test_xla_flags` keeps them in subprocesses that set their own):
+GPU is attached (a GPU plugin and its driver's device node) the session adds two
+code-generation flags to ``XLA_FLAGS`` (:func:`with_test_xla_flags` keeps them in
+subprocesses that set their own):
 ``--xla_backend_optimization_level=0`` (LLVM does not optimize; two test files 43.5 s ->
 29.2 s on 2 cores) and ``--xla_cpu_use_fusion_emitters=false`` (fusions are emitted
 straight to LLVM IR, not through the MLIR fusion emitters; test_vit + test_llama 62 s ->
-44 s). Neither changes what XLA plans: compiled temp of tiny ViT, LLaMA and BERT gradient steps
+44 s; jaxlib < 0.11 only: 0.11's XLA has no such flag). Neither changes what XLA plans: compiled temp of tiny ViT, LLaMA and BERT gradient steps
 is the same with and without them to within 384 bytes, so compiled memory, residuals and
 HLO checks see the program users get; values differ from the default code only by
 rounding. On a GPU machine nothing is added (the tests there check the executables users
@@ -32,6 +33,7 @@ TINY_TRAIN``), each a second or two to compile on a CPU.
 """
 
 import os
+import re
 import shutil
 import tempfile
 
@@ -44,18 +46,34 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="lowmem-jax-xla-cache-")
   os.environ["LOWMEM_JAX_TEST_CACHE_OWNED"] = "1"
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 
 
-def _gpu_plugin_installed() -> bool:
+def _jaxlib_version() -> tuple[int, int]:
+  """jaxlib's (major, minor), read without importing it (XLA_FLAGS must be set first)."""
   from importlib import metadata
-  return any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "jax-rocm"))
-             for d in metadata.distributions())
+  major, minor = re.findall(r"\d+", metadata.version("jaxlib"))[:2]
+  return int(major), int(minor)
+
+
+# the XLA of jaxlib 0.11 has no --xla_cpu_use_fusion_emitters, and an unknown flag in
+# XLA_FLAGS aborts the process (every worker would die at its first compile)
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0" + (
+    " --xla_cpu_use_fusion_emitters=false" if _jaxlib_version() < (0, 11) else "")
+
+
+def _gpu_attached() -> bool:
+  """A GPU plugin is installed and its driver's device node exists (read before JAX starts:
+  the flags must be set first). A plugin on a machine without a GPU runs the tests on the
+  CPU, which then gets the CPU flags."""
+  from importlib import metadata
+  plugin = any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "jax-rocm"))
+               for d in metadata.distributions())
+  return plugin and any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/kfd"))
 
 
 def with_test_xla_flags(flags: str = "") -> str:
   """``flags`` plus the session's CPU compile flags (for a subprocess's ``XLA_FLAGS``)."""
-  added = "" if _gpu_plugin_installed() else CPU_TEST_XLA_FLAGS
+  added = "" if _gpu_attached() else CPU_TEST_XLA_FLAGS
   return " ".join(f for f in (flags, added) if f)
 
 
@@ -91,6 +109,21 @@ def cli_error(main, argv, capsys) -> str:
   last = err.rstrip("\n").splitlines()[-1]
   assert ": error: " in last, err
   return last.split(": error: ", 1)[1]
+
+
+# What ``import jax`` writes to stderr where a CUDA plugin is installed on a machine without
+# a GPU driver (jax-cuda12-plugin 0.11.2 on a CPU host): not our lines, so stderr checks drop them
+JAX_PLUGIN_STARTUP = re.compile(
+    r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
+    r"|^[IW]\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine")
+
+
+def stderr_lines(text: str) -> list[str]:
+  """A subprocess's stderr as lines: blank ones, progress-bar updates (``\\r`` and
+  ``[#``) and the CUDA plugin's startup lines (:data:`JAX_PLUGIN_STARTUP`) dropped."""
+  lines = text.replace("\r", "\n").splitlines()
+  return [line for line in lines
+          if line.strip() and not line.startswith("[#") and not JAX_PLUGIN_STARTUP.search(line)]
 
 
 def pytest_unconfigure(config):

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from conftest import TINY_TRAIN, set_args
+from conftest import TINY_TRAIN, set_args, stderr_lines
 from test_train import _copy, _run, finished_run  # noqa: F401 (a fixture)
 
 NOISE = re.compile(r"Traceback|Event loop is closed|Exception ignored|Task was destroyed|"
@@ -25,12 +25,6 @@ NOISE = re.compile(r"Traceback|Event loop is closed|Exception ignored|Task was d
 def _empty_manifest(step_dir) -> None:
   """Corrupts a checkpoint: its state's OCDBT manifest (the index of every array) emptied."""
   (step_dir / "state" / "manifest.ocdbt").write_bytes(b"")
-
-
-def _stderr_lines(proc) -> list[str]:
-  """stderr's lines, the progress bar's carriage-return updates aside."""
-  lines = proc.stderr.replace("\r", "\n").splitlines()
-  return [line for line in lines if line.strip() and not line.startswith("[#")]
 
 
 @pytest.mark.slow  # two CLI resumes (no step compiled): ~15 s on 2 cores, ~23 s in all
@@ -44,7 +38,7 @@ def test_corrupt_checkpoints_leave_only_our_lines_on_stderr(finished_run, tmp_pa
   _empty_manifest(ckpts / "4")
   proc = _run(args, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  lines = _stderr_lines(proc)
+  lines = stderr_lines(proc.stderr)
   noise = [line for line in lines if NOISE.search(line)]
   assert not noise, f"{len(lines)} stderr lines, {len(noise)} of them noise:\n" + \
       "\n".join(lines[:40])
@@ -58,7 +52,7 @@ def test_corrupt_checkpoints_leave_only_our_lines_on_stderr(finished_run, tmp_pa
 
   _empty_manifest(ckpts / "2")  # now every checkpoint is unreadable
   proc = _run(args, timeout=300)
-  lines = _stderr_lines(proc)
+  lines = stderr_lines(proc.stderr)
   assert proc.returncode == 2 and len(lines) == 1, f"{len(lines)} stderr lines:\n" + \
       "\n".join(lines[:40])
   assert lines[0].startswith("error: no intact checkpoint in ") and \

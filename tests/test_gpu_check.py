@@ -53,14 +53,14 @@ def test_budget_cuts_timeouts_and_keeps_the_later_stages_reserve(tmp_path):
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 <testsuites><testsuite name="pytest" errors="1" failures="1" skipped="1" tests="5">
-<testcase classname="tests.test_a" name="test_ok" file="tests/test_a.py" line="3"/>
-<testcase classname="tests.test_a.TestB" name="test_bad[x-1]" file="tests/test_a.py">
+<testcase classname="tests.test_a" name="test_ok" file="tests/test_a.py" line="3" time="0.5"/>
+<testcase classname="tests.test_a.TestB" name="test_bad[x-1]" file="tests/test_a.py" time="12.25">
   <failure message="assert 0">trace</failure></testcase>
 <testcase classname="tests.test_c" name="test_err" file="tests/test_c.py">
   <error message="fixture">trace</error></testcase>
 <testcase classname="tests.test_c" name="test_skip" file="tests/test_c.py">
   <skipped message="no gpu"/></testcase>
-<testcase classname="tests.test_c" name="test_ok2" file="tests/test_c.py"/>
+<testcase classname="tests.test_c" name="test_ok2" file="tests/test_c.py" time="3"/>
 </testsuite></testsuites>
 """
 
@@ -73,6 +73,24 @@ def test_junit_counts_and_failing_ids(tmp_path):
       "passed": 2, "failed": 1, "errors": 1, "skipped": 1, "total": 5}
   assert counts["failing"] == ["tests/test_a.py::TestB::test_bad[x-1]",
                                "tests/test_c.py::test_err (error)"]
+  assert counts["slowest"][:3] == [["tests/test_a.py::TestB::test_bad[x-1]", 12.2],
+                                   ["tests/test_c.py::test_ok2", 3.0],
+                                   ["tests/test_a.py::test_ok", 0.5]]
+  assert counts["test_s"] == 15.8
+
+def test_markdown_lists_the_slowest_tests(tmp_path):
+  """Where the GPU suite's time goes: the report names its slowest tests."""
+  path = tmp_path / "j.xml"
+  path.write_text(JUNIT)
+  stage = {"name": "tests", "status": "passed", "exit_code": 0, "wall_s": 20.0,
+           "timeout_s": 400, "json": None, "tests": gpu_check.parse_junit(path)}
+  report = gpu_check.build_report([stage], args={"argv": []}, git={"commit": None},
+                                  started="2026-11-27T10:00:00", wall_s=20.0)
+  md = gpu_check.markdown(report)
+  assert ("Slowest tests (16 s of worker time in all):\n"
+          "- 12.2 s `tests/test_a.py::TestB::test_bad[x-1]`\n"
+          "- 3.0 s `tests/test_c.py::test_ok2`\n") in md
+
 
 
 def test_pytest_log_fallback():
@@ -136,8 +154,9 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   remat = stages["bench-remat"].cmd
   assert "--peak" in remat and "--peers" not in remat and "--profile" not in remat
   assert parse_policies(remat[remat.index("--policies") + 1]) == list(gpu_check.REMAT_POLICIES)
-  budget = gpu_check.GPU_BUDGET_S  # three calls of it fit 30 minutes of device time
-  assert 3 * (budget + gpu_check.KILL_GRACE_S + 30) + 120 <= 30 * 60
+  budget = gpu_check.GPU_BUDGET_S  # one call: 10 minutes a command, 15 a lease, start included
+  assert budget + gpu_check.KILL_GRACE_S + 30 <= 10 * 60
+  assert budget + gpu_check.KILL_GRACE_S + 30 + 120 <= 15 * 60 - 180  # 3 minutes left
   reserve = sum(s.reserve_s for s in stages.values() if s.name in gpu_check.DEFAULT_STAGES)
   assert reserve < budget - 120  # the first call's stages leave the tests two minutes
   assert sum(s.reserve_s for s in stages.values() if s.name in gpu_check.SECOND_CALL) < budget

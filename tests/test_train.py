@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import CPU_TEST_XLA_FLAGS, TINY_TRAIN, set_args, with_test_xla_flags
+from conftest import CPU_TEST_XLA_FLAGS, TINY_TRAIN, set_args, stderr_lines, with_test_xla_flags
 from models import hf
 from train import config as config_lib
 from train import loop
@@ -986,7 +986,7 @@ def test_malformed_config_file_names_the_file(tmp_path):
   with pytest.raises(ValueError, match=r"config file not found: .*none.json"):
     config_lib.load_config(None, str(tmp_path / "none.json"))
   proc = _run(["--config", str(tmp_path / "bad.json")])
-  assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+  assert proc.returncode == 2 and stderr_lines(proc.stderr) == [
       f"error: {tmp_path / 'bad.json'}:1: bad JSON in config file: Expecting property name "
       "enclosed in double quotes"]
 
