@@ -111,17 +111,23 @@ def cli_error(main, argv, capsys) -> str:
   return last.split(": error: ", 1)[1]
 
 
-# What ``import jax`` writes to stderr where a CUDA plugin is installed on a machine without
-# a GPU driver (jax-cuda12-plugin 0.11.2 on a CPU host): not our lines, so stderr checks drop them
+# What jax writes to stderr where a CUDA plugin is installed on a machine without a GPU
+# driver (jax-cuda12-plugin 0.11.2 on a CPU host): two lines at import, and at the first
+# backend use its plugin's failed initialization as a logged traceback. Not our lines:
+# stderr checks drop them.
 JAX_PLUGIN_STARTUP = re.compile(
     r"^WARNING: All log messages before absl::InitializeLog\(\) is called are written to STDERR$"
     r"|^[IW]\d{4} [\d:.]+ +\d+ cudart_stub\.cc:\d+\] Could not find cuda drivers on your machine")
+JAX_PLUGIN_INIT_ERROR = re.compile(
+    r"^(?:ERROR:jax\._src\.xla_bridge:)?Jax plugin configuration error: .*?"
+    r"^RuntimeError: Unable to load CUDA\. Is it installed\?$", re.S | re.M)
 
 
 def stderr_lines(text: str) -> list[str]:
   """A subprocess's stderr as lines: blank ones, progress-bar updates (``\\r`` and
-  ``[#``) and the CUDA plugin's startup lines (:data:`JAX_PLUGIN_STARTUP`) dropped."""
-  lines = text.replace("\r", "\n").splitlines()
+  ``[#``) and the CUDA plugin's lines on a machine without a GPU (:data:`JAX_PLUGIN_STARTUP`,
+  :data:`JAX_PLUGIN_INIT_ERROR`) dropped."""
+  lines = JAX_PLUGIN_INIT_ERROR.sub("", text).replace("\r", "\n").splitlines()
   return [line for line in lines
           if line.strip() and not line.startswith("[#") and not JAX_PLUGIN_STARTUP.search(line)]
 

@@ -172,9 +172,15 @@ def test_mesa8_pallas_kernels_match_the_jnp_path_in_a_model():
             for p in ("mesa8+kernels=xla", "mesa8+kernels=pallas_interpret")]
   inputs = (jax.random.normal(jax.random.key(1), (2, 32, 32, 3)),)
   (la, ga, _), (lb, gb, _) = (_loss_and_grads(m, inputs) for m in models)
-  assert la == lb
+  # Two programs that code the same values: equal up to fp32 rounding, measured against
+  # the gradients' common scale (a per-leaf scale would be the noise of the key bias, whose
+  # gradient is zero); the loss is a mean of terms of size 1 (its value, -0.007, is their
+  # cancelling). jaxlib 0.12 on a CPU: loss 2.3e-8 apart, gradients 5.1e-7 of the scale
+  # (0.10: both exact); one code one step off: 3.6e-2 of it.
+  np.testing.assert_allclose(la, lb, rtol=0, atol=1e-6)
+  scale = max(float(np.abs(g).max()) for g in jax.tree.leaves(gb))
   for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * scale)
 
 
 @pytest.mark.parametrize("kind,policy", [("bert", "mesa8+remat"),

@@ -245,9 +245,13 @@ def test_under_ms_norms_readers_of_a_norm_output_are_exact_and_the_rest_sampled(
   labels = jnp.arange(8) % 2
   exact = _adapter_grads("lowmembp", tokens, labels)
   both = _adapter_grads("lowmembp+wta-crs", tokens, labels)
+  # exact up to fp32 rounding of two different programs: dA sums 128 rows (8 x 16 tokens)
+  # of products that reached q/v through one block's backward, so a few eps x sqrt(128)
+  # of the array's scale (1.5e-6 of it measured under jaxlib 0.11's -O0 CPU code); the
+  # sampled fc2 below is 1e-3 of its scale off or more
   for name in ("query", "value"):
-    np.testing.assert_allclose(both[name], exact[name], rtol=1e-5,
-                               atol=1e-6 * float(jnp.abs(exact[name]).max()))
+    np.testing.assert_allclose(both[name], exact[name], rtol=0,
+                               atol=1e-5 * float(jnp.abs(exact[name]).max()))
   gap = float(jnp.abs(both["fc2"] - exact["fc2"]).max())
   assert gap > 1e-3 * float(jnp.abs(exact["fc2"]).max()), gap  # fc2's dA is sampled
 
