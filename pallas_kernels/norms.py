@@ -28,19 +28,27 @@ def _block(cols: int, max_block: int) -> int:
   return min(pl.next_power_of_2(cols), max_block)
 
 
-def _load(ref, row, k, block, cols):
-  """Column block ``k`` of ``row`` as fp32 (zeros past the row's end) and its mask."""
-  mask = k * block + jnp.arange(block) < cols
-  x = plgpu.load(ref.at[row, pl.ds(k * block, block)], mask=mask, other=0)
-  return jnp.where(mask, x.astype(jnp.float32), 0.0), mask
+def _columns(k, block, cols):
+  """Column block ``k``'s column indices and their mask (the columns before the row's
+  end). Indices, not a ``pl.ds`` slice: jax >= 0.12 refuses a slice that a concrete
+  start puts past the array's end, even under a mask (a one-block row: k = 0), and a
+  masked block past a row's end is how these kernels read a row of any width."""
+  idx = k * block + jnp.arange(block)
+  return idx, idx < cols
+
+
+def _load(ref, row, idx, mask):
+  """``row``'s columns ``idx`` as fp32, zeros where ``mask`` is off (past the row's end)."""
+  x = plgpu.load(ref.at[row, idx], mask=mask, other=0)
+  return jnp.where(mask, x.astype(jnp.float32), 0.0)
 
 
 def _row_sums(refs, row, cols, block, fn, count):
   """The ``count`` row sums of ``fn(mask, *blocks)`` (fp32), block by block."""
 
   def block_terms(k):
-    loaded = [_load(r, row, k, block, cols) for r in refs]
-    return fn(loaded[0][1], *(v for v, _ in loaded))
+    idx, mask = _columns(k, block, cols)
+    return fn(mask, *(_load(r, row, idx, mask) for r in refs))
 
   if cols <= block:  # the whole row in one block
     return tuple(jnp.sum(v) for v in block_terms(0))
@@ -64,9 +72,9 @@ def _forward_kernel(x_ref, y_ref, rstd_ref, *, kind, eps, cols, block):
 
   @pl.loop(0, pl.cdiv(cols, block))
   def _(k):
-    x, mask = _load(x_ref, row, k, block, cols)
-    plgpu.store(y_ref.at[row, pl.ds(k * block, block)],
-                ((x - mean) * rstd).astype(y_ref.dtype), mask=mask)
+    idx, mask = _columns(k, block, cols)
+    x = _load(x_ref, row, idx, mask)
+    plgpu.store(y_ref.at[row, idx], ((x - mean) * rstd).astype(y_ref.dtype), mask=mask)
 
 
 def _backward_kernel(g_ref, y_ref, rstd_ref, dx_ref, *, kind, cols, block):
@@ -78,9 +86,9 @@ def _backward_kernel(g_ref, y_ref, rstd_ref, dx_ref, *, kind, cols, block):
 
   @pl.loop(0, pl.cdiv(cols, block))
   def _(k):
-    g, mask = _load(g_ref, row, k, block, cols)
-    y, _ = _load(y_ref, row, k, block, cols)
-    plgpu.store(dx_ref.at[row, pl.ds(k * block, block)],
+    idx, mask = _columns(k, block, cols)
+    g, y = _load(g_ref, row, idx, mask), _load(y_ref, row, idx, mask)
+    plgpu.store(dx_ref.at[row, idx],
                 (rstd * (g - g_mean - y * gy_mean)).astype(dx_ref.dtype), mask=mask)
 
 

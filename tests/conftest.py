@@ -68,7 +68,8 @@ def _gpu_attached() -> bool:
   from importlib import metadata
   plugin = any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "jax-rocm"))
                for d in metadata.distributions())
-  return plugin and any(os.path.exists(node) for node in ("/dev/nvidiactl", "/dev/kfd"))
+  nodes = ("/dev/nvidiactl", "/dev/nvidia0", "/dev/dxg", "/dev/kfd")  # CUDA, WSL2, ROCm
+  return plugin and any(os.path.exists(node) for node in nodes)
 
 
 def with_test_xla_flags(flags: str = "") -> str:
