@@ -22,10 +22,10 @@ subprocesses that set their own):
 ``--xla_backend_optimization_level=0`` (LLVM does not optimize; two test files 43.5 s ->
 29.2 s on 2 cores) and ``--xla_cpu_use_fusion_emitters=false`` (fusions are emitted
 straight to LLVM IR, not through the MLIR fusion emitters; test_vit + test_llama 62 s ->
-44 s; jaxlib < 0.11 only: 0.11's XLA has no such flag). Neither changes what XLA plans: compiled temp of tiny ViT, LLaMA and BERT gradient steps
-is the same with and without them to within 384 bytes, so compiled memory, residuals and
-HLO checks see the program users get; values differ from the default code only by
-rounding. On a GPU machine nothing is added (the tests there check the executables users
+44 s; jaxlib < 0.11 only: 0.11's XLA has no such flag). Neither changes what XLA plans:
+compiled temp of tiny ViT, LLaMA and BERT gradient steps is the same with and without
+them to within 384 bytes (jaxlib 0.10), so compiled memory, residuals and HLO checks see
+the program users get; values differ from the default code only by rounding. On a GPU machine nothing is added (the tests there check the executables users
 get).
 
 Tiny models: the model and training setups shared by test files (``from conftest import

@@ -1,7 +1,8 @@
 """What some tests need from the installed jax, beyond the project's floor (jax 0.10.2).
 
 CI runs jax 0.10.2 on Python 3.11; the GPU machines run 0.11.2 on Python 3.12, where pip
-also gives a CPU-only machine 0.11 or later. Two kinds of test depend on the version:
+gives a fresh CPU-only machine 0.12 (0.12.0.1 on 2026-11-27: the suite passes there). Two
+kinds of test depend on the version:
 
 * bounds on XLA:CPU's compiled memory, measured with 0.10's XLA:CPU. 0.11's keeps more of
   some toy steps: lowmembp / baseline temp 0.874 on the ViT block stack (bound 0.85).
