@@ -26,8 +26,9 @@ and the next one runs; a bench keeps the policies that ran when one fails, and i
 and peaks' figures when its timed run is cut. All stages share a budget (``--budget``,
 default 540 s on a GPU: one call within a command's 10 minutes, and with the machine's
 start within a lease's 15 minutes of device time): a stage's timeout is its own, cut so
-the stages after it keep their expected times; ``tests`` runs last and gets what is left. All stages share one persistent compilation cache (``DIR/xla-cache``): a
-bench's timed process loads what its ``--peak`` subprocesses compiled. One call runs
+the stages after it keep their expected times; ``tests`` runs last and gets what is left.
+All stages share one persistent compilation cache (``DIR/xla-cache``): a bench's timed
+process loads what its ``--peak`` subprocesses compiled. One call runs
 :data:`DEFAULT_STAGES`; ``bench-remat``, ``kernel-bench``, ``attention-bench`` and
 ``reversible-depth`` make the second call (:data:`SECOND_CALL`, ``--call 2``): together
 they would not fit in one. ``llama-fit`` (``benchmarks.llama_fit``: LLaMA-7B LoRA on bf16

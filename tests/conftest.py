@@ -25,8 +25,8 @@ straight to LLVM IR, not through the MLIR fusion emitters; test_vit + test_llama
 44 s; jaxlib < 0.11 only: 0.11's XLA has no such flag). Neither changes what XLA plans:
 compiled temp of tiny ViT, LLaMA and BERT gradient steps is the same with and without
 them to within 384 bytes (jaxlib 0.10), so compiled memory, residuals and HLO checks see
-the program users get; values differ from the default code only by rounding. On a GPU machine nothing is added (the tests there check the executables users
-get).
+the program users get; values differ from the default code only by rounding. On a GPU
+machine nothing is added (the tests there check the executables users get).
 
 Tiny models: the model and training setups shared by test files (``from conftest import
 TINY_TRAIN``), each a second or two to compile on a CPU.
@@ -124,13 +124,14 @@ JAX_PLUGIN_INIT_ERROR = re.compile(
     r"^RuntimeError: Unable to load CUDA\. Is it installed\?$", re.S | re.M)
 
 
-def stderr_lines(text: str) -> list[str]:
-  """A subprocess's stderr as lines: blank ones, progress-bar updates (``\\r`` and
-  ``[#``) and the CUDA plugin's lines on a machine without a GPU (:data:`JAX_PLUGIN_STARTUP`,
-  :data:`JAX_PLUGIN_INIT_ERROR`) dropped."""
-  lines = JAX_PLUGIN_INIT_ERROR.sub("", text).replace("\r", "\n").splitlines()
-  return [line for line in lines
-          if line.strip() and not line.startswith("[#") and not JAX_PLUGIN_STARTUP.search(line)]
+def stderr_lines(text: str, *, progress: bool = False) -> list[str]:
+  """A subprocess's stderr as its non-blank lines, the CUDA plugin's on a machine without
+  a GPU (:data:`JAX_PLUGIN_STARTUP`, :data:`JAX_PLUGIN_INIT_ERROR`) dropped; with
+  ``progress``, the progress bar's updates (``[#``; ``splitlines`` splits at its ``\\r``)
+  too."""
+  lines = JAX_PLUGIN_INIT_ERROR.sub("", text).splitlines()
+  return [line for line in lines if line.strip() and not JAX_PLUGIN_STARTUP.search(line)
+          and not (progress and line.startswith("[#"))]
 
 
 def pytest_unconfigure(config):

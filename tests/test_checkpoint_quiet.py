@@ -38,7 +38,7 @@ def test_corrupt_checkpoints_leave_only_our_lines_on_stderr(finished_run, tmp_pa
   _empty_manifest(ckpts / "4")
   proc = _run(args, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  lines = stderr_lines(proc.stderr)
+  lines = stderr_lines(proc.stderr, progress=True)
   noise = [line for line in lines if NOISE.search(line)]
   assert not noise, f"{len(lines)} stderr lines, {len(noise)} of them noise:\n" + \
       "\n".join(lines[:40])
@@ -52,7 +52,7 @@ def test_corrupt_checkpoints_leave_only_our_lines_on_stderr(finished_run, tmp_pa
 
   _empty_manifest(ckpts / "2")  # now every checkpoint is unreadable
   proc = _run(args, timeout=300)
-  lines = stderr_lines(proc.stderr)
+  lines = stderr_lines(proc.stderr, progress=True)
   assert proc.returncode == 2 and len(lines) == 1, f"{len(lines)} stderr lines:\n" + \
       "\n".join(lines[:40])
   assert lines[0].startswith("error: no intact checkpoint in ") and \

@@ -12,6 +12,7 @@ from lowmem_jax.memory import saved_residuals
 from lowmem_jax.wta_crs import SampledLinear
 from models import bert, llama, vit
 from models.sites import CodeSite, KeySite, SiteState, seed_sites
+from test_reversible import assert_trees_close
 
 TINY = {
     "vit": lambda pol: vit.ViT(vit.config("vit-tiny", num_layers=2), pol, dtype=jnp.float32),
@@ -47,8 +48,7 @@ def assert_grads_close(got, want, rel=1e-5):
   gradient that is zero in exact arithmetic (a key bias's: softmax ignores it) is
   rounding noise, which two programs round differently."""
   scale = max(float(np.abs(w).max()) for w in jax.tree.leaves(want))
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-    np.testing.assert_allclose(a, b, rtol=0, atol=rel * scale)
+  assert_trees_close(got, want, rtol=0, atol=rel * scale)
 
 
 def _same_params(src, dst):
