@@ -32,6 +32,7 @@ Tiny models: the model and training setups shared by test files (``from conftest
 TINY_TRAIN``), each a second or two to compile on a CPU.
 """
 
+import gc
 import os
 import re
 import shutil
@@ -132,6 +133,20 @@ def stderr_lines(text: str, *, progress: bool = False) -> list[str]:
   lines = JAX_PLUGIN_INIT_ERROR.sub("", text).splitlines()
   return [line for line in lines if line.strip() and not JAX_PLUGIN_STARTUP.search(line)
           and not (progress and line.startswith("[#"))]
+
+
+def pytest_sessionfinish(session):
+  """A worker frees its compiled programs before it reports that it has finished.
+
+  pytest collects garbage at exit (after a worker's report), and each collection makes
+  jax free the executables no one holds any more, seconds of work in a worker that
+  compiled hundreds (measured at the end of the suite: 4.8 and 9.1 s, 2 workers).
+  pytest-xdist stops a worker still busy 5 s after its report with a SIGINT, which pytest
+  then printed as "Exception ignored in _xla_gc_callback: KeyboardInterrupt" after
+  ``[100%]``. Done here, before the report, the controller waits for it."""
+  if hasattr(session.config, "workerinput"):
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_unconfigure(config):
