@@ -4,9 +4,11 @@
 of ``V`` is ``[..., V]`` fp32: 500 MiB for LLaMA-7B's V = 32000 at 4096 tokens, and autodiff
 keeps its gradient too. :func:`chunked_cross_entropy` computes per-token cross-entropy and
 argmax accuracy ``chunk`` tokens at a time: no fp32 array of more than ``[chunk, V]`` exists
-in forward or backward (besides ``dw``'s fp32 accumulator, the weight's size). It saves its arguments ``h`` and ``w`` as given (no copies: the
-weight as stored, cast to the compute dtype again in backward) and an fp32 log-sum-exp per
-token; backward recomputes each chunk's logits from them.
+in forward or backward (besides ``dw``'s fp32 accumulator, the weight's size). It saves its
+arguments ``h`` and ``w`` as given (no copies: the weight as stored, cast to the compute
+dtype again in backward), an optional per-feature ``scale`` of the weight (a tied head's
+merged norm scale, applied inside each pass, so no scaled copy of the table is kept) and
+an fp32 log-sum-exp per token; backward recomputes each chunk's logits from them.
 
 :func:`cross_entropy_reference` is the same function in plain jnp (full logits, autodiff);
 :func:`logits_cross_entropy` is its loss on given logits (optax's formula), for heads that
@@ -55,17 +57,28 @@ def _logits(h, w, transposed: bool):
   return jax.lax.dot_general(h, w, (contract, ((), ())), preferred_element_type=jnp.float32)
 
 
-def cross_entropy_reference(h, w, targets, *, transposed: bool = False):
+def cross_entropy_reference(h, w, targets, *, transposed: bool = False, scale=None):
   """:func:`chunked_cross_entropy` in plain jnp: the full fp32 logits, then
-  :func:`logits_cross_entropy`; autodiff keeps the logits' size."""
-  return logits_cross_entropy(_logits(h, w.astype(h.dtype), transposed), targets)
+  :func:`logits_cross_entropy`; autodiff keeps the logits' size (and the scaled weight)."""
+  return logits_cross_entropy(_logits(h, _weight(w, h.dtype, scale, transposed), transposed),
+                              targets)
 
 
-def _weight(w, dtype):
+def _weight(w, dtype, scale=None, transposed: bool = False):
   """``w`` in ``dtype`` for the matmuls: a frozen
   :class:`~lowmem_jax.quantized_weight.QuantizedKernel` dequantized (inside each pass,
-  so only its stored form is saved), an array cast."""
-  return dequantize(w, dtype) if isinstance(w, QuantizedKernel) else w.astype(dtype)
+  so only its stored form is saved), an array cast; with ``scale [D]``, multiplied by it
+  along its ``D`` axis in fp32 first."""
+  if scale is None:
+    return dequantize(w, dtype) if isinstance(w, QuantizedKernel) else w.astype(dtype)
+  return (_weight(w, jnp.float32) * _along_d(scale, transposed)).astype(dtype)
+
+
+def _along_d(scale, transposed: bool):
+  """``scale [D]`` in fp32, shaped to broadcast along a weight's ``D`` axis (``[V, D]``
+  when ``transposed``, else ``[D, V]``)."""
+  scale = scale.astype(jnp.float32)
+  return scale[None, :] if transposed else scale[:, None]
 
 
 def _padded(x, length: int):
@@ -88,11 +101,11 @@ def _put(buffer, x, i, step: int):
   return jax.lax.dynamic_update_slice_in_dim(buffer, x.astype(buffer.dtype), i * step, axis=1)
 
 
-def _forward(h, w, targets, step, transposed):
+def _forward(h, w, scale, targets, step, transposed):
   """Per-token ``(losses, correct, lse)`` of ``h [R, T, D]``, ``step`` positions of every
   row at a time (a ragged last step is padded)."""
   r, t = targets.shape
-  w = _weight(w, h.dtype)
+  w = _weight(w, h.dtype, scale, transposed)
   h, targets, num_steps = _steps(h, targets, step)
 
   def body(i, out):
@@ -111,35 +124,40 @@ def _forward(h, w, targets, step, transposed):
   return tuple(x[:, :t] for x in out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _fused(h, w, targets, step, transposed):
-  losses, correct, _ = _forward(h, w, targets, step, transposed)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _fused(h, w, scale, targets, step, transposed):
+  losses, correct, _ = _forward(h, w, scale, targets, step, transposed)
   return losses, correct
 
 
-def _fused_fwd(h, w, targets, step, transposed):
+def _fused_fwd(h, w, scale, targets, step, transposed):
   # symbolic_zeros: each argument comes with whether it is differentiated (perturbed)
   # (a stored QuantizedKernel comes as a pytree of them, and is frozen: no dw)
   stored = isinstance(w, QuantizedKernel)
-  need = (h.perturbed, False if stored else w.perturbed)
+  need = (h.perturbed, False if stored else w.perturbed,
+          scale is not None and scale.perturbed)
   if stored:
     w = jax.tree.map(lambda p: p.value, w, is_leaf=lambda p: isinstance(p, CustomVJPPrimal))
   else:
     w = w.value
   h, targets = h.value, targets.value
-  losses, correct, lse = _forward(h, w, targets, step, transposed)
-  # Residuals: h and w as given (arguments: no copies; w's cast is redone in backward),
-  # the targets and an fp32 log-sum-exp per token; never a [tokens, V] array.
-  return (losses, correct), (h, w, targets, lse, need)
+  scale = None if scale is None else scale.value
+  losses, correct, lse = _forward(h, w, scale, targets, step, transposed)
+  # Residuals: h, w and scale as given (arguments: no copies; w's cast and scaling are
+  # redone in backward), the targets and an fp32 log-sum-exp per token; never a
+  # [tokens, V] array.
+  return (losses, correct), (h, w, scale, targets, lse, need)
 
 
 def _fused_bwd(step, transposed, res, cts):
-  h, w, targets, lse, (need_dh, need_dw) = res
+  h, w, scale, targets, lse, (need_dh, need_dw, need_ds) = res
   g = cts[0]
-  if isinstance(g, SymbolicZero) or not (need_dh or need_dw):
-    return None, None, None
-  t, w_dtype = h.shape[1], w.dtype
-  w = _weight(w, h.dtype)
+  if isinstance(g, SymbolicZero) or not (need_dh or need_dw or need_ds):
+    return None, None, None, None
+  t, w_dtype, stored = h.shape[1], w.dtype, w
+  # the gradient of the scaled weight, accumulated once: dw and dscale both come from it
+  need_dws = need_dw or need_ds
+  w = _weight(w, h.dtype, scale, transposed)
   h, targets, num_steps = _steps(h, targets, step)
   lse = _padded(lse, h.shape[1])
   g = _padded(g.astype(jnp.float32), h.shape[1])  # padded positions: g = 0, no contribution
@@ -158,23 +176,30 @@ def _fused_bwd(step, transposed, res, cts):
     if need_dh:
       dh = _put(dh, jax.lax.dot_general(dlogits, w, back, preferred_element_type=jnp.float32),
                 i, step)
-    if need_dw:  # [V, D] (tied) or [D, V]
+    if need_dws:  # [V, D] (tied) or [D, V]
       pair = (dlogits, h_i) if transposed else (h_i, dlogits)
       dw = dw + jax.lax.dot_general(*pair, tokens, preferred_element_type=jnp.float32)
     return dh, dw
 
   grads = (jnp.zeros(h.shape, h.dtype) if need_dh else None,
-           jnp.zeros(w.shape, jnp.float32) if need_dw else None)
-  dh, dw = jax.lax.fori_loop(0, num_steps, body, grads)
-  return (dh[:, :t] if need_dh else None, dw.astype(w_dtype) if need_dw else None, None)
+           jnp.zeros(w.shape, jnp.float32) if need_dws else None)
+  dh, dws = jax.lax.fori_loop(0, num_steps, body, grads)
+  dw = ds = None
+  if need_dw:
+    dw = (dws if scale is None else dws * _along_d(scale, transposed)).astype(w_dtype)
+  if need_ds:  # d scale_d = sum over V of dws * w (the weight before its scale)
+    ds = jnp.sum(dws * _weight(stored, jnp.float32), axis=0 if transposed else 1)
+    ds = ds.astype(scale.dtype)
+  return dh[:, :t] if need_dh else None, dw, ds, None
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd, symbolic_zeros=True)
 
 
 def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
-                          transposed: bool = False):
-  """``(losses, correct)`` of ``logits = h @ w``: per-token fp32 cross-entropy
+                          transposed: bool = False, scale=None):
+  """``(losses, correct)`` of ``logits = h @ (w * scale)`` (``scale [D]`` along ``w``'s
+  ``D`` axis; None: 1): per-token fp32 cross-entropy
   ``logsumexp(logits) - logits[target]`` and ``argmax(logits) == target``, shaped like
   ``targets``, computed ``chunk`` tokens at a time: ``chunk // rows`` positions (at least
   one) of the last axis of every row of the leading axes per step, a ragged last step
@@ -183,8 +208,8 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
   ``h [..., D]`` in the compute dtype, ``w [D, V]`` (``[V, D]`` when ``transposed``) as
   stored (any float dtype, or a frozen ``QuantizedKernel``; cast or dequantized to ``h``'s
   dtype inside each pass), ``targets`` integer ``[...]``.
-  Backward (a custom VJP) saves ``h``, ``w`` (no copies) and an fp32 log-sum-exp per
-  token, recomputes each chunk's softmax and accumulates ``dw`` over chunks in fp32 (cast
+  Backward (a custom VJP) saves ``h``, ``w``, ``scale`` (no copies; the scaled weight is
+  remade inside each pass) and an fp32 log-sum-exp per token, recomputes each chunk's softmax and accumulates ``dw`` over chunks in fp32 (cast
   to ``w``'s dtype at the end); gradients of ``h`` or ``w`` not asked for are not computed
   (a frozen head: no ``dw`` pass). Weight or mask tokens by multiplying ``losses``: a zero
   cotangent contributes nothing."""
@@ -198,6 +223,11 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
   if not (jnp.issubdtype(h.dtype, jnp.floating) and jnp.issubdtype(w.dtype, jnp.floating)):
     raise ValueError(f"chunked_cross_entropy: h and w must be floating, got {h.dtype} and "
                      f"{w.dtype}")
+  if scale is not None:
+    scale = jnp.asarray(scale)
+    if scale.shape != h.shape[-1:] or not jnp.issubdtype(scale.dtype, jnp.floating):
+      raise ValueError(f"chunked_cross_entropy: scale must be floating [D] = "
+                       f"{list(h.shape[-1:])}, got {scale.dtype}{list(scale.shape)}")
   if targets.shape != h.shape[:-1] or not jnp.issubdtype(targets.dtype, jnp.integer):
     raise ValueError(f"chunked_cross_entropy: targets must be integers of shape "
                      f"{list(h.shape[:-1])}, got {targets.dtype}{list(targets.shape)}")
@@ -207,6 +237,6 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
   # Steps slice the last (sequence) axis, every row at once: leading (batch) axes stay
   # whole in each step, so a batch-sharded h is computed where it lives.
   step = max(1, min(t, chunk // max(rows, 1)))
-  losses, correct = _fused(h.reshape(rows, t, h.shape[-1]), w, targets.reshape(rows, t),
-                           step, bool(transposed))
+  losses, correct = _fused(h.reshape(rows, t, h.shape[-1]), w, scale,
+                           targets.reshape(rows, t), step, bool(transposed))
   return losses.reshape(lead), correct.reshape(lead)

@@ -10,7 +10,8 @@ norm -> gate, up; final norm -> lm_head), so each norm saves only its output (th
 array those linears save) and an fp32 ``rstd`` per row. With tied embeddings the final
 norm's scale cannot live in the shared embedding: it is kept as ``head_scale`` and
 applied to the head's weight (not to the activation), so the norm output is still the
-array the head saves.
+array the head saves; the fused loss applies it inside each pass (no scaled copy of the
+table is kept for backward).
 
 Loss: ``model.token_losses(tokens, targets, chunk=...)`` gives the per-token cross-entropy
 of the logits ``model(tokens)`` returns without making them: the head fused with its loss
@@ -221,14 +222,16 @@ class Llama(nnx.Module):
     return (table_value(table) * self.head_scale[...][None, :]).astype(self.dtype)
 
   def head_weight(self):
-    """``(w, transposed)``: the head as one matmul ``h @ w`` (``w [D, V]``, or ``[V, D]``
-    with ``transposed``; as stored, a frozen ``QuantizedKernel`` included, or in the
-    compute dtype; cast or dequantized to it inside the matmul), or None when it is not
-    a plain matmul."""
+    """``(w, transposed, scale)``: the head as one matmul ``h @ (w * scale)`` (``w [D,
+    V]``, or ``[V, D]`` with ``transposed``, as stored, a frozen ``QuantizedKernel``
+    included; cast or dequantized to the compute dtype inside the matmul; ``scale [D]``
+    the tied head's merged norm scale, or None), or None when it is not a plain
+    matmul."""
     if self.lm_head is None:
-      return self._tied_weight(), True
+      scale = None if self.head_scale is None else self.head_scale[...]
+      return self.embed.embedding[...], True, scale
     kernel = plain_kernel(self.lm_head)
-    return None if kernel is None else (kernel, False)
+    return None if kernel is None else (kernel, False, None)
 
   def token_losses(self, tokens, targets, mask=None, *, chunk: int = DEFAULT_CHUNK):
     """Per-token ``(cross-entropy fp32 [B, T], argmax == target [B, T])`` of the logits
@@ -252,7 +255,8 @@ def plain_kernel(head):
 def head_losses(h, head, weight, targets, chunk: int):
   """Per-token ``(losses, correct)`` of ``head(h)``'s logits: with ``chunk > 0`` and a
   plain head (``weight``: ``(w, transposed)``, not None) the fused, chunked
-  :func:`lowmem_jax.lm_loss.chunked_cross_entropy` on ``h``'s value (no ``[B, T, V]``
+  :func:`lowmem_jax.lm_loss.chunked_cross_entropy` (``weight``: ``(w, transposed,
+  scale)``) on ``h``'s value (no ``[B, T, V]``
   fp32 array; it saves ``h`` itself even where ``h`` comes carried: under Mesa the
   head's weight gradient is then exact, not from the code), else
   :func:`lowmem_jax.lm_loss.logits_cross_entropy` of ``head(h)``."""
@@ -261,9 +265,9 @@ def head_losses(h, head, weight, targets, chunk: int):
                      f"{chunk!r}")
   targets = jnp.asarray(targets)
   if chunk and weight is not None:
-    w, transposed = weight
+    w, transposed, scale = weight
     return chunked_cross_entropy(as_array(h), w, targets, chunk=chunk,
-                                 transposed=transposed)
+                                 transposed=transposed, scale=scale)
   return logits_cross_entropy(head(h), targets)
 
 

@@ -88,10 +88,10 @@ class RevLlama(nnx.Module):
     return self.lm_head(h).astype(jnp.float32)
 
   def head_weight(self):
-    """``(w [2 * dim, V], False)``, the kernel as stored, or None when the head is not a
-    plain matmul (:func:`models.llama.plain_kernel`)."""
+    """``(w [2 * dim, V], False, None)``, the kernel as stored, or None when the head is
+    not a plain matmul (:func:`models.llama.plain_kernel`)."""
     kernel = llama.plain_kernel(self.lm_head)
-    return None if kernel is None else (kernel, False)
+    return None if kernel is None else (kernel, False, None)
 
   def token_losses(self, tokens, targets, mask=None, *, chunk: int = llama.DEFAULT_CHUNK):
     """Per-token ``(cross-entropy fp32 [B, T], argmax == target [B, T])`` of the logits

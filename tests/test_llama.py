@@ -404,6 +404,33 @@ def test_fused_lm_loss_equals_logits_path(name, policy, overrides):
   assert max(jax.tree.leaves(diffs)) < 1e-5 * scale, diffs
 
 
+@pytest.mark.parametrize("base_dtype", ["float32", "int8"])
+def test_tied_head_under_ms_norms_keeps_no_scaled_table(base_dtype):
+  """A tied head with the final norm's scale merged (``head_scale``): the fused loss
+  applies the scale inside its passes, so backward keeps no ``[V, D]`` array beyond the
+  stored table, as without MS norms (before: a bf16 copy of table x scale every step)."""
+  from models.lora import LoRAParam
+  from train.config import TrainConfig
+  from train.model import build_model
+  vocab, dim = 512, 64
+  kept = {}
+  for policy in ("baseline", "lowmembp"):
+    cfg = TrainConfig(name="t", task="lm", model="llama-tiny", policy=policy,
+                      trainable="lora", lora_targets="query,value", base_dtype=base_dtype,
+                      model_overrides=dict(tie_embeddings=True, vocab_size=vocab, dim=dim))
+    model = build_model(cfg)
+    assert (model.head_scale is not None) == (policy == "lowmembp")
+    graphdef, params, rest = nnx.split(model, LoRAParam, ...)
+    tokens = jnp.arange(32).reshape(2, 16) % vocab
+
+    def loss(params):
+      losses, _ = nnx.merge(graphdef, params, rest).token_losses(tokens, tokens, chunk=8)
+      return losses.mean()
+    kept[policy] = [r.shape for r in saved_residuals(loss, params).items
+                    if np.prod(r.shape) >= vocab * dim]
+  assert kept == {"baseline": [], "lowmembp": []}, kept
+
+
 def test_fused_lm_loss_falls_back_for_a_lora_head():
   """A LoRA-wrapped lm_head is not one matmul: head_weight is None and token_losses takes
   the loss on the logits (what the model returns, adapter included)."""

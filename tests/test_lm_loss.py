@@ -73,6 +73,31 @@ def test_values_and_gradients_match_reference(chunk, transposed):
   assert bool(masked.any()) and float(jnp.max(jnp.abs(got[3][0][masked]))) == 0.0
 
 
+@pytest.mark.parametrize("transposed", [True, False], ids=["tied", "untied"])
+def test_scale_inside_matches_the_scaled_weight(transposed):
+  """``scale [D]`` (a tied head's merged norm scale) applied inside: values and the
+  gradients of h, w and scale equal the reference on ``w * scale`` by autodiff."""
+  h, w, targets, weights = _inputs(transposed=transposed)
+  scale = 1.0 + 0.5 * jax.random.normal(jax.random.key(7), (D,))
+
+  def grads(fn, **kw):
+    def loss(h, w, scale):
+      losses, _ = fn(h, w, targets, transposed=transposed, scale=scale, **kw)
+      return jnp.sum(losses * weights), losses
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(h, w, scale)
+
+  (_, ref_losses), ref = grads(cross_entropy_reference)
+  (_, losses), got = grads(chunked_cross_entropy, chunk=5)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-6, atol=1e-6)
+  for g, r, x in zip(got, ref, (h, w, scale)):
+    assert g.shape == x.shape and g.dtype == x.dtype
+    assert _max_abs(g, r) < 1e-5 * float(jnp.max(jnp.abs(r)))
+  # only the scale asked for: the same dscale
+  dscale = jax.jit(jax.grad(lambda s: jnp.sum(chunked_cross_entropy(
+      h, w, targets, chunk=5, transposed=transposed, scale=s)[0] * weights)))(scale)
+  np.testing.assert_allclose(dscale, got[2], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(18,), (2, 3, 3)], ids=["flat", "3d"])
 def test_any_leading_shape(shape):
   """Tokens given flat (one row) or with two leading axes (rows merged): the same values
@@ -164,3 +189,5 @@ def test_errors_name_the_argument():
     chunked_cross_entropy(h, w.astype(jnp.int32), targets)
   with pytest.raises(ValueError, match="targets must be integers of shape"):
     chunked_cross_entropy(h, w, targets.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"scale must be floating \[D\]"):
+    chunked_cross_entropy(h, w, targets, scale=jnp.ones((D + 1,)))
