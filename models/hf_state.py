@@ -298,9 +298,10 @@ def _hf_shape(e: Tensor, ours: tuple) -> tuple:
 
 def expected_tensors(model, entries: Sequence[Entry]) -> dict[str, tuple | None]:
   """Every HF tensor :func:`read_state` reads for ``entries`` and the shape it must have
-  (None: a tied copy, compared with its original), from ``model``'s (possibly abstract)
-  variables: for :meth:`StateReader.check` before any tensor is read."""
+  (a tied copy: its original's), from ``model``'s (possibly abstract) variables: for
+  :meth:`StateReader.check` before any tensor is read."""
   out: dict[str, tuple | None] = {}
+  copies = {}
   for e in entries:
     if isinstance(e, Norm):
       d = _resolve(model, e.path).dim
@@ -308,7 +309,7 @@ def expected_tensors(model, entries: Sequence[Entry]) -> dict[str, tuple | None]
       if e.bias:
         out[f"{e.hf}.bias"] = (d,)
     elif isinstance(e, Tensor) and e.copy_of is not None:
-      out.setdefault(e.hf, None)
+      copies[e.hf] = e.copy_of
     elif isinstance(e, Tensor):
       ours = tuple(_value(_resolve(model, e.path)).shape)[0 if e.layer is None else 1:]
       out[e.hf] = _hf_shape(e, ours)
@@ -319,6 +320,8 @@ def expected_tensors(model, entries: Sequence[Entry]) -> dict[str, tuple | None]
       out[f"{e.hf}.weight"] = (d_out, d_in)
       if getattr(module, "bias", None) is not None:
         out[f"{e.hf}.bias"] = (d_out,)
+  for copy, original in copies.items():
+    out.setdefault(copy, out.get(original))
   return out
 
 
@@ -361,6 +364,12 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
   from lowmem_jax.norms import merge_norm_affine
 
   rows, affines = _Rows(), {}
+  for e in entries:  # tied copies first: a copy that differs is found before any weight
+    if isinstance(e, Tensor) and e.copy_of is not None and not np.array_equal(
+        reader.take(e.hf), reader.take(e.copy_of)):
+      head = f"{reader.source}: " if reader.source else ""
+      raise CheckpointError(f"{head}{e.hf} differs from {e.copy_of} but the config ties "
+                            "them (tie_word_embeddings)")
   for e in (e for e in entries if isinstance(e, Norm)):
     norm = _resolve(model, e.path)
     d = norm.dim
@@ -378,8 +387,7 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
         rows.set(_resolve(model, e.kept[1]), e.layer, bias)
   for e in entries:
     if isinstance(e, Tensor) and e.copy_of is not None:
-      if not np.array_equal(reader.take(e.hf), reader.take(e.copy_of)):
-        raise CheckpointError(f"{e.hf} differs from {e.copy_of} but the config ties them")
+      continue  # compared above
     elif isinstance(e, Tensor):
       var = _resolve(model, e.path)
       ours = tuple(_value(var).shape)[0 if e.layer is None else 1:]

@@ -262,6 +262,35 @@ def test_state_roundtrip_tied_without_torch(policy):
     hf.load_state(llama.Llama(cfg, policy, dtype=jnp.float32), bad)
 
 
+def test_a_tied_config_whose_head_differs_fails_before_the_weights_are_read(
+    untied_ckpt, tmp_path, monkeypatch):
+  """An untied checkpoint whose config.json says ``tie_word_embeddings``: lm_head.weight
+  is compared with the table first, so the error (naming the checkpoint) comes after
+  those two reads, not after the whole model; a head of another shape fails the header
+  check, before any read."""
+  from safetensors.numpy import save_file
+  src, _, _ = untied_ckpt
+  shutil.copytree(src, tmp_path / "tied")
+  config = json.loads((src / "config.json").read_text())
+  (tmp_path / "tied" / "config.json").write_text(json.dumps({**config,
+                                                              "tie_word_embeddings": True}))
+  reads = []
+  read = hf.SafetensorsFiles.__getitem__
+  monkeypatch.setattr(hf.SafetensorsFiles, "__getitem__",
+                      lambda self, key: reads.append(key) or read(self, key))
+  with pytest.raises(CheckpointError, match=r"tied: lm_head.weight differs from "
+                                            r"model.embed_tokens.weight"):
+    hf.load_pretrained(tmp_path / "tied", dtype=jnp.float32)
+  assert sorted(reads) == ["lm_head.weight", "model.embed_tokens.weight"]
+  state = dict(hf.read_safetensors(src))
+  state["lm_head.weight"] = state["lm_head.weight"][:-1]
+  save_file(state, str(tmp_path / "tied" / "model.safetensors"))
+  reads.clear()
+  with pytest.raises(CheckpointError, match=r"mis-shaped keys \(1\): lm_head.weight"):
+    hf.load_pretrained(tmp_path / "tied", dtype=jnp.float32)
+  assert reads == []
+
+
 # ----------------------------------------------------------------------------- configs
 def test_presets_and_config_errors():
   cfg = llama.config("llama-7b", num_layers=2)
