@@ -49,7 +49,8 @@ from flax import nnx
 from lowmem_jax.methods import read
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import check_positive, init_model, make_config, replace_fields, token_ids
+from models.config import check_positive, hf_value, init_model, make_config, replace_fields, \
+    token_ids
 from models.embedding import Embed
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
@@ -318,6 +319,7 @@ _HF_FIELDS = dict(vocab_size="vocab_size", dim="hidden_size", num_layers="num_hi
                   max_positions="max_position_embeddings", type_vocab_size="type_vocab_size",
                   eps="layer_norm_eps", pad_token_id="pad_token_id",
                   initializer_range="initializer_range")
+_HF_FLOATS = ("eps", "initializer_range")
 
 
 def config_from_hf(hf: Mapping[str, object], **overrides) -> BertConfig:
@@ -336,14 +338,12 @@ def config_from_hf(hf: Mapping[str, object], **overrides) -> BertConfig:
   if hf.get("is_decoder") or hf.get("add_cross_attention"):
     raise CheckpointError("config_from_hf: decoder / cross-attention BERT is not supported")
   defaults = _HF_DEFAULTS[model_type]
-  fields = {ours: hf.get(theirs) if hf.get(theirs) is not None else defaults[theirs]
+  fields = {ours: hf_value(hf, theirs, float if ours in _HF_FLOATS else int, defaults[theirs])
             for ours, theirs in _HF_FIELDS.items()}
-  num_labels = hf.get("num_labels")
+  num_labels = hf_value(hf, "num_labels", int, None)
   if num_labels is None:
     num_labels = len(hf["id2label"]) if hf.get("id2label") else 2
   fields.update(num_labels=num_labels, model_type=model_type)
-  fields["eps"] = float(fields["eps"])
-  fields["initializer_range"] = float(fields["initializer_range"])
   return replace_fields(BertConfig(**fields), overrides)
 
 

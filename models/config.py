@@ -46,6 +46,27 @@ def _checked(owner: str, field: dataclasses.Field, value):
   raise ValueError(f"{owner}: {field.name} expects {' or '.join(kinds)}, got {value!r}")
 
 
+_HF_KINDS = {int: ("an int", int), float: ("a number", (int, float)), bool: ("true or false", bool)}
+_REQUIRED = object()
+
+
+def hf_value(hf, key: str, kind: type, default=_REQUIRED):
+  """``hf[key]`` of a HF ``config.json`` dict as ``kind`` (int, float or bool; JSON's
+  number or true/false, a bool never a number), ``default`` where it is absent or null:
+  a ValueError naming the key otherwise (``models.hf`` heads it with the file's path),
+  where ``int(...)``/``bool(...)`` would name neither or read the string "false" as
+  true."""
+  value = hf.get(key)
+  if value is None:
+    if default is _REQUIRED:
+      raise KeyError(key)
+    return default
+  what, types = _HF_KINDS[kind]
+  if isinstance(value, bool) != (kind is bool) or not isinstance(value, types):
+    raise ValueError(f"{key}={value!r} is not {what}")
+  return kind(value)
+
+
 def check_positive(cfg, ints=(), numbers=()):
   """Raises naming the first of ``cfg``'s fields ``ints`` that is not a positive int, or
   ``numbers`` not a positive number (a config's own check, for direct construction

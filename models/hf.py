@@ -196,12 +196,14 @@ def _read_config(path: Path, overrides: dict):
                           f"{', '.join(registry.hf_model_types())}")
   try:
     family = registry.hf_family(hf_config["model_type"])
-    return family, family.module.config_from_hf(hf_config, **overrides)
+    cfg = family.module.config_from_hf(hf_config)
   except KeyError as e:
     raise CheckpointError(f"{config_file}: no {e.args[0]!r}, which a "
                           f"{hf_config['model_type']} config needs") from None
-  except (CheckpointError, TypeError) as e:
+  except (CheckpointError, TypeError, ValueError) as e:  # a field's type or value
     raise CheckpointError(f"{config_file}: {e}") from None
+  # the overrides' own errors (``--set model.<field>=...``) name the field, not the file
+  return family, family.module.config_from_hf(hf_config, **overrides) if overrides else cfg
 
 
 def config_from_pretrained(path: str | os.PathLike, **overrides):

@@ -36,7 +36,7 @@ from lowmem_jax.lm_loss import DEFAULT_CHUNK, chunked_cross_entropy, logits_cros
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.quantized_weight import QuantizedKernel, frozen_dense
 from models.attention import SelfAttention
-from models.config import check_positive, init_model, make_config, token_ids
+from models.config import check_positive, hf_value, init_model, make_config, token_ids
 from models.embedding import Embed, table_value
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
@@ -295,18 +295,20 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
       raise CheckpointError(f"config_from_hf: rope_type {kind!r} is not supported (only "
                             "'default')")
   theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
-  dim, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-  head_dim = hf.get("head_dim")
-  if head_dim is not None and dim % heads == 0 and int(head_dim) == dim // heads:
+  dim, heads = hf_value(hf, "hidden_size", int), hf_value(hf, "num_attention_heads", int)
+  head_dim = hf_value(hf, "head_dim", int, None)
+  if head_dim is not None and heads > 0 and dim % heads == 0 and head_dim == dim // heads:
     head_dim = None  # the default: keep configs canonical
+  if not isinstance(theta, (int, float)) or isinstance(theta, bool):
+    raise ValueError(f"rope_theta={theta!r} is not a number")
   cfg = LlamaConfig(
-      vocab_size=int(hf["vocab_size"]), dim=dim, num_layers=int(hf["num_hidden_layers"]),
-      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-      head_dim=None if head_dim is None else int(head_dim),
-      mlp_dim=int(hf["intermediate_size"]),
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)), rope_theta=float(theta),
-      eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      vocab_size=hf_value(hf, "vocab_size", int), dim=dim,
+      num_layers=hf_value(hf, "num_hidden_layers", int), num_heads=heads,
+      num_kv_heads=hf_value(hf, "num_key_value_heads", int, heads), head_dim=head_dim,
+      mlp_dim=hf_value(hf, "intermediate_size", int),
+      max_seq_len=hf_value(hf, "max_position_embeddings", int, 2048),
+      rope_theta=float(theta), eps=hf_value(hf, "rms_norm_eps", float, 1e-6),
+      tie_embeddings=hf_value(hf, "tie_word_embeddings", bool, False),
       **_special_tokens(hf))
   return _replace(cfg, overrides)
 

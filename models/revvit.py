@@ -53,6 +53,7 @@ class RevViT(nnx.Module):
                rngs: nnx.Rngs | None = None):
     rngs = init_model(self, cfg, config, vit.ViTConfig, policy, dtype, rngs, reversible=True)
     policy, c = self.policy, self.cfg
+    vit.check_qkv_bias(c, policy)
     vit.init_embeddings(self, c, dtype, rngs)
     self.stack = ReversibleStack(lambda r: _attention(c, policy, dtype, r),
                                  lambda r: _mlp(c, policy, dtype, r), c.num_layers, policy,

@@ -17,7 +17,7 @@ from flax import nnx
 
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
-from models.config import check_positive, init_model, make_config, replace_fields
+from models.config import check_positive, hf_value, init_model, make_config, replace_fields
 from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm, Tensor
 from models.linear import Linear
 from models.mlp import Mlp
@@ -72,6 +72,17 @@ def config(name: str = "vit-b16", **overrides) -> ViTConfig:
   return make_config(ViTConfig, PRESETS, name, overrides)
 
 
+def check_qkv_bias(cfg: ViTConfig, policy: MemoryPolicy) -> None:
+  """MS norms merge each LayerNorm's shift into the bias of the linears that read it
+  (``models.linear``): without a bias on q, k and v the shift would be dropped (a
+  ``qkv_bias: false`` checkpoint could not load; a fresh model could not learn it)."""
+  if policy.merges_norm_affine and not cfg.qkv_bias:
+    raise ValueError(f"qkv_bias=False with policy {str(policy)!r}: its MS norms merge the "
+                     "LayerNorm's shift into the biases of query, key and value, which this "
+                     "config does not have; use a policy without MS norms (e.g. 'baseline', "
+                     "'mesa8', 'approx-bp') or qkv_bias=True")
+
+
 class ViTBlock(nnx.Module):
   """``x + attn(norm1(x))``, then ``x + mlp(norm2(x))``."""
 
@@ -94,6 +105,7 @@ class ViT(nnx.Module):
                *, dtype=jnp.bfloat16, rngs: nnx.Rngs | None = None):
     rngs = init_model(self, cfg, config, ViTConfig, policy, dtype, rngs)
     c = self.cfg
+    check_qkv_bias(c, self.policy)
     init_embeddings(self, c, dtype, rngs)
     self.stack = BlockStack(lambda r: ViTBlock(c, self.policy, dtype, r), c.num_layers,
                             self.policy, rngs)
@@ -146,12 +158,17 @@ HF_HEAD_KEYS = ("classifier.",)
 
 
 def config_from_hf(hf: dict, **overrides) -> ViTConfig:
-  num_labels = len(hf["id2label"]) if "id2label" in hf else hf.get("num_labels", 1000)
-  fields = dict(image_size=hf["image_size"], patch_size=hf["patch_size"],
-                channels=hf.get("num_channels", 3), dim=hf["hidden_size"],
-                num_layers=hf["num_hidden_layers"], num_heads=hf["num_attention_heads"],
-                mlp_dim=hf["intermediate_size"], eps=hf.get("layer_norm_eps", 1e-12),
-                qkv_bias=hf.get("qkv_bias", True), num_labels=num_labels)
+  num_labels = (len(hf["id2label"]) if "id2label" in hf
+                else hf_value(hf, "num_labels", int, 1000))
+  fields = dict(image_size=hf_value(hf, "image_size", int),
+                patch_size=hf_value(hf, "patch_size", int),
+                channels=hf_value(hf, "num_channels", int, 3),
+                dim=hf_value(hf, "hidden_size", int),
+                num_layers=hf_value(hf, "num_hidden_layers", int),
+                num_heads=hf_value(hf, "num_attention_heads", int),
+                mlp_dim=hf_value(hf, "intermediate_size", int),
+                eps=hf_value(hf, "layer_norm_eps", float, 1e-12),
+                qkv_bias=hf_value(hf, "qkv_bias", bool, True), num_labels=num_labels)
   if hf.get("hidden_act", "gelu") != "gelu":
     raise CheckpointError(f"config_from_hf: hidden_act {hf['hidden_act']!r} is not "
                           "supported; only the exact-erf 'gelu'")

@@ -313,6 +313,34 @@ def test_bad_directory_and_config_are_one_line_errors(tmp_path):
   assert str(e.value) == f"{config}: no 'hidden_size', which a llama config needs"
 
 
+@pytest.mark.parametrize("fixture,change,message", [
+    ("llama_untied", {"hidden_size": "abc"}, "hidden_size='abc' is not an int"),
+    ("llama_untied", {"num_attention_heads": 0},
+     "LlamaConfig: num_heads must be a positive int, got 0"),
+    ("llama_untied", {"num_key_value_heads": 3},
+     "LlamaConfig: num_heads 4 is not a multiple of num_kv_heads 3"),
+    ("llama_untied", {"rms_norm_eps": "x"}, "rms_norm_eps='x' is not a number"),
+    ("llama_untied", {"tie_word_embeddings": "false"},
+     "tie_word_embeddings='false' is not true or false"),
+    ("bert", {"num_labels": "3"}, "num_labels='3' is not an int"),
+    ("bert", {"layer_norm_eps": True}, "layer_norm_eps=True is not a number"),
+    ("vit", {"patch_size": 7}, "ViTConfig: image_size 32 is not a multiple of patch_size 7"),
+    ("vit", {"qkv_bias": 0}, "qkv_bias=0 is not true or false"),
+], ids=["str-int", "zero-heads", "kv-heads", "str-float", "str-bool", "bert-labels",
+        "bool-float", "vit-patch", "int-bool"])
+def test_bad_config_values_name_the_file_and_field(tmp_path, fixture, change, message):
+  """A config.json field of the wrong type or value: one CheckpointError naming the file
+  and the field (before: a bare ValueError or ZeroDivisionError, and "false" read as
+  true), from the header check and the load alike."""
+  import shutil
+  path = pathlib.Path(shutil.copytree(fx.DATA / fixture, tmp_path / fixture))
+  _edit_config(path, lambda c: c.update(change))
+  with pytest.raises(hf.CheckpointError) as e:
+    hf.check_pretrained(path)
+  assert str(e.value) == f"{path / 'config.json'}: {message}"
+  assert _error(path) == str(e.value)
+
+
 def test_corrupt_safetensors_names_the_file(tmp_path):
   path = _copy(tmp_path)
   file = path / "model.safetensors"

@@ -4,6 +4,7 @@ checkpoint tensor read once, no model built, shards over the size limit; the hos
 is measured in tests/test_hf_stream.py."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -167,9 +168,13 @@ def test_a_sharded_bf16_export_loads_in_transformers(tmp_path):
   assert len(list((tmp_path / "out").glob("model-*-of-*.safetensors"))) >= 3
   tokens = fx.llama_tokens()
   ours = np.asarray(hf.load_pretrained(tmp_path / "out")(tokens))
+  # "auto": the dtype the export's config names (transformers >= 4.56 calls it dtype)
+  major, minor = (int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+  auto = {"dtype" if (major, minor) >= (4, 56) else "torch_dtype": "auto"}
   theirs = transformers.LlamaForCausalLM.from_pretrained(
-      tmp_path / "out", attn_implementation="eager").float().eval()
-  assert next(theirs.parameters()).dtype == torch.float32
+      tmp_path / "out", attn_implementation="eager", **auto)
+  assert next(theirs.parameters()).dtype == torch.bfloat16
+  theirs = theirs.float().eval()  # compared in fp32, as our loader computes
   with torch.no_grad():
     logits = theirs(torch.as_tensor(np.asarray(tokens))).logits.numpy()
   np.testing.assert_allclose(logits, ours, rtol=1e-4, atol=1e-4)

@@ -5,6 +5,7 @@ The HF checkpoint and its logits are golden files (tests/make_hf_fixtures.py), s
 the tests that run transformers live need torch."""
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -161,6 +162,37 @@ def test_config_presets_and_errors():
   model = vit.ViT("vit-tiny", dtype=jnp.float32)
   with pytest.raises(ValueError, match="expects images"):
     model(jnp.ones((1, 16, 16, 3)))
+
+
+def test_no_qkv_bias_is_refused_under_ms_norms_and_loads_without(hf_dir, images, tmp_path):
+  """A ``qkv_bias: false`` ViT: MS norms would have to drop the LayerNorm's shift (q, k and
+  v have no bias to merge it into), so under them it is a ValueError naming qkv_bias and
+  the policy, from the header check before any read (before: the check passed and the
+  load failed at the first query); without MS norms it loads as HF computes it."""
+  from models import revvit
+  from safetensors.numpy import load_file, save_file
+  import shutil
+  path = pathlib.Path(shutil.copytree(hf_dir, tmp_path / "no_qkv_bias"))
+  config = json.loads((path / "config.json").read_text())
+  (path / "config.json").write_text(json.dumps({**config, "qkv_bias": False}))
+  state = load_file(str(path / "model.safetensors"))
+  biases = [k for k in state if k.endswith(("query.bias", "key.bias", "value.bias"))]
+  assert len(biases) == 3 * config["num_hidden_layers"]
+  for key in biases:  # the shift then reaches the output through q, k and v alone
+    state.pop(key)
+  save_file(state, str(path / "model.safetensors"))
+  refused = r"qkv_bias=False with policy 'lowmembp': its MS norms merge the LayerNorm's shift"
+  with pytest.raises(ValueError, match=refused):
+    hf.check_pretrained(path, policy="lowmembp")
+  with pytest.raises(ValueError, match=refused):
+    revvit.RevViT(revvit.config("revvit-tiny", qkv_bias=False), "lowmembp")
+  model = hf.load_pretrained(path, policy="approx-bp", dtype=jnp.float32)
+  assert model.stack.blocks.attn.query.bias is None
+  ref = hf.load_pretrained(hf_dir, policy="approx-bp", dtype=jnp.float32)
+  # the same function as the checkpoint with its q, k, v biases set to zero
+  for name in ("query", "key", "value"):
+    getattr(ref.stack.blocks.attn, name).bias[...] = 0.0
+  np.testing.assert_allclose(model(images), ref(images), rtol=1e-5, atol=1e-5)
 
 
 def test_sharded_checkpoint_loads(hf_dir, images, tmp_path):
