@@ -307,6 +307,18 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
                      r"under another, add --set memory_budget=null$"):
     resumed_config(where, ["policy=baseline", "steps=3"])
   assert resumed_config(where, ["policy=baseline", "memory_budget=null"]).policy == "baseline"
+  # the same when the command also names a config (before: silently resumed the plan)
+  from train.__main__ import main
+  with pytest.raises(ValueError, match=r"^grad_accum, policy: the run in .* chose its "
+                     r"policy and grad_accum by memory_budget=1TiB, which a resume keeps"):
+    main(["--config-name", "digits-vit", "--resume", "--out-dir", str(tmp_path), "--set",
+          "memory_budget=1TiB", "--policy", "baseline", "--set", "grad_accum=2"])
+  # a run that was not planned is not said to be (the loop refuses the budget itself)
+  from train.runs import refuse_named_plan
+  unplanned = Path(tmp_path) / "unplanned"
+  unplanned.mkdir()
+  (unplanned / "config.json").write_text(json.dumps({"memory_budget": None}))
+  refuse_named_plan(unplanned, {"policy"}, "2MiB")
 
 
 def test_a_budget_added_at_a_resume_is_refused_before_any_work(tmp_path):

@@ -978,7 +978,12 @@ def test_malformed_config_file_names_the_file(tmp_path):
            "bool.json": ('{"batch_size": true}', r"bool.json: batch_size expects an int, "
                                                  r"got 'true'"),
            "model.json": ('{"model_overrides": 3}', r"model.json: model_overrides must be a "
-                                                    r"JSON object")}
+                                                    r"JSON object"),
+           # the model's fields are checked where the file is read, so the error names it
+           "field.json": ('{"model_overrides": {"nosuch": 1}}',
+                          r"field.json: unknown ViTConfig field\(s\) nosuch"),
+           "heads.json": ('{"model_overrides": {"num_heads": "x"}}',
+                          r"heads.json: ViTConfig: num_heads expects int, got 'x'")}
   for name, (text, message) in cases.items():
     (tmp_path / name).write_text(text)
     with pytest.raises(ValueError, match=message):
@@ -989,6 +994,20 @@ def test_malformed_config_file_names_the_file(tmp_path):
   assert proc.returncode == 2 and stderr_lines(proc.stderr) == [
       f"error: {tmp_path / 'bad.json'}:1: bad JSON in config file: Expecting property name "
       "enclosed in double quotes"]
+
+
+def test_text_fields_keep_values_that_look_like_numbers(tmp_path):
+  """A name, path or list given as ``2024`` or ``0`` is that text (a JSON string in a file
+  too), not an int refused as "expects a string"; an int field still refuses text."""
+  (tmp_path / "named.json").write_text('{"name": "2024", "trainable": "lora", '
+                                      '"lora_targets": "0"}')
+  cfg = config_lib.load_config(None, str(tmp_path / "named.json"))
+  assert (cfg.name, cfg.lora_targets) == ("2024", "0")
+  cfg = config_lib.load_config(None, None, ["name=1e3", "compile_cache=0", "pretrained=123"])
+  assert (cfg.name, cfg.compile_cache, cfg.pretrained) == ("1e3", "0", "123")
+  assert config_lib.load_config(None, None, ["memory_budget=1024"]).memory_budget == 1024
+  with pytest.raises(ValueError, match="steps expects an int, got 'x'"):
+    config_lib.load_config(None, None, ["steps=x"])
 
 
 def test_named_config_paths_resolve_against_the_package(tmp_path, monkeypatch):

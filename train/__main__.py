@@ -59,6 +59,9 @@ def main(argv=None) -> dict:
     cfg = resumed_config(where, [o for o in overrides if o != "resume=true"])
   else:
     cfg = load_config(args.config_name, args.config, overrides)
+    if cfg.resume:  # a planned run keeps its plan: a policy named here would be dropped
+      from train.runs import named_keys, refuse_named_plan, resumed_folder
+      refuse_named_plan(resumed_folder(cfg), named_keys(overrides), cfg.memory_budget)
 
   from train.loop import train  # imports jax: after argument errors are reported
   result = train(cfg)

@@ -282,12 +282,13 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
     default = fields[key].default
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)
+    if fields[key].type in ("str", "str | None") and value is not None \
+        and not isinstance(value, str):
+      value = text.strip()  # a name, path or list that looks like a number stays the text
     kind = type(default)
     if kind in _KIND_NAMES and not (isinstance(value, kind) and
                                     (kind is bool or not isinstance(value, bool))):
       raise ValueError(f"{key} expects {_KIND_NAMES[kind]}, got {text!r}")
-    if fields[key].type == "str | None" and value is not None and not isinstance(value, str):
-      value = text.strip()  # a path or name that looks like a number stays the text
     changes[key] = value
   return dataclasses.replace(cfg, model_overrides=model_overrides, **changes)
 
@@ -344,8 +345,12 @@ def _apply_config_file(cfg: TrainConfig, path: Path) -> TrainConfig:
             if k != "model_overrides"]
   items += [f"model.{k}={json.dumps(v)}" for k, v in model.items()]
   try:
-    return apply_overrides(cfg, items)
-  except ValueError as e:
+    cfg = apply_overrides(cfg, items)
+    if model:  # the model's own fields and values, checked here so the error names the file
+      from train.model import model_config
+      model_config(cfg)
+    return cfg
+  except (ValueError, TypeError) as e:
     raise ValueError(f"{path}: {e}") from None
 
 

@@ -17,6 +17,7 @@ A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import shutil
 import time
@@ -103,19 +104,45 @@ def resumed_config(where: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
     return load_config(None, None, [*overrides, "resume=true"])
   resumed = load_config(None, str(saved), ["overwrite=false", *overrides,
                                            f"out_dir={folder}", "resume=true"])
-  named = {o.partition("=")[0].strip() for o in overrides}
-  changed = sorted(named & {"policy", "grad_accum"})
-  if resumed.memory_budget is not None and changed:  # and not memory_budget=null
-    raise ValueError(
-        f"{', '.join(changed)}: the run in {folder} chose its policy and grad_accum by "
-        f"memory_budget={resumed.memory_budget}, which a resume keeps; to resume under "
-        f"another, add --set memory_budget=null")
+  named = named_keys(overrides)
+  refuse_named_plan(folder, named, resumed.memory_budget)
   defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
   resumed = resumed.replace(**{k: defaults[k] for k in NOT_RESUMED if k not in named})
   shown = [o for o in overrides if o.partition("=")[0].strip() != "out_dir"]
   print(f"resuming with the run's config ({saved})"
         + (f" and {', '.join(shown)}" if shown else ""), flush=True)
   return resumed
+
+
+def named_keys(overrides: Sequence[str]) -> set[str]:
+  """The config keys ``key=value`` overrides name."""
+  return {o.partition("=")[0].strip() for o in overrides}
+
+
+def resumed_folder(cfg: TrainConfig) -> Path | None:
+  """The folder a resume of ``cfg`` continues: ``out_dir``, else the newest run of its
+  name with a checkpoint (None: nothing to resume)."""
+  return Path(cfg.out_dir) if cfg.out_dir is not None else newest_run(RUNS_DIR / cfg.name)
+
+
+def refuse_named_plan(folder: Path | None, named: set[str], budget) -> None:
+  """A resume of a run planned by ``memory_budget`` keeps the policy and grad_accum the
+  plan chose (``train.loop``): a command that also names either, with a ``budget`` in
+  effect (not ``memory_budget=null``), is a ValueError before any work, where it would be
+  silently replaced. A run that was not planned is left to the loop's own check."""
+  changed = sorted(named & {"policy", "grad_accum"})
+  saved = None if folder is None else Path(folder) / "config.json"
+  if budget is None or not changed or saved is None or not saved.is_file():
+    return
+  try:
+    planned = json.loads(saved.read_text()).get("memory_budget")
+  except (OSError, ValueError, AttributeError):
+    return  # an unreadable config.json is the resume's own error
+  if planned is not None:
+    raise ValueError(
+        f"{', '.join(changed)}: the run in {folder} chose its policy and grad_accum by "
+        f"memory_budget={planned}, which a resume keeps; to resume under another, add "
+        "--set memory_budget=null")
 
 
 def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
