@@ -654,11 +654,32 @@ def test_explicit_out_dir_holding_a_run_needs_resume_or_overwrite(tmp_path, caps
                                        r"--overwrite") as e:
     runs.prepare(cfg)
   assert "\n" not in str(e.value)
-  runs.prepare(cfg.replace(overwrite=True))
+  runs.prepare(cfg.replace(overwrite=True))  # deleted later, once the run's checks pass
+  assert "the previous run there is deleted once" in capsys.readouterr().out
+  assert (tmp_path / "checkpoints" / "6").is_dir()
+  runs.delete_previous(tmp_path)
   assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]  # only the run's files
-  assert "previous run there was deleted" in capsys.readouterr().out
+  assert f"the previous run in {tmp_path} was deleted" in capsys.readouterr().out
   with pytest.raises(ValueError, match="resume=true and overwrite=true exclude each other"):
     cfg.replace(resume=True, overwrite=True)
+
+
+def test_overwrite_keeps_the_previous_run_until_the_new_one_passes_its_checks(tmp_path):
+  """--overwrite with labels the model cannot take: refused, the previous run left as it
+  was (before: deleted first, then refused: the folder left empty); with a good config
+  the previous run is replaced (only its files)."""
+  (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+  (tmp_path / "metrics.jsonl").write_text('{"step": 6, "loss": 1.0}\n')
+  (tmp_path / "config.json").write_text("{}\n")
+  (tmp_path / "notes.txt").write_text("mine")
+  before = sorted(p.name for p in tmp_path.iterdir())
+  with pytest.raises(ValueError, match="data=digits has 10 classes"):
+    train(_cfg(tmp_path, "overwrite=true", "model.num_labels=5", "steps=1"))
+  assert sorted(p.name for p in tmp_path.iterdir()) == before
+  assert (tmp_path / "checkpoints" / "6").is_dir()
+  train(_cfg(tmp_path, "overwrite=true", "steps=1", "save_every=0"))
+  assert not (tmp_path / "checkpoints" / "6").exists() and (tmp_path / "notes.txt").is_file()
+  assert list(_losses(tmp_path)) == [1]
 
 
 def test_resume_without_out_dir_picks_the_newest_run_or_says_there_is_none(

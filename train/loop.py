@@ -94,6 +94,8 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
     raise ValueError(f"grad_norm_cache=true needs sampled linears, but policy "
                      f"{cfg.policy!r} samples none (use wta-crs)")
   trainer = Trainer.create(cfg, model)
+  if cfg.overwrite and jax.process_index() == 0:  # every check has passed: replace it now
+    runs.delete_previous(out)
   # closed however the run ends (orbax's and tensorboard's threads, left running at an
   # interrupt, crashed the interpreter's exit)
   with contextlib.closing(Checkpoints(out / "checkpoints")) as ckpt:

@@ -11,7 +11,10 @@
 run's own ``config.json`` and the command's ``--set`` on top (:func:`resumed_config`).
 
 A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json``.
-``overwrite=true`` deletes only what a run writes there (:data:`ARTIFACTS`).
+``overwrite=true`` deletes only what a run writes there (:data:`ARTIFACTS`), and only once
+the new run's data, labels and model have passed their checks (:func:`delete_previous`,
+called by ``train.loop`` before its first write): a command refused for its input leaves
+the previous run as it was.
 """
 
 from __future__ import annotations
@@ -114,6 +117,19 @@ def resumed_config(where: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
   return resumed
 
 
+def delete_previous(folder: Path) -> None:
+  """Deletes what a previous run wrote in ``folder`` (:data:`ARTIFACTS`; nothing else),
+  for ``overwrite=true``, said so; nothing there: nothing said."""
+  found = [Path(folder) / name for name in ARTIFACTS if (Path(folder) / name).exists()]
+  for path in found:
+    if path.is_dir():
+      shutil.rmtree(path)
+    else:
+      path.unlink()
+  if found:
+    print(f"overwrite=true: the previous run in {folder} was deleted", flush=True)
+
+
 def named_keys(overrides: Sequence[str]) -> set[str]:
   """The config keys ``key=value`` overrides name."""
   return {o.partition("=")[0].strip() for o in overrides}
@@ -179,14 +195,8 @@ def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
           f"out_dir {folder} already holds a run; pass --resume to continue it, "
           "--overwrite (--set overwrite=true) to replace it, or leave out_dir unset for a "
           f"new folder under {RUNS_DIR / cfg.name}/")
-    for name in ARTIFACTS:
-      path = folder / name
-      if path.is_dir():
-        shutil.rmtree(path)
-      elif path.exists():
-        path.unlink()
-    print(f"run folder: {folder} (overwrite=true: the previous run there was deleted)",
-          flush=True)
+    print(f"run folder: {folder} (overwrite=true: the previous run there is deleted once "
+          "this run's data and model pass their checks)", flush=True)
   elif cfg.resume and not has_checkpoint(folder):
     print(f"run folder: {folder} (nothing to resume there, no checkpoint: starting at step "
           "0)", flush=True)
