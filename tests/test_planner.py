@@ -321,6 +321,24 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
   refuse_named_plan(unplanned, {"policy"}, "2MiB")
 
 
+def test_the_grad_accum_a_plan_replaces_need_not_divide_the_batch(tmp_path, monkeypatch):
+  """Under memory_budget the plan picks grad_accum (a divisor of batch_size): the user's
+  own is not checked against the batch (before: "batch_size 32 is not a multiple of
+  grad_accum 3" for a value the plan replaces); without a budget it still is."""
+  from train import loop
+
+  class Planned(Exception):
+    pass
+
+  def plan(cfg, train_set, budget):
+    raise Planned(cfg.grad_accum)
+  monkeypatch.setattr(loop, "_plan", plan)
+  with pytest.raises(Planned):
+    loop.train(_cfg(f"out_dir={tmp_path / 'a'}", "memory_budget=1GiB", "grad_accum=3"))
+  with pytest.raises(ValueError, match="batch_size 32 is not a multiple of grad_accum 3"):
+    loop.train(_cfg(f"out_dir={tmp_path / 'b'}", "grad_accum=3"))
+
+
 def test_a_budget_added_at_a_resume_is_refused_before_any_work(tmp_path):
   """A run that was not planned keeps its policy and grad_accum when resumed: a budget
   given then is one error (before, it planned afresh, then failed on the checkpoint's

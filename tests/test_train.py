@@ -287,7 +287,10 @@ def test_config_errors():
                             ("save_every=false", "save_every expects an int, got 'false'"),
                             ("lr=true", "lr expects a number, got 'true'"),
                             ("resume=1", "resume expects true/false, got '1'"),
-                            ("seed=-1", "TrainConfig: seed must be >= 0, got -1")]:
+                            ("seed=-1", "TrainConfig: seed must be >= 0, got -1"),
+                            # (a raw OverflowError from jax's key before)
+                            (f"seed={2 ** 63}", f"TrainConfig: seed must be < 2**32, got "
+                                                f"{2 ** 63}")]:
     with pytest.raises(ValueError, match=re.escape(message)):
       config_lib.load_config(overrides=["trainable=lora", "base_dtype=nf4", override])
   with pytest.raises(ValueError, match=re.escape("TrainConfig: steps must be >= 1, got True")):
@@ -939,19 +942,35 @@ def test_ctrl_c_in_the_steps_saves_the_step_then_says_how_to_continue(tmp_path, 
   assert [r["step"] for r in _records(out) if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
-def test_ctrl_c_before_the_first_checkpoint_says_there_is_nothing_to_resume(
+def test_ctrl_c_before_the_first_checkpoint_says_how_to_start_again(
     tmp_path, monkeypatch, capsys):
+  """Interrupted before any checkpoint: a run that wrote nothing leaves no folder and
+  nothing to resume; one that wrote its config.json is started again at step 0 by the
+  command it names (the command that started it would be refused there: the folder
+  holds a run)."""
   from train import __main__ as cli
+  wrote = []
+
   def interrupted(cfg, budget, ctrl_c):
-    (Path(cfg.out_dir) / "config.json").write_text("{}")  # begun, nothing saved
+    if wrote:
+      (Path(cfg.out_dir) / "config.json").write_text("{}")  # begun, nothing saved
     raise KeyboardInterrupt
   monkeypatch.setattr(loop, "_run", interrupted)
-  monkeypatch.setattr(sys, "argv", ["train", "--out-dir", str(tmp_path / "a run")])
-  with pytest.raises(SystemExit) as e:
-    cli.cli()
-  assert e.value.code == 130
-  assert capsys.readouterr().err.endswith(
-      "interrupted; no checkpoint was saved: nothing to resume\n")
+  out = tmp_path / "a run"
+  monkeypatch.setattr(sys, "argv", ["train", "--out-dir", str(out)])
+  for writes in (False, True):
+    wrote[:] = [True] if writes else []
+    with pytest.raises(SystemExit) as e:
+      cli.cli()
+    assert e.value.code == 130
+    err = capsys.readouterr().err
+    if not writes:
+      assert err.endswith("interrupted; no checkpoint was saved: nothing to resume\n")
+      assert not out.exists()
+    else:
+      assert err.endswith(
+          "interrupted; no checkpoint was saved; start the run again at step 0, with its "
+          f"config.json, with: python -m train --out-dir '{out}' --resume\n")
 
 
 def test_metrics_are_cut_back_to_the_resumed_step(tmp_path):

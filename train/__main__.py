@@ -77,9 +77,9 @@ def cli() -> None:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   except KeyboardInterrupt as e:
-    again = next(iter(getattr(e, "__notes__", ())), None)  # train.loop's, where it saved
-    print("\ninterrupted; " + (f"continue from the last checkpoint with: {again}" if again
-                               else "no checkpoint was saved: nothing to resume"),
+    # train.loop's: how to continue the run it left in its folder
+    again = next(iter(getattr(e, "__notes__", ())), None)
+    print("\ninterrupted; " + (again or "no checkpoint was saved: nothing to resume"),
           file=sys.stderr)
     sys.exit(130)
 

@@ -46,7 +46,7 @@ def train(cfg: TrainConfig) -> dict:
   cache = use_compile_cache(cfg.compile_cache)
   if cache != os.path.expanduser(cfg.compile_cache):  # JAX_COMPILATION_CACHE_DIR's: say so
     cfg = cfg.replace(compile_cache=cache)
-  if cfg.batch_size % cfg.grad_accum:
+  if cfg.memory_budget is None and cfg.batch_size % cfg.grad_accum:  # else the plan's
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
   check_inputs(cfg)
@@ -66,9 +66,15 @@ def train(cfg: TrainConfig) -> dict:
   except BaseException as e:
     if not existed:  # a run that failed before writing anything leaves no folder behind
       runs.remove_if_empty(Path(cfg.out_dir))
-    if isinstance(e, KeyboardInterrupt) and runs.has_checkpoint(Path(cfg.out_dir)):
-      # where it continues: the run's own config.json (train.runs.resumed_config)
-      e.add_note(f"python -m train --out-dir {shlex.quote(str(cfg.out_dir))} --resume")
+    out = Path(cfg.out_dir)
+    if isinstance(e, KeyboardInterrupt) and runs.holds_run(out):
+      # where it continues: the run's own config.json (train.runs.resumed_config); without
+      # a checkpoint the same command starts it again at step 0 (the folder holds a run:
+      # the command that started it would be refused there)
+      again = f"python -m train --out-dir {shlex.quote(str(out))} --resume"
+      e.add_note(f"continue from the last checkpoint with: {again}" if runs.has_checkpoint(out)
+                 else f"no checkpoint was saved; start the run again at step 0, with its "
+                      f"config.json, with: {again}")
     raise
 
 
