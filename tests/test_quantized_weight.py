@@ -225,6 +225,29 @@ def test_fused_lm_loss_on_a_stored_head(format, transposed):
   assert not big, big
 
 
+def test_fused_lm_loss_on_a_stored_table_with_a_merged_scale():
+  """The tied head under MS norms: an int8 table [V, D] and the final norm's scale [D],
+  applied inside the fused loss: losses and the gradients of h and the scale as the
+  reference on the dequantized table times the scale; it saves no array of the table's
+  size (the stored form and D floats only)."""
+  k = qw.quantize(TABLE, "int8", n_in=1, n_out=0)  # V = 40, D = 100
+  h = jax.random.normal(jax.random.key(6), (2, 5, 100))
+  scale = 1.0 + 0.5 * jax.random.normal(jax.random.key(8), (100,))
+  targets = jax.random.randint(jax.random.key(7), (2, 5), 0, 40)
+  weights = jnp.arange(1.0, 6.0)
+  fused = lambda h, s: jnp.sum(lm_loss.chunked_cross_entropy(
+      h, k, targets, chunk=4, transposed=True, scale=s)[0] * weights)
+  ref = lambda h, s: jnp.sum(lm_loss.cross_entropy_reference(
+      h, qw.dequantize(k), targets, transposed=True, scale=s)[0] * weights)
+  np.testing.assert_allclose(jax.jit(fused)(h, scale), ref(h, scale), rtol=1e-6)
+  got = jax.jit(jax.grad(fused, argnums=(0, 1)))(h, scale)
+  for g, w in zip(got, jax.jit(jax.grad(ref, argnums=(0, 1)))(h, scale)):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(w))))
+  big = [r for r in saved_residuals(fused, h, scale).items
+         if math.prod(r.shape) >= TABLE.size // 2]
+  assert not big, big
+
+
 # --------------------------------------------------------------------------- in a model
 # dim 128, 4 kv heads, mlp 256: every kernel's K x N is a multiple of 64 x 256, so nf4's
 # absmax blocks and double quantization's blocks of 256 scales come out whole
