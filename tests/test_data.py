@@ -514,15 +514,32 @@ def test_causal_lm_instructions(tmp_path, tokenizer):
   assert "input" not in tokenizer.decode(tokens[1].tolist())  # Alpaca's no-input prompt
 
 
-def test_causal_lm_custom_template_and_truncation(tmp_path, tokenizer):
+def test_causal_lm_custom_template_and_truncation(tmp_path, tokenizer, capsys):
+  """A prompt as long as max_len leaves its row nothing to train on: the row is dropped
+  and its line said in one line (before: a Python warning with its source line, and the
+  row kept, so a step could train on nothing and still decay the weights)."""
   rows = [{"instruction": "q " * 40, "output": "never seen"},
-          {"instruction": "short", "output": "kept"}]
+          {"instruction": "short", "output": "kept"}, {"instruction": "q " * 30, "output": "x"}]
   path = write_jsonl(tmp_path / "sft.jsonl", rows)
-  with pytest.warns(UserWarning, match="1 of 2 examples"):
-    ds = causal_lm(path, tokenizer, max_len=16, prompt_template="Q: {instruction}\nA: ")
-  assert not ds.arrays["loss_mask"][0].any() and ds.arrays["loss_mask"][0].shape == (16,)
-  assert tokenizer.decode(ds.arrays["targets"][1, ds.arrays["loss_mask"][1]].tolist()) == "kept"
-  assert tokenizer.decode(ds.arrays["tokens"][1].tolist()) == "q : short a : kept"
+  ds = causal_lm(path, tokenizer, max_len=16, prompt_template="Q: {instruction}\nA: ")
+  assert capsys.readouterr().err == (
+      f"warning: {path}: 2 of 3 examples have no output token within max_len=16 (a prompt "
+      "that long), dropped: :1, :3\n")
+  assert len(ds) == 1 and ds.arrays["loss_mask"].shape == (1, 16)
+  assert tokenizer.decode(ds.arrays["targets"][0, ds.arrays["loss_mask"][0]].tolist()) == "kept"
+  assert tokenizer.decode(ds.arrays["tokens"][0].tolist()) == "q : short a : kept"
+
+
+def test_data_files_that_are_not_utf8_name_the_file_and_line(tmp_path, tokenizer):
+  (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "ok", "label": 0}\n'
+                                          b'{"text": "caf\xe9", "label": 1}\n')
+  (tmp_path / "latin1.txt").write_bytes(b"one\ntwo caf\xe9\n")
+  for name, line in (("latin1.jsonl", 2), ("latin1.txt", 2)):
+    with pytest.raises(ValueError, match=rf"latin1\.{name[7:]}:{line}: not UTF-8 text "
+                                         r"\(invalid continuation byte at byte \d+\)"):
+      causal_lm(tmp_path / name, tokenizer, max_len=8)
+  with pytest.raises(ValueError, match=r"latin1\.jsonl:2: not UTF-8 text"):
+    text_classification(tmp_path / "latin1.jsonl", tokenizer, max_len=8)
 
 
 def test_causal_lm_errors(tmp_path, tokenizer):
@@ -641,13 +658,33 @@ def test_causal_lm_llama_style_tokenizer(tmp_path):
   tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
   path = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "hello", "output": "yes yes"},
                                              {"text": "hello world"}])
-  ds = causal_lm(path, tok, max_len=8, prompt_template="q : {instruction} a :")
+  ds = causal_lm(path, tok, max_len=8, prompt_template="q : {instruction} a : ")
   assert ds.arrays["tokens"][0].tolist() == [1, 4, 5, 7, 6, 5, 9, 9]
   assert ds.arrays["targets"][0].tolist() == [4, 5, 7, 6, 5, 9, 9, 2]
   assert ds.arrays["loss_mask"][0].tolist() == [False] * 5 + [True] * 3
   assert ds.arrays["tokens"][1].tolist() == [1, 7, 8, 0, 0, 0, 0, 0]
   assert ds.arrays["targets"][1].tolist() == [7, 8, 2, 0, 0, 0, 0, 0]
   assert ds.arrays["loss_mask"][1].tolist() == [True] * 3 + [False] * 5
+
+
+def test_causal_lm_tokenizes_prompt_and_output_as_one_text(tmp_path):
+  """A tokenizer that marks where a text starts (Metaspace's "▁", as LLaMA-2's): the prompt
+  and the output tokenized as one text, as Alpaca and TRL do (before: apart, so the
+  prompt's trailing space became a "▁" token of its own, in no row the model would read
+  at inference); the loss starts at the output's first token."""
+  from tokenizers import models, pre_tokenizers, processors
+  words = ["<pad>", "<s>", "</s>", "<unk>", "▁q", "▁:", "▁hello", "▁a", "▁yes", "▁"]
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                              unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  path = write_jsonl(tmp_path / "sft.jsonl", [{"instruction": "hello", "output": "yes yes"}])
+  ds = causal_lm(path, tok, max_len=8, prompt_template="q : {instruction} a : ")
+  row = [1] + tok.encode("q : hello a : yes yes", add_special_tokens=False).ids + [2]
+  assert row == [1, 4, 5, 6, 7, 5, 8, 8, 2]  # no "▁" (9) between prompt and output
+  assert ds.arrays["tokens"][0].tolist() == row[:-1]
+  assert ds.arrays["targets"][0].tolist() == row[1:]
+  assert ds.arrays["loss_mask"][0].tolist() == [False] * 5 + [True] * 3
 
 
 @pytest.mark.parametrize("task", ["lm", "text"])

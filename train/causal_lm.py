@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
+import sys
 from pathlib import Path
 
 import numpy as np
 
 from train.dataset import ArrayDataset, MissingFileError
-from train.jsonl import field, read_jsonl
+from train.jsonl import field, read_jsonl, read_text
 from train.tokenize import check_max_len, eos_ids, load_tokenizer, special_affixes
 
 # Alpaca's two prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT). The model
@@ -32,11 +32,14 @@ def causal_lm(path, tokenizer, *, max_len: int,
     consecutive windows share one token and every next-token pair is trained exactly once; the
     last window is padded. ``loss_mask`` is True on every real target.
   - ``.jsonl`` (or ``.json`` holding one array of objects, as Alpaca's): one row per record,
-    truncated to ``max_len + 1`` tokens and right-padded. A line
+    truncated to ``max_len + 1`` tokens and right-padded (a row left with no target in the
+    loss, its prompt as long as ``max_len``, is dropped, its lines said). A line
     ``{"text": ...}`` is trained on all of its tokens. A line ``{"instruction", "input"
     (optional), "output"}`` becomes ``prompt_template.format(instruction=..., input=...)``
-    followed by the output: ``loss_mask`` is True only where the target is an output token or
-    the end token. With the default template an empty input uses Alpaca's no-input prompt.
+    followed by the output, tokenized as one text (as Alpaca and TRL do: a tokenizer that
+    marks a text's start, such as LLaMA's "▁", marks it once) and split at the prompt's
+    last character by the tokens' offsets: ``loss_mask`` is True only where the target is
+    a token of the output (one that covers any of its characters) or the end token. With the default template an empty input uses Alpaca's no-input prompt.
 
   Start/end tokens are the ones the tokenizer's post-processor adds to one sequence (BERT:
   [CLS] ... [SEP]; LLaMA: <s>); when it adds no end token, the first of ``EOS_CANDIDATES`` in
@@ -53,14 +56,14 @@ def causal_lm(path, tokenizer, *, max_len: int,
   eos = eos_ids(tok, suffix)
   suffix_lower = p.suffix.lower()
   if suffix_lower == ".txt":
-    text = p.read_text(encoding="utf-8-sig")
+    text = read_text(p)
     if not text.strip():
       raise ValueError(f"empty dataset: {p} has no text")
     stream = prefix + tok.encode(text, add_special_tokens=False).ids + eos
     if len(stream) < 2:
       raise ValueError(f"{p} tokenizes to {len(stream)} token(s); need at least 2")
     starts = range(0, len(stream) - 1, max_len)
-    rows = [(stream[s:s + max_len + 1], None) for s in starts]
+    rows = [(stream[s:s + max_len + 1], None, None) for s in starts]
   elif suffix_lower in (".jsonl", ".json"):
     rows = _causal_rows(p, tok, prefix, eos, prompt_template, max_len)
   else:
@@ -71,7 +74,7 @@ def causal_lm(path, tokenizer, *, max_len: int,
   tokens = np.full((n, max_len), pad_id, np.int32)
   targets = np.full((n, max_len), pad_id, np.int32)
   loss_mask = np.zeros((n, max_len), bool)
-  for i, (ids, in_loss) in enumerate(rows):
+  for i, (ids, in_loss, _) in enumerate(rows):
     ids = ids[:max_len + 1]
     m = len(ids) - 1
     if m < 1:
@@ -79,17 +82,22 @@ def causal_lm(path, tokenizer, *, max_len: int,
     tokens[i, :m] = ids[:-1]
     targets[i, :m] = ids[1:]
     loss_mask[i, :m] = True if in_loss is None else in_loss[1:m + 1]
-  empty = int((~loss_mask.any(1)).sum())
-  if empty == n:
+  kept = loss_mask.any(1)
+  if not kept.any():
     raise ValueError(f"{p}: no example has a token to train on (max_len={max_len} too short?)")
-  if empty:
-    warnings.warn(f"{p}: {empty} of {n} examples have no target in the loss "
-                  f"(output truncated away at max_len={max_len}, or empty)", stacklevel=2)
-  return ArrayDataset({"tokens": tokens, "targets": targets, "loss_mask": loss_mask})
+  if not kept.all():  # a step of such rows would train on nothing (and still decay weights)
+    where = [rows[i][2].removeprefix(str(p)) for i in np.flatnonzero(~kept)]
+    print(f"warning: {p}: {len(where)} of {n} examples have no output token within "
+          f"max_len={max_len} (a prompt that long), dropped: "
+          + ", ".join(where[:10]) + (", ..." if len(where) > 10 else ""),
+          file=sys.stderr, flush=True)
+  return ArrayDataset({"tokens": tokens[kept], "targets": targets[kept],
+                       "loss_mask": loss_mask[kept]})
 
 
 def _causal_rows(p: Path, tok, prefix, eos, template, max_len):
-  """(token ids, per-token in-loss flags or None for all) for every jsonl line."""
+  """(token ids, per-token in-loss flags or None for all, "file:line") for every jsonl
+  line."""
   if "{instruction}" not in template:
     raise ValueError("prompt_template must contain '{instruction}'")
   records = read_jsonl(p)
@@ -105,22 +113,21 @@ def _causal_rows(p: Path, tok, prefix, eos, template, max_len):
       except (KeyError, IndexError, ValueError) as e:
         raise ValueError(f"bad prompt_template (only {{instruction}} and {{input}} are "
                          f"filled; literal braces must be doubled): {e!r}") from e
-      texts += [prompt, output]
-      kinds.append("instruction")
+      texts.append(prompt + output)
+      kinds.append(len(prompt))
     elif "text" in obj:
-      texts += [field(where, obj, "text"), ""]
-      kinds.append("text")
+      texts.append(field(where, obj, "text"))
+      kinds.append(None)
     else:
       raise ValueError(f"{where}: missing key: need 'text' or 'instruction'/'output' "
                        f"(has {sorted(obj)})")
-  encoded = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
   rows = []
-  for j, kind in enumerate(kinds):
-    first, second = encoded[2 * j], encoded[2 * j + 1]
-    ids = (prefix + first + second + eos)[:max_len + 1]
-    if kind == "text":
-      rows.append((ids, None))
-    else:
-      n_prompt = len(prefix) + len(first)
-      rows.append((ids, [k >= n_prompt for k in range(len(ids))]))
+  for encoding, prompt_chars, (where, _) in zip(
+      tok.encode_batch(texts, add_special_tokens=False), kinds, records):
+    ids = (prefix + encoding.ids + eos)[:max_len + 1]
+    if prompt_chars is None:  # a plain text: every token
+      rows.append((ids, None, where))
+    else:  # the prompt's tokens end within its characters; the output's cover some of its own
+      output = [end > prompt_chars for _, end in encoding.offsets]
+      rows.append((ids, ([False] * len(prefix) + output + [True] * len(eos))[:len(ids)], where))
   return rows

@@ -8,6 +8,18 @@ from pathlib import Path
 from train.dataset import MissingFileError
 
 
+def read_text(path: Path) -> str:
+  """A data file's text (UTF-8, a BOM dropped); a file that is not UTF-8 is a ValueError
+  naming it and the line of the first bad byte."""
+  data = Path(path).read_bytes()
+  try:
+    return data.decode("utf-8-sig")
+  except UnicodeDecodeError as e:
+    line = data[:e.start].count(b"\n") + 1
+    raise ValueError(f"{path}:{line}: not UTF-8 text ({e.reason} at byte {e.start}); save "
+                     "the file as UTF-8") from None
+
+
 def read_jsonl(path) -> list[tuple[str, dict]]:
   """(where, object) for every record: one per non-blank line of a jsonl file, where is
   "file:line"; or, for a file holding one JSON array (Alpaca's .json), "file[item]"."""
@@ -17,7 +29,7 @@ def read_jsonl(path) -> list[tuple[str, dict]]:
                      "object per line) or a .json array")
   if not p.is_file():
     raise MissingFileError(f"data file not found: {p}")
-  text = p.read_text(encoding="utf-8-sig")
+  text = read_text(p)
   if text.lstrip().startswith("["):
     try:
       items = json.loads(text)
