@@ -122,8 +122,9 @@ def test_image_folder_npy(tmp_path):
 
   gray = image_folder(tmp_path, image_size=6, channels=1).arrays["image"]
   assert gray.shape == (3, 6, 6, 1)
+  # an 8-bit image's luma is an 8-bit code again, as Pillow's convert("L") gives
   np.testing.assert_allclose(gray[1, :, :, 0], same @ np.array([0.299, 0.587, 0.114]) / 255,
-                             atol=1e-5)
+                             atol=0.5 / 255 + 1e-6)
   rgba = image_folder(tmp_path, image_size=6, channels=4).arrays["image"]
   np.testing.assert_allclose(rgba[:, :, :, :3], image)
   np.testing.assert_allclose(rgba[:, :, :, 3], 1.0)
@@ -201,6 +202,38 @@ def test_an_8_bit_folder_is_held_as_codes_and_read_as_before(tmp_path):
   assert mixed.arrays["image"].dtype == np.float32 and mixed.transform is None
   np.testing.assert_array_equal(mixed.arrays["image"][:2], image)
   np.testing.assert_allclose(mixed.arrays["image"][2], 0.3)
+
+
+def test_images_of_more_than_8_bits_keep_their_values(tmp_path):
+  """A 16-bit PNG and a float TIFF are read as their values, not clipped (Pillow's
+  convert() to L turned a 16-bit ramp into 0, 1, 1, ... and a float one into 0s), and
+  make the folder float32; a uint8 .npy that needs resizing stays 8-bit codes."""
+  pil = pytest.importorskip("PIL.Image")
+  ramp16 = np.tile(np.linspace(0, 65535, 8).astype(np.uint16)[None, :], (8, 1))
+  (tmp_path / "wide").mkdir()
+  pil.fromarray(ramp16).save(tmp_path / "wide" / "a.png")
+  with pil.open(tmp_path / "wide" / "a.png") as im:
+    assert im.mode.startswith("I")  # what Pillow makes of a 16-bit grey PNG
+  pil.fromarray(ramp16.astype(np.float32) / 65535.0, mode="F").save(tmp_path / "wide" / "b.tif")
+  image = image_folder(tmp_path, image_size=8, channels=1).arrays["image"]
+  assert image.dtype == np.float32
+  want = np.linspace(0, 1, 8, dtype=np.float32)
+  for i in range(2):
+    np.testing.assert_allclose(image[i, 0, :, 0], want, atol=1 / 65535)  # 16-bit steps
+  (tmp_path / "codes" / "c").mkdir(parents=True)
+  np.save(tmp_path / "codes" / "c" / "c.npy", np.full((16, 16, 3), 200, np.uint8))
+  codes = image_folder(tmp_path / "codes", image_size=8).arrays["image"]
+  assert codes.dtype == np.uint8 and codes.shape == (1, 8, 8, 3) and (codes == 200).all()
+
+
+def test_an_image_too_large_for_pillow_is_a_one_line_error(tmp_path, monkeypatch):
+  pil = pytest.importorskip("PIL.Image")
+  (tmp_path / "a").mkdir()
+  pil.new("RGB", (64, 64)).save(tmp_path / "a" / "big.png")
+  monkeypatch.setattr(pil, "MAX_IMAGE_PIXELS", 1000)  # 64 x 64 > 2x: Pillow's bomb error
+  with pytest.raises(ValueError, match=r"cannot read image .*big\.png: Image size \(4096 "
+                                       r"pixels\) exceeds limit"):
+    image_folder(tmp_path, image_size=8)
 
 
 def test_npy_resize_matches_pillow(tmp_path):

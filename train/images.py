@@ -125,25 +125,46 @@ def _unit(a: np.ndarray) -> np.ndarray:
   return a.astype(np.float32) / 255.0 if a.dtype == np.uint8 else a
 
 
+# Pillow's modes of more than 8 bits per sample (16-bit PNG and TIFF, 32-bit int and float
+# TIFF): convert() to L/RGB clips these to 0..255 (a 16-bit ramp read as 0, 1, 1, ...),
+# so they are read as arrays and scaled as a .npy of that dtype is
+_WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
+
+
 def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
-  """One image file -> uint8 [size, size, channels] (8-bit codes, Pillow's resize)."""
+  """One image file -> uint8 [size, size, channels] (8-bit codes, Pillow's resize); an
+  image of more than 8 bits per sample -> f32 in [0, 1] (:func:`_array_image`)."""
   mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
   try:
     with pil.open(f) as im:
-      im = im.convert(mode).resize((size, size), pil.Resampling.BILINEAR)
-      a = np.asarray(im, np.uint8)
-  except (OSError, ValueError) as e:
+      if im.mode in _WIDE_MODES:
+        wide = np.asarray(im)
+      else:
+        im = im.convert(mode).resize((size, size), pil.Resampling.BILINEAR)
+        return np.asarray(im, np.uint8).reshape(size, size, channels)
+  except (OSError, ValueError, pil.DecompressionBombError) as e:
     raise ValueError(f"cannot read image {f}: {e}") from e
-  return a.reshape(size, size, channels)
+  if wide.dtype.kind in "iu":  # 16-bit samples (mode I holds them in int32)
+    if wide.size and (wide.min() < 0 or wide.max() > 65535):
+      raise ValueError(f"{f}: integer image values must lie in [0, 65535], got "
+                       f"[{wide.min()}, {wide.max()}]")
+    wide = wide.astype(np.uint16)
+  return _array_image(wide, f, size, channels)
 
 
 def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
-  """One .npy HxWxC (or HxW) array -> [size, size, channels]: uint8 codes as they are
-  where it is one of that size and channels, else f32 in [0, 1]."""
+  """One .npy HxWxC (or HxW) array -> [size, size, channels] (:func:`_array_image`)."""
   try:
     a = np.load(f, allow_pickle=False)
   except (OSError, ValueError) as e:
     raise ValueError(f"cannot read {f}: {e}") from e
+  return _array_image(a, f, size, channels)
+
+
+def _array_image(a: np.ndarray, f: Path, size: int, channels: int) -> np.ndarray:
+  """An HxWxC (or HxW) image array of ``f`` -> [size, size, channels]: uint8 codes stay
+  codes (resized in [0, 1], rounded back to codes, as Pillow resizes in 8 bits); uint16
+  (/ 65535), bool and float in [0, 1] -> f32 in [0, 1]."""
   if a.ndim == 2:
     a = a[:, :, None]
   if a.ndim != 3 or a.shape[0] < 1 or a.shape[1] < 1:
@@ -151,8 +172,9 @@ def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:
   if a.dtype == np.uint8 and a.shape == (size, size, channels):
     return a
   if a.dtype == np.uint8:
-    a = _unit(a)
-  elif a.dtype == np.uint16:
+    a = _resize(_convert_channels(_unit(a), channels, f), size)
+    return np.round(a * 255.0).astype(np.uint8)
+  if a.dtype == np.uint16:
     a = a.astype(np.float32) / 65535.0
   elif a.dtype == np.bool_ or np.issubdtype(a.dtype, np.floating):
     a = a.astype(np.float32)
