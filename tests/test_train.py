@@ -348,6 +348,8 @@ def test_config_errors():
      "task= to match, or pick another model"),
     ("pretrained=tests/data/hf/llama_tied", "task='image': pretrained='tests/data/hf/llama_tied' "
      "is a Llama, which trains for task=lm"),
+    ("task=lm,model=llama-tiny", "task='lm' needs its data: set data=<file> (a .txt, or a "
+     "jsonl of {\"text\"} or {\"instruction\", \"output\"}); data=digits is images"),
     ("memory_profile=/etc", "memory_profile='/etc' is a folder; name a file"),
     ("memory_profile=/nonexistent/m.prof",
      "memory_profile='/nonexistent/m.prof': no such folder /nonexistent"),

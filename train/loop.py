@@ -350,6 +350,11 @@ def check_inputs(cfg: TrainConfig) -> None:
     raise ValueError(f"task={cfg.task!r}: {source} is a {family.class_name}, which trains "
                      f"for task={' or '.join(family.tasks)}; set task= to match, or pick "
                      "another model")
+  if cfg.data == "digits" and cfg.task != "image":  # the default data: images only
+    needs = {"text": "a jsonl of {\"text\", \"label\"}",
+             "lm": "a .txt, or a jsonl of {\"text\"} or {\"instruction\", \"output\"}"}
+    raise ValueError(f"task={cfg.task!r} needs its data: set data=<file> "
+                     f"({needs.get(cfg.task, 'a data file')}); data=digits is images")
   if cfg.export_dir and not family.hf_model_types:
     raise ValueError(f"export_dir={cfg.export_dir!r}: model {cfg.model} ({family.class_name}) "
                      "has no Hugging Face format to export to")
