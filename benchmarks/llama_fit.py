@@ -77,6 +77,10 @@ PEERS_SCRIPT = ROOT / "benchmarks" / "peers.py"
 DEFAULT_POLICIES = ("baseline", "lowmem", "lowmembp", "remat")
 DEFAULT_BASES = ("bfloat16", "nf4")
 PEER_BASES = ("float32", "bfloat16", "nf4")  # what benchmarks/peers.py can build
+# A row's child process (search, confirm run, peer) killed after this many seconds: on a
+# device lent for minutes a hung child costs this, not the call (a 7B search compiled 4-9
+# times in 32-67 s on the H200 of 11-27; the peer's batch search runs many steps)
+CHILD_TIMEOUT_S = 420.0
 # --smoke: tiny shapes whose peaks (about 1-3 MiB on a CPU) cross the budget within a few
 # examples: baseline fits batch 1 (2 compiles; ~25 s on 2 cores with the run and the peer's
 # missing bitsandbytes); --policies lowmem fits 2 (the bracket [2, 4] narrowed: 4 compiles)
@@ -247,15 +251,27 @@ def _child_env(mem_fraction: float) -> dict:
   return env
 
 
+def _run_timed(cmd: list[str], spec: dict, **kw):
+  """``subprocess.run(cmd)`` killed after the row's ``child_timeout`` seconds (None: no
+  limit): a child that hangs costs that, not the rest of a device's lease; a
+  CompletedProcess with exit code None and a stderr saying so when it was killed."""
+  timeout = spec.get("child_timeout")
+  try:
+    return subprocess.run(cmd, cwd=ROOT, text=True, timeout=timeout, **kw)
+  except subprocess.TimeoutExpired:
+    return subprocess.CompletedProcess(cmd, None, None, f"killed after {timeout:.0f} s "
+                                       "(--child-timeout)")
+
+
 def run_child(kind: str, spec: dict, mem_fraction: float, batch: int = 0) -> dict:
   """Runs a row's step in a fresh process: its result, or ``{"error": ...}`` when the
-  process failed (its stderr's last lines)."""
+  process failed or timed out (its stderr's last lines)."""
   with tempfile.TemporaryDirectory() as tmp:
     out = Path(tmp) / "child.json"
     cmd = [sys.executable, "-m", "benchmarks.llama_fit", "--child", kind, "--spec",
            json.dumps(spec), "--batch", str(batch), "--out", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(mem_fraction), text=True,
-                          stdout=None, stderr=subprocess.PIPE)
+    proc = _run_timed(cmd, spec, env=_child_env(mem_fraction), stdout=None,
+                      stderr=subprocess.PIPE)
     if proc.returncode != 0 or not out.exists():
       tail = "\n".join(proc.stderr.strip().splitlines()[-12:])
       return {"error": f"{kind} process exit {proc.returncode}: {tail}"}
@@ -325,8 +341,8 @@ def peer_row(spec: dict, cap: int) -> dict:
            "--base-dtype", spec["base_dtype"], "--find-max-batch", "--max-batch", str(cap),
            "--warmup", str(spec["warmup"]), "--steps", str(spec["steps"]),
            "--json", str(out)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_child_env(1.0), text=True,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = _run_timed(cmd, spec, env=_child_env(1.0), stdout=subprocess.DEVNULL,
+                      stderr=subprocess.PIPE)
     result = json.loads(out.read_text()) if out.exists() else {}
   if "missing" in result:
     return {**row, "missing": result["missing"]}
@@ -415,7 +431,8 @@ def table(result: dict) -> str:
 def row_specs(args) -> list[dict]:
   """Every row, in run order: ours (base, policy, length), then the peer's (base, length)."""
   common = {"model": args.model, "layers": args.layers, "memory_budget": args.memory_budget,
-            "cap": args.cap, "warmup": args.warmup, "steps": args.steps}
+            "cap": args.cap, "warmup": args.warmup, "steps": args.steps,
+            "child_timeout": args.child_timeout or None}
   if args.target:
     common["target"] = args.target
   specs = [{**common, "kind": "ours", "base_dtype": b, "policy": p, "seq": s}
@@ -489,6 +506,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   ap.add_argument("--steps", type=int, help="timed steps per confirm run (default 3)")
   ap.add_argument("--budget-s", type=float, default=math.inf,
                   help="no new row starts after this many seconds (default: none)")
+  ap.add_argument("--child-timeout", type=float, default=CHILD_TIMEOUT_S, metavar="S",
+                  help="kill a row's search, run or peer process after S seconds, its row "
+                       f"an error (default {CHILD_TIMEOUT_S:.0f}; 0: no limit)")
   ap.add_argument("--no-peer", dest="peer", action="store_false",
                   help="leave out the HF transformers + peft rows")
   ap.add_argument("--peer-bases", help="the peer rows' base dtypes, comma-separated "

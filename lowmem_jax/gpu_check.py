@@ -789,24 +789,33 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   meta = {"argv": argv, "smoke": args.smoke, "budget_s": budget, "peak": args.peak,
           "out": str(out)}
   t0 = time.perf_counter()
+  docs: dict = {}  # the device kind the --docs files are named for, and their paths
 
   def write(records):
+    """The report so far, after every stage: in ``out``, and with ``--docs`` in the docs
+    folder too (a call cut short by its caller still leaves the stages it finished
+    there; the files are renamed once the env stage names the device)."""
     report = build_report(records, args=meta, git=git, started=started.isoformat(
         timespec="seconds"), wall_s=time.perf_counter() - t0)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(markdown(report))
+    if args.docs:
+      kind = report["environment"].get("device_kind")
+      if "paths" not in docs or docs["kind"] != kind:
+        for old in docs.get("paths", ()):
+          old.unlink(missing_ok=True)
+        Path(args.docs).mkdir(parents=True, exist_ok=True)
+        docs.update(kind=kind, paths=_docs_paths(Path(args.docs), kind))
+      md, js = docs["paths"]
+      md.write_text(markdown(report))
+      js.write_text(json.dumps(report, indent=2))
     return report
 
   report = write(run_stages(stages, out, budget, on_stage=write))
   print("\n" + markdown(report))
   print(f"[gpu_check] wrote {out / 'report.json'} and {out / 'report.md'}")
   if args.docs:
-    docs = Path(args.docs)
-    docs.mkdir(parents=True, exist_ok=True)
-    md, js = _docs_paths(docs, report["environment"].get("device_kind"))
-    md.write_text(markdown(report))
-    js.write_text(json.dumps(report, indent=2))
-    print(f"[gpu_check] wrote {md} and {js}")
+    print(f"[gpu_check] wrote {docs['paths'][0]} and {docs['paths'][1]}")
   return report
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib
 import os
 from collections.abc import Iterator
 
@@ -117,13 +118,16 @@ def device(name: str):
   """The simulated device of target ``name`` (a one-device CUDA topology, no GPU needed).
   :class:`TargetUnavailable` with the fix when jax's CUDA plugin is missing or failed."""
   target = resolve(name)
-  try:
-    import jax_plugins.xla_cuda12  # noqa: F401  (the compiler lives in the plugin)
-  except ImportError as e:
-    raise TargetUnavailable(
-        f"compile target {name!r} needs jax's CUDA plugin: pip install "
-        f"\"jax-cuda12-plugin=={jax.__version__}\" (the compiler only; no GPU, driver "
-        "or CUDA libraries needed)") from e
+  try:  # the compiler lives in the plugin: CUDA 13's (the GPU machines' image) or 12's
+    importlib.import_module("jax_plugins.xla_cuda13")
+  except ImportError:
+    try:
+      importlib.import_module("jax_plugins.xla_cuda12")
+    except ImportError as e:
+      raise TargetUnavailable(
+          f"compile target {name!r} needs jax's CUDA plugin: pip install "
+          f"\"jax-cuda12-plugin=={jax.__version__}\" (the compiler only; no GPU, driver "
+          "or CUDA libraries needed)") from e
   # Without a device there is no autotuning, and XLA 0.10's untuned Triton GEMM fusions
   # can fail to tile ("Couldn't find output tile sizes"): every matmul goes to cuBLAS, as
   # most large ones do on the GPU after autotuning. The plugin's XLA reads its flags once,

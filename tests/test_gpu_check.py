@@ -228,6 +228,30 @@ def test_smoke_report_structure(tmp_path, monkeypatch):
   assert len(docs) == 2 and docs[0].startswith("cpu-") and docs[0].endswith(".json")
 
 
+def test_docs_hold_the_stages_finished_when_the_call_is_cut(tmp_path, monkeypatch):
+  """With --docs the docs report is written after every stage, named for the device once
+  the env stage names it (the old name removed): a call its caller kills (the device's
+  time ran out) still leaves what it finished where the caller collects it (before:
+  only at the end)."""
+  def run_stages(stages, out, budget, on_stage):
+    env = {"name": "env", "status": "passed", "exit_code": 0, "wall_s": 1.0,
+           "json": {"platform": "gpu", "device_kind": "NVIDIA H100 80GB HBM3"}}
+    on_stage([{"name": "env", "status": "running"}])
+    on_stage([env])
+    raise KeyboardInterrupt  # killed in the next stage
+  monkeypatch.setattr(gpu_check, "run_stages", run_stages)
+  monkeypatch.setattr(gpu_check, "build_report", lambda records, **kw: {
+      "environment": next((r["json"] for r in records if "json" in r), {}), "stages": records})
+  monkeypatch.setattr(gpu_check, "markdown", lambda report: json.dumps(report))
+  with pytest.raises(KeyboardInterrupt):
+    gpu_check.main(["--stages", "env,bench-vit", "--out", str(tmp_path / "out"), "--docs",
+                    str(tmp_path / "docs"), "--commit", "abc123"])
+  docs = sorted(p.name for p in (tmp_path / "docs").iterdir())
+  assert len(docs) == 2 and all(name.startswith("h100-") for name in docs), docs
+  saved = json.loads((tmp_path / "docs" / docs[0]).read_text())
+  assert [s["name"] for s in saved["stages"]] == ["env"]
+
+
 def test_unknown_stage_is_an_error(tmp_path):
   with pytest.raises(SystemExit):
     gpu_check.main(["--stages", "nope", "--out", str(tmp_path)])

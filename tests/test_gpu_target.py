@@ -23,7 +23,7 @@ from jax_versions import skip_unless_pallas_lowers_for_cuda_here
 ROOT = Path(__file__).resolve().parents[1]
 H100 = gpu_target.TARGETS["h100"]
 PLUGIN = (util.find_spec("jax_plugins") is not None
-          and util.find_spec("jax_plugins.xla_cuda12") is not None)
+          and any(util.find_spec(f"jax_plugins.xla_cuda{v}") is not None for v in (12, 13)))
 needs_plugin = pytest.mark.skipif(
     not PLUGIN,
     reason="jax's CUDA plugin is not installed (pip install jax-cuda12-plugin==<jax version>)")

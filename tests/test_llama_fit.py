@@ -230,6 +230,26 @@ def test_budget_s_leaves_rows_out_and_says_which(tmp_path):
   assert result["not_run"] == ["baseline / nf4 / seq 32", "torch+peft / nf4 / seq 32"]
 
 
+def test_a_child_that_hangs_is_killed_and_its_row_is_an_error(monkeypatch):
+  """--child-timeout: a row's process still running after it is killed, its row an error
+  saying so, and the rows after it run (on a device lent for minutes, a hung child would
+  have taken the whole call)."""
+  import subprocess
+  import sys
+  done = llama_fit._run_timed([sys.executable, "-c", "print('ok')"], {"child_timeout": 30},
+                              stdout=subprocess.PIPE)
+  assert done.returncode == 0 and done.stdout == "ok\n"
+  hung = [sys.executable, "-c", "import time; time.sleep(60)"]
+  killed = llama_fit._run_timed(hung, {"child_timeout": 0.5}, stderr=subprocess.PIPE)
+  assert killed.returncode is None and killed.stderr == "killed after 0 s (--child-timeout)"
+  monkeypatch.setattr(llama_fit, "_run_timed", lambda cmd, spec, **kw: killed)
+  row = llama_fit.run_child("search", {"child_timeout": 0.5}, 0.9)
+  assert row == {"error": "search process exit None: killed after 0 s (--child-timeout)"}
+  specs = lambda *argv: llama_fit.row_specs(llama_fit.parse_args(["--smoke", *argv]))
+  assert specs()[0]["child_timeout"] == llama_fit.CHILD_TIMEOUT_S
+  assert specs("--child-timeout", "0")[0]["child_timeout"] is None  # no limit
+
+
 def test_peer_ratios_and_table():
   rows = [{"kind": "ours", "policy": "baseline", "base_dtype": "bfloat16", "seq": 2048,
            "max_batch_aot": 6, "max_batch_run": 5, "tokens_per_step": 10240,
