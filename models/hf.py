@@ -457,19 +457,37 @@ def _export_dir(path: str | os.PathLike) -> Path:
   return path
 
 
+def with_labels(config: dict, labels: Sequence[str] | None) -> dict:
+  """A classifier's HF ``config`` with ``id2label``/``label2id`` naming its classes
+  (``labels[i]`` for id i; ids past them keep ``LABEL_<i>``); as it is without
+  ``labels`` or without a label map (an LM)."""
+  if not labels or "id2label" not in config:
+    return config
+  n = len(config["id2label"])
+  if len(labels) > n:
+    raise ValueError(f"{len(labels)} label names for a head of {n} labels")
+  names = [str(x) for x in labels] + [f"LABEL_{i}" for i in range(len(labels), n)]
+  return {**config, "id2label": {str(i): name for i, name in enumerate(names)},
+          "label2id": {name: i for i, name in enumerate(names)}}
+
+
 def save_pretrained(model, path: str | os.PathLike, *,
-                    max_shard_bytes: int | None = None) -> None:
+                    max_shard_bytes: int | None = None,
+                    labels: Sequence[str] | None = None) -> None:
   """Writes ``config.json`` and ``model.safetensors`` in HF format (float32; shards over
-  ``max_shard_bytes``, default :data:`MAX_SHARD_BYTES`), each file atomically."""
+  ``max_shard_bytes``, default :data:`MAX_SHARD_BYTES`), each file atomically; a
+  classifier's ``labels`` name its classes in the config (:func:`with_labels`)."""
   module = _export_family(model).module
   path = _export_dir(path)
   tensors = [OutTensor(k, tuple(v.shape), v.dtype, lambda v=v: v)
              for k, v in hf_state(model).items()]
-  _write_model_dir(path, module.config_to_hf(model.cfg), tensors, max_shard_bytes)
+  _write_model_dir(path, with_labels(module.config_to_hf(model.cfg), labels), tensors,
+                   max_shard_bytes)
 
 
 def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | Mapping, *,
-                     new_head: bool = False, max_shard_bytes: int | None = None) -> None:
+                     new_head: bool = False, max_shard_bytes: int | None = None,
+                     labels: Sequence[str] | None = None) -> None:
   """Writes a LoRA model (:mod:`models.lora`, any policy and base dtype) in HF format as
   peft's ``merge_and_unload`` does: the checkpoint it was loaded from (``base``: its
   directory, or HF tensors by name) with each adapter's ``scale * A @ B`` added to its
@@ -492,4 +510,5 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
   tensors = merged_tensors(model, module.hf_map(model.cfg), state,
                            module.hf_map(model.cfg, frozenset(state)),
                            lambda var: isinstance(var, LoRAParam))
-  _write_model_dir(path, module.config_to_hf(model.cfg), tensors, max_shard_bytes)
+  _write_model_dir(path, with_labels(module.config_to_hf(model.cfg), labels), tensors,
+                   max_shard_bytes)

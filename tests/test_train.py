@@ -517,6 +517,43 @@ def test_text_task_with_real_minilm_and_lora(tmp_path):
                                 export_dir=None))
 
 
+def test_class_names_go_to_the_export_and_a_resume_checks_them(tmp_path, capsys):
+  """A classifier's classes by id: recorded in the run folder (labels.json), named in the
+  export's id2label/label2id (before: LABEL_0, LABEL_1, ...: which was which was said
+  nowhere), checked when the run resumes (a class added to the data shifts the sorted
+  ids); a pretrained head whose id2label names the data's classes keeps its own ids."""
+  from train.dataset import ArrayDataset
+  from train.datasets import _checkpoint_label_ids
+  digits = [str(i) for i in range(10)]
+  cfg = _cfg(tmp_path / "run", "steps=1", "save_every=0", f"export_dir={tmp_path / 'hf'}")
+  train(cfg)
+  assert json.loads((tmp_path / "run" / "labels.json").read_text()) == digits
+  hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+  assert hf_config["id2label"] == {str(i): str(i) for i in range(10)}
+  assert hf_config["label2id"] == {str(i): i for i in range(10)}
+  (tmp_path / "run" / "labels.json").write_text(json.dumps(digits[::-1]))
+  with pytest.raises(ValueError, match=r"the data's classes \['0', .* are not the ones the "
+                                       r"run in .* trained with \['9', "):
+    train(cfg.replace(resume=True, steps=2))
+  assert hf.with_labels({"id2label": {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}},
+                        ["cat", "dog"])["id2label"] == {"0": "cat", "1": "dog", "2": "LABEL_2"}
+  assert hf.with_labels({"vocab_size": 3}, ["cat"]) == {"vocab_size": 3}  # an LM: no map
+  # a pretrained head's own ids: "pos" is its 0, "neg" its 1; the sorted names say 1, 0
+  (tmp_path / "ckpt").mkdir()
+  (tmp_path / "ckpt" / "config.json").write_text(json.dumps({"id2label": {"0": "pos",
+                                                                          "1": "neg"}}))
+  data = ArrayDataset({"label": np.array([0, 1, 1], np.int32)})
+  data.class_names = ["neg", "pos"]
+  head = config_lib.load_config(None, None, [f"pretrained={tmp_path / 'ckpt'}"])
+  kept = _checkpoint_label_ids(data, head)
+  assert kept.arrays["label"].tolist() == [1, 0, 0] and kept.class_names == ["pos", "neg"]
+  assert "head's own ids for the data's classes" in capsys.readouterr().out
+  fresh = ArrayDataset({"label": np.array([0, 1, 1], np.int32)})
+  fresh.class_names = ["neg", "pos"]
+  assert _checkpoint_label_ids(fresh, head.replace(new_head=True)).arrays["label"].tolist() \
+      == [0, 1, 1]  # a new head: the data's own ids
+
+
 def test_an_lm_export_names_the_tokenizer_it_trained_with(tmp_path):
   """An LM trained with a tokenizer that is not its checkpoint's exports that tokenizer's
   files and bos/eos ids (config.json and the checkpoint's generation config alike; a

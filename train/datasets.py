@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import functools
+import json
 import os
+from pathlib import Path
+
+import numpy as np
 
 from train import images
 from train.causal_lm import causal_lm
@@ -41,6 +45,7 @@ def make_datasets(cfg: TrainConfig, model=None):
       train = folder(cfg.data)
       test = None if cfg.eval_data is None else folder(
           cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
+    train, test = (_checkpoint_label_ids(d, cfg) for d in (train, test))
     stats = images.pixel_normalization(resolve_path(cfg.pretrained)) if cfg.pretrained else None
     if stats is None:
       return train, test
@@ -73,7 +78,34 @@ def make_datasets(cfg: TrainConfig, model=None):
   test = None if cfg.eval_data is None else in_vocab(load(
       cfg.eval_data, label_names=train.class_names, label_names_from=cfg.data,
       int_labels=train.class_names is None), path=cfg.eval_data)
-  return train, test
+  return _checkpoint_label_ids(train, cfg), _checkpoint_label_ids(test, cfg)
+
+
+def _checkpoint_label_ids(dataset, cfg: TrainConfig):
+  """``dataset`` with a pretrained classifier's own label ids, where its head is kept
+  (not ``new_head``) and its config.json's ``id2label`` names every class of the data:
+  each class takes the id the head was trained for (ids from the sorted class names could
+  be another order: the head would have to learn its classes anew, permuted), and
+  ``class_names`` becomes the checkpoint's list. Otherwise ``dataset`` as it is."""
+  names = getattr(dataset, "class_names", None)
+  if dataset is None or names is None or not cfg.pretrained or cfg.new_head:
+    return dataset
+  try:
+    id2label = json.loads((Path(resolve_path(cfg.pretrained)) / "config.json").read_text()
+                          ).get("id2label") or {}
+    ours = [str(id2label[k]) for k in sorted(id2label, key=int)]
+  except (OSError, ValueError, AttributeError, TypeError):
+    return dataset  # no usable label map: the model's own checks speak for the file
+  if not set(names) <= set(ours) or len(set(ours)) != len(ours):
+    return dataset
+  index = {name: i for i, name in enumerate(ours)}
+  if [index[n] for n in names] != list(range(len(names))):
+    print(f"labels: {cfg.pretrained}'s head's own ids for the data's classes (its "
+          "config.json's id2label)", flush=True)
+  dataset.arrays["label"] = np.asarray([index[n] for n in names], np.int32)[
+      dataset.arrays["label"]]
+  dataset.class_names = ours
+  return dataset
 
 
 def _in_vocab(dataset, *, model_cfg, path, tokenizer, pretrained):

@@ -114,20 +114,24 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
   """Resume (if asked), the steps with their log, eval and save boundaries, the export."""
   start = 0
   ctrl_c.check()
+  labels = getattr(batches.dataset, "class_names", None)  # the class of each label id
   if cfg.resume and ckpt.latest_step() is not None:
+    _check_labels(out, labels)
     start = _resume(trainer, ckpt, batches, cfg)
     ctrl_c.check()
     if start >= cfg.steps:
       print(f"nothing to train: the run in {out} already finished at step {start} "
             f"(steps={cfg.steps}); pass --set steps=N with N > {start} to train further",
             flush=True)
-      export(trainer, cfg)  # --resume --export: the finished run's weights
+      export(trainer, cfg, labels)  # --resume --export: the finished run's weights
       return finished_result(out / "metrics.jsonl", start)
     if cfg.export_dir and export_reads_pretrained(cfg):  # before training, not at its end
       pretrained_record.check_unchanged(cfg, out)
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   if jax.process_index() == 0:
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=1) + "\n")
+    if labels is not None:  # which class each id is: the export's names, a resume's check
+      (out / LABELS_FILE).write_text(json.dumps(list(labels)) + "\n")
     if record is not None:
       pretrained_record.write(out, record)
   with contextlib.ExitStack() as closing:  # however the steps end
@@ -208,7 +212,7 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
     trainer.save(ckpt, batches.state())  # the last step is a boundary: checked above
     ctrl_c.in_steps = False
     ctrl_c.check()  # a Ctrl-C in the last step: saved, stopped before the export
-  export(trainer, cfg)
+  export(trainer, cfg, labels)
   result = {"step": int(trainer.state["step"]), "loss": float(metrics.get("loss", np.nan)),
             **{k: v for k, v in final.items() if k != "step"}, "memory": memory}
   return result
@@ -262,10 +266,28 @@ def with_export_base(trained, cfg: TrainConfig):
   return model
 
 
-def export(trainer: Trainer, cfg: TrainConfig) -> None:
+LABELS_FILE = "labels.json"  # a classifier run's class names, by label id
+
+
+def _check_labels(out: Path, labels) -> None:
+  """A resumed classifier run's data maps its labels to the ids the run trained with:
+  a ValueError naming both where its classes changed (a label added to the data shifts
+  the sorted ids), before any step."""
+  saved = out / LABELS_FILE
+  if labels is None or not saved.is_file():
+    return
+  before = json.loads(saved.read_text())
+  if before != list(labels):
+    raise ValueError(f"the data's classes {list(labels)} are not the ones the run in {out} "
+                     f"trained with {before} ({saved}): ids would mean other classes; "
+                     "resume with the run's data, or start a new run")
+
+
+def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
   """Writes the trainer's model as HF safetensors to ``cfg.export_dir``, if set, with the
   pretrained directory's :data:`INPUT_FILES` (the run's ``tokenizer`` in place of the
-  checkpoint's where one is set). A LoRA run from a checkpoint is that checkpoint with
+  checkpoint's where one is set); a classifier's ``labels`` (its class names, by id)
+  name its classes in config.json (``id2label``, ``label2id``). A LoRA run from a checkpoint is that checkpoint with
   the adapters merged, in its dtypes, streamed (``models.hf.save_lora_merged``: the
   host holds a shard, not the model); any other run's model merged and written whole
   (:func:`with_export_base`)."""
@@ -296,9 +318,9 @@ def export(trainer: Trainer, cfg: TrainConfig) -> None:
       model.cfg = dataclasses.replace(model.cfg, **ids)
   if streamed:
     hf.save_lora_merged(model, cfg.export_dir, resolve_path(cfg.pretrained),
-                        new_head=cfg.new_head)
+                        new_head=cfg.new_head, labels=labels)
   else:
-    hf.save_pretrained(model, cfg.export_dir)
+    hf.save_pretrained(model, cfg.export_dir, labels=labels)
   copied = [name for name, source in files.items() if os.path.isfile(source)]
   for name in copied:  # each whole or not at all, as save_pretrained's files
     target = os.path.join(cfg.export_dir, name)

@@ -30,7 +30,8 @@ from pathlib import Path
 from train.config import TrainConfig, load_config
 
 RUNS_DIR = Path("runs")  # relative to the current folder
-ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "pretrained.json")
+ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "pretrained.json",
+             "labels.json")
 STAMP = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
 
 
