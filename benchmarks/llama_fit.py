@@ -259,7 +259,7 @@ def _run_timed(cmd: list[str], spec: dict, **kw):
   try:
     return subprocess.run(cmd, cwd=ROOT, text=True, timeout=timeout, **kw)
   except subprocess.TimeoutExpired:
-    return subprocess.CompletedProcess(cmd, None, None, f"killed after {timeout:.0f} s "
+    return subprocess.CompletedProcess(cmd, None, None, f"killed after {timeout:g} s "
                                        "(--child-timeout)")
 
 

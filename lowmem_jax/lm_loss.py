@@ -209,10 +209,11 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
   stored (any float dtype, or a frozen ``QuantizedKernel``; cast or dequantized to ``h``'s
   dtype inside each pass), ``targets`` integer ``[...]``.
   Backward (a custom VJP) saves ``h``, ``w``, ``scale`` (no copies; the scaled weight is
-  remade inside each pass) and an fp32 log-sum-exp per token, recomputes each chunk's softmax and accumulates ``dw`` over chunks in fp32 (cast
-  to ``w``'s dtype at the end); gradients of ``h`` or ``w`` not asked for are not computed
-  (a frozen head: no ``dw`` pass). Weight or mask tokens by multiplying ``losses``: a zero
-  cotangent contributes nothing."""
+  remade inside each pass) and an fp32 log-sum-exp per token, recomputes each chunk's
+  softmax and accumulates ``dw`` over chunks in fp32 (cast to ``w``'s dtype at the end);
+  gradients of ``h``, ``w`` or ``scale`` not asked for are not computed (a frozen head:
+  no ``dw`` pass). Weight or mask tokens by multiplying ``losses``: a zero cotangent
+  contributes nothing."""
   h, targets = jnp.asarray(h), jnp.asarray(targets)
   w = w if isinstance(w, QuantizedKernel) else jnp.asarray(w)
   if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:

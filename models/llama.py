@@ -294,20 +294,18 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
     if kind != "default":
       raise CheckpointError(f"config_from_hf: rope_type {kind!r} is not supported (only "
                             "'default')")
-  theta = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+  theta = hf_value(rope, "rope_theta", float, hf_value(hf, "rope_theta", float, 10000.0))
   dim, heads = hf_value(hf, "hidden_size", int), hf_value(hf, "num_attention_heads", int)
   head_dim = hf_value(hf, "head_dim", int, None)
   if head_dim is not None and heads > 0 and dim % heads == 0 and head_dim == dim // heads:
     head_dim = None  # the default: keep configs canonical
-  if not isinstance(theta, (int, float)) or isinstance(theta, bool):
-    raise ValueError(f"rope_theta={theta!r} is not a number")
   cfg = LlamaConfig(
       vocab_size=hf_value(hf, "vocab_size", int), dim=dim,
       num_layers=hf_value(hf, "num_hidden_layers", int), num_heads=heads,
       num_kv_heads=hf_value(hf, "num_key_value_heads", int, heads), head_dim=head_dim,
       mlp_dim=hf_value(hf, "intermediate_size", int),
       max_seq_len=hf_value(hf, "max_position_embeddings", int, 2048),
-      rope_theta=float(theta), eps=hf_value(hf, "rms_norm_eps", float, 1e-6),
+      rope_theta=theta, eps=hf_value(hf, "rms_norm_eps", float, 1e-6),
       tie_embeddings=hf_value(hf, "tie_word_embeddings", bool, False),
       **_special_tokens(hf))
   return _replace(cfg, overrides)

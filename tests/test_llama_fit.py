@@ -241,10 +241,10 @@ def test_a_child_that_hangs_is_killed_and_its_row_is_an_error(monkeypatch):
   assert done.returncode == 0 and done.stdout == "ok\n"
   hung = [sys.executable, "-c", "import time; time.sleep(60)"]
   killed = llama_fit._run_timed(hung, {"child_timeout": 0.5}, stderr=subprocess.PIPE)
-  assert killed.returncode is None and killed.stderr == "killed after 0 s (--child-timeout)"
+  assert killed.returncode is None and killed.stderr == "killed after 0.5 s (--child-timeout)"
   monkeypatch.setattr(llama_fit, "_run_timed", lambda cmd, spec, **kw: killed)
   row = llama_fit.run_child("search", {"child_timeout": 0.5}, 0.9)
-  assert row == {"error": "search process exit None: killed after 0 s (--child-timeout)"}
+  assert row == {"error": "search process exit None: killed after 0.5 s (--child-timeout)"}
   specs = lambda *argv: llama_fit.row_specs(llama_fit.parse_args(["--smoke", *argv]))
   assert specs()[0]["child_timeout"] == llama_fit.CHILD_TIMEOUT_S
   assert specs("--child-timeout", "0")[0]["child_timeout"] is None  # no limit

@@ -60,7 +60,8 @@ def main(argv=None) -> dict:
   else:
     cfg = load_config(args.config_name, args.config, overrides)
     if cfg.resume:  # a planned run keeps its plan: a policy named here would be dropped
-      from train.runs import named_keys, refuse_named_plan, resumed_folder
+      from train.config import named_keys
+      from train.runs import refuse_named_plan, resumed_folder
       refuse_named_plan(resumed_folder(cfg), named_keys(overrides), cfg.memory_budget)
 
   from train.loop import train  # imports jax: after argument errors are reported

@@ -39,7 +39,8 @@ def causal_lm(path, tokenizer, *, max_len: int,
     followed by the output, tokenized as one text (as Alpaca and TRL do: a tokenizer that
     marks a text's start, such as LLaMA's "▁", marks it once) and split at the prompt's
     last character by the tokens' offsets: ``loss_mask`` is True only where the target is
-    a token of the output (one that covers any of its characters) or the end token. With the default template an empty input uses Alpaca's no-input prompt.
+    a token of the output (one that covers any of its characters) or the end token. With
+    the default template an empty input uses Alpaca's no-input prompt.
 
   Start/end tokens are the ones the tokenizer's post-processor adds to one sequence (BERT:
   [CLS] ... [SEP]; LLaMA: <s>); when it adds no end token, the first of ``EOS_CANDIDATES`` in

@@ -295,6 +295,11 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
   return dataclasses.replace(cfg, model_overrides=model_overrides, **changes)
 
 
+def named_keys(overrides: Sequence[str]) -> set[str]:
+  """The config keys ``key=value`` overrides name."""
+  return {o.partition("=")[0].strip() for o in overrides}
+
+
 DEFAULT_CONFIG = "digits-vit"
 # What a run computes on: a run of the default config that changes one of them is another
 # job, named after it (runs/<task>-<model>/), not after the digits example.
@@ -315,7 +320,7 @@ def load_config(name: str | None = None, config_file: str | None = None,
     cfg = _apply_config_file(cfg, Path(config_file))
   default = cfg
   cfg = apply_overrides(cfg, overrides)
-  names = any(o.partition("=")[0].strip() == "name" for o in overrides)
+  names = "name" in named_keys(overrides)
   if (given is None and not config_file and not names
       and any(getattr(cfg, f) != getattr(default, f) for f in _JOB_FIELDS)):
     model = Path(cfg.pretrained.removeprefix("pkg:")).name if cfg.pretrained else cfg.model

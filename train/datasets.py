@@ -86,7 +86,8 @@ def _checkpoint_label_ids(dataset, cfg: TrainConfig):
   (not ``new_head``) and its config.json's ``id2label`` names every class of the data:
   each class takes the id the head was trained for (ids from the sorted class names could
   be another order: the head would have to learn its classes anew, permuted), and
-  ``class_names`` becomes the checkpoint's list. Otherwise ``dataset`` as it is."""
+  ``class_names`` becomes the checkpoint's list (in place). Otherwise ``dataset`` as it
+  is."""
   names = getattr(dataset, "class_names", None)
   if dataset is None or names is None or not cfg.pretrained or cfg.new_head:
     return dataset

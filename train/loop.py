@@ -131,7 +131,7 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
   if jax.process_index() == 0:
     (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=1) + "\n")
     if labels is not None:  # which class each id is: the export's names, a resume's check
-      (out / LABELS_FILE).write_text(json.dumps(list(labels)) + "\n")
+      (out / runs.LABELS_FILE).write_text(json.dumps(list(labels)) + "\n")
     if record is not None:
       pretrained_record.write(out, record)
   with contextlib.ExitStack() as closing:  # however the steps end
@@ -266,14 +266,11 @@ def with_export_base(trained, cfg: TrainConfig):
   return model
 
 
-LABELS_FILE = "labels.json"  # a classifier run's class names, by label id
-
-
 def _check_labels(out: Path, labels) -> None:
   """A resumed classifier run's data maps its labels to the ids the run trained with:
   a ValueError naming both where its classes changed (a label added to the data shifts
   the sorted ids), before any step."""
-  saved = out / LABELS_FILE
+  saved = out / runs.LABELS_FILE
   if labels is None or not saved.is_file():
     return
   before = json.loads(saved.read_text())
@@ -287,10 +284,10 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
   """Writes the trainer's model as HF safetensors to ``cfg.export_dir``, if set, with the
   pretrained directory's :data:`INPUT_FILES` (the run's ``tokenizer`` in place of the
   checkpoint's where one is set); a classifier's ``labels`` (its class names, by id)
-  name its classes in config.json (``id2label``, ``label2id``). A LoRA run from a checkpoint is that checkpoint with
-  the adapters merged, in its dtypes, streamed (``models.hf.save_lora_merged``: the
-  host holds a shard, not the model); any other run's model merged and written whole
-  (:func:`with_export_base`)."""
+  name its classes in config.json (``id2label``, ``label2id``). A LoRA run from a
+  checkpoint is that checkpoint with the adapters merged, in its dtypes, streamed
+  (``models.hf.save_lora_merged``: the host holds a shard, not the model); any other
+  run's model merged and written whole (:func:`with_export_base`)."""
   if not cfg.export_dir:
     return
   if cfg.out_dir and export_reads_pretrained(cfg):  # a run's (its record in out_dir)
@@ -376,7 +373,7 @@ def check_inputs(cfg: TrainConfig) -> None:
     needs = {"text": "a jsonl of {\"text\", \"label\"}",
              "lm": "a .txt, or a jsonl of {\"text\"} or {\"instruction\", \"output\"}"}
     raise ValueError(f"task={cfg.task!r} needs its data: set data=<file> "
-                     f"({needs.get(cfg.task, 'a data file')}); data=digits is images")
+                     f"({needs[cfg.task]}); data=digits is images")
   if cfg.export_dir and not family.hf_model_types:
     raise ValueError(f"export_dir={cfg.export_dir!r}: model {cfg.model} ({family.class_name}) "
                      "has no Hugging Face format to export to")

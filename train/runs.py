@@ -27,11 +27,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from train.config import TrainConfig, load_config
+from train.config import TrainConfig, load_config, named_keys
 
 RUNS_DIR = Path("runs")  # relative to the current folder
+LABELS_FILE = "labels.json"  # a classifier run's class names, by label id (train.loop)
 ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "pretrained.json",
-             "labels.json")
+             LABELS_FILE)
 STAMP = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
 
 
@@ -129,11 +130,6 @@ def delete_previous(folder: Path) -> None:
       path.unlink()
   if found:
     print(f"overwrite=true: the previous run in {folder} was deleted", flush=True)
-
-
-def named_keys(overrides: Sequence[str]) -> set[str]:
-  """The config keys ``key=value`` overrides name."""
-  return {o.partition("=")[0].strip() for o in overrides}
 
 
 def resumed_folder(cfg: TrainConfig) -> Path | None:
