@@ -42,6 +42,7 @@ from models.hf_state import CheckpointError, Linear as HFLinear, Norm as HFNorm,
 from models.linear import Linear
 from models.mlp import GatedMlp
 from models.norm import Norm
+from models import rope
 from models.rope import apply_rope, rope_tables  # noqa: F401  (re-exported)
 from models.sites import as_array, seed_sites
 from models.stack import BlockStack
@@ -62,6 +63,13 @@ class LlamaConfig:
   mlp_dim: int = 11008
   max_seq_len: int = 4096
   rope_theta: float = 10000.0
+  # RoPE scaling (HF's rope_scaling / rope_parameters): "default", "linear" (factor) or
+  # "llama3" (all four; Llama 3.1/3.2 use factor 8 or 32, 1, 4, 8192)
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_seq_len: int = 8192
   eps: float = 1e-5            # rms_norm_eps
   tie_embeddings: bool = False
   model_type: str = "llama"
@@ -74,6 +82,9 @@ class LlamaConfig:
   def __post_init__(self):
     check_positive(self, ints=("vocab_size", "dim", "num_layers", "num_heads", "num_kv_heads",
                                "mlp_dim", "max_seq_len"), numbers=("rope_theta", "eps"))
+    rope.check_scaling("LlamaConfig", self.rope_type, self.rope_factor,
+                       self.rope_low_freq_factor, self.rope_high_freq_factor,
+                       self.rope_original_max_seq_len)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"LlamaConfig: num_heads {self.num_heads} is not a multiple of "
                        f"num_kv_heads {self.num_kv_heads}")
@@ -108,6 +119,13 @@ class LlamaConfig:
   @property
   def resolved_head_dim(self) -> int:
     return self.dim // self.num_heads if self.head_dim is None else int(self.head_dim)
+
+  def rope_tables(self, seq_len: int, dtype):
+    """RoPE's ``cos, sin`` for positions ``0..seq_len-1`` (:mod:`models.rope`)."""
+    inv_freq = rope.inv_frequencies(
+        self.resolved_head_dim, self.rope_theta, self.rope_type, self.rope_factor,
+        self.rope_low_freq_factor, self.rope_high_freq_factor, self.rope_original_max_seq_len)
+    return rope_tables(seq_len, inv_freq, dtype)
 
 
 PRESETS: dict[str, dict] = {
@@ -197,7 +215,7 @@ class Llama(nnx.Module):
       attn_mask = mask.astype(jnp.bool_)[:, None, None, :]  # keys only; causal is separate
 
     x = self.embed(tokens).astype(self.dtype)
-    cos, sin = rope_tables(t, self.cfg.resolved_head_dim, self.cfg.rope_theta, self.dtype)
+    cos, sin = self.cfg.rope_tables(t, self.dtype)
     return self.norm(self.stack(x, cos, sin, attn_mask))
 
   def head(self, h):
@@ -278,23 +296,16 @@ _HF_UNSUPPORTED = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": Fa
 
 
 def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
-  """Our config from a HF ``config.json`` dict (``rope_theta`` top-level, as in
-  transformers 4.x, or in ``rope_parameters``, as in 5.x). Unsupported features (RoPE
-  scaling, biases, another activation) are a :class:`CheckpointError`."""
+  """Our config from a HF ``config.json`` dict (``rope_theta`` top-level and RoPE scaling
+  in ``rope_scaling``, as in transformers 4.x, or both in ``rope_parameters``, as in 5.x).
+  Unsupported features (another RoPE scaling, biases, another activation) are a
+  :class:`CheckpointError`."""
   if hf.get("model_type", "llama") != "llama":
     raise CheckpointError(f"config_from_hf: model_type {hf.get('model_type')!r} is not 'llama'")
   for key, want in _HF_UNSUPPORTED.items():
     if hf.get(key, want) not in (want, None):
       raise CheckpointError(f"config_from_hf: {key}={hf[key]!r} is not supported "
                             f"(only {want!r})")
-  rope = hf.get("rope_parameters") or {}
-  scaling = hf.get("rope_scaling") or {}
-  for r in (rope, scaling):
-    kind = r.get("rope_type", r.get("type", "default"))
-    if kind != "default":
-      raise CheckpointError(f"config_from_hf: rope_type {kind!r} is not supported (only "
-                            "'default')")
-  theta = hf_value(rope, "rope_theta", float, hf_value(hf, "rope_theta", float, 10000.0))
   dim, heads = hf_value(hf, "hidden_size", int), hf_value(hf, "num_attention_heads", int)
   head_dim = hf_value(hf, "head_dim", int, None)
   if head_dim is not None and heads > 0 and dim % heads == 0 and head_dim == dim // heads:
@@ -305,10 +316,51 @@ def config_from_hf(hf: dict, **overrides) -> LlamaConfig:
       num_kv_heads=hf_value(hf, "num_key_value_heads", int, heads), head_dim=head_dim,
       mlp_dim=hf_value(hf, "intermediate_size", int),
       max_seq_len=hf_value(hf, "max_position_embeddings", int, 2048),
-      rope_theta=theta, eps=hf_value(hf, "rms_norm_eps", float, 1e-6),
+      eps=hf_value(hf, "rms_norm_eps", float, 1e-6),
       tie_embeddings=hf_value(hf, "tie_word_embeddings", bool, False),
-      **_special_tokens(hf))
+      **_rope_from_hf(hf), **_special_tokens(hf))
   return _replace(cfg, overrides)
+
+
+# HF's RoPE scaling keys -> our fields, for the rope types we compute
+_HF_ROPE_KEYS = {"factor": ("rope_factor", float),
+                 "low_freq_factor": ("rope_low_freq_factor", float),
+                 "high_freq_factor": ("rope_high_freq_factor", float),
+                 "original_max_position_embeddings": ("rope_original_max_seq_len", int)}
+
+
+def _rope_from_hf(hf: dict) -> dict:
+  """Our RoPE fields of a HF config dict: ``rope_parameters`` (5.x) or ``rope_scaling``
+  (4.x; ``type`` in older files), ``rope_theta`` in the former or top-level."""
+  params, legacy = hf.get("rope_parameters") or {}, hf.get("rope_scaling") or {}
+  for key, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+    if not isinstance(value, dict):
+      raise CheckpointError(f"config_from_hf: {key} must be an object, got {value!r}")
+  kinds = [r.get("rope_type", r.get("type", "default")) for r in (params, legacy)]
+  if params and legacy and kinds[0] != kinds[1]:
+    raise CheckpointError(f"config_from_hf: rope_parameters says rope_type {kinds[0]!r}, "
+                          f"rope_scaling says {kinds[1]!r}")
+  scaling, kind = (params, kinds[0]) if params else (legacy, kinds[1])
+  if kind not in rope.ROPE_TYPES:
+    raise CheckpointError(f"config_from_hf: rope_type {kind!r} is not supported (only "
+                          f"{', '.join(map(repr, rope.ROPE_TYPES))})")
+  if scaling.get("partial_rotary_factor", 1.0) != 1.0:
+    raise CheckpointError(f"config_from_hf: partial_rotary_factor="
+                          f"{scaling['partial_rotary_factor']!r} is not supported (only 1.0)")
+  fields = {"rope_type": kind,
+            "rope_theta": hf_value(params, "rope_theta", float,
+                                   hf_value(hf, "rope_theta", float, 10000.0))}
+  where = "rope_parameters" if params else "rope_scaling"
+  for key, (field, type_) in _HF_ROPE_KEYS.items():
+    if field in rope.ROPE_TYPES[kind]:
+      try:
+        fields[field] = hf_value(scaling, key, type_)
+      except KeyError:
+        raise CheckpointError(f"config_from_hf: {where} has no {key!r}, which rope_type "
+                              f"{kind!r} needs") from None
+      except ValueError as e:
+        raise CheckpointError(f"config_from_hf: {where}: {e}") from None
+  return fields
 
 
 def _special_tokens(hf: dict) -> dict:
@@ -336,8 +388,7 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
       "hidden_act": "silu",
       "max_position_embeddings": cfg.max_seq_len,
       "rms_norm_eps": cfg.eps,
-      "rope_theta": float(cfg.rope_theta),
-      "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_theta)},
+      **_rope_to_hf(cfg),
       "tie_word_embeddings": bool(cfg.tie_embeddings),
       "attention_bias": False,
       "attention_dropout": 0.0,
@@ -351,6 +402,19 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
       "pad_token_id": cfg.pad_token_id,
       "torch_dtype": "float32",
   }
+
+
+def _rope_to_hf(cfg: LlamaConfig) -> dict:
+  """RoPE's keys of a HF config dict: ``rope_theta`` top-level and a scaling in
+  ``rope_scaling`` (transformers 4.x), both in ``rope_parameters`` (5.x)."""
+  scaling = {key: getattr(cfg, field) for key, (field, _) in _HF_ROPE_KEYS.items()
+             if field in rope.ROPE_TYPES[cfg.rope_type]}
+  scaling = {"rope_type": cfg.rope_type, **scaling}
+  out = {"rope_theta": float(cfg.rope_theta),
+         "rope_parameters": {**scaling, "rope_theta": float(cfg.rope_theta)}}
+  if cfg.rope_type != "default":
+    out["rope_scaling"] = scaling
+  return out
 
 
 def hf_map(cfg: LlamaConfig, keys=None) -> list:

@@ -40,8 +40,7 @@ class RevLlamaAttention(nnx.Module):
                               rngs=rngs)
 
   def __call__(self, x):
-    cos, sin = llama.rope_tables(x.shape[1], self.cfg.resolved_head_dim, self.cfg.rope_theta,
-                                 x.dtype)
+    cos, sin = self.cfg.rope_tables(x.shape[1], x.dtype)
     return self.attn(self.norm(x), rope=(cos, sin))
 
 

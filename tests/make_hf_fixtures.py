@@ -32,9 +32,17 @@ LLAMA_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidd
                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                    rms_norm_eps=1e-5, rope_theta=5000.0)
 
-# name -> (tie_word_embeddings, initializer_range)
-LLAMA_VARIANTS = {"llama_untied": (False, 0.2), "llama_tied": (True, 0.2),
-                  "llama_untied_std002": (False, 0.02)}
+# Llama 3.1's RoPE scaling at this size: of head_dim 8's four wavelengths (6.3, 53, 444 and
+# 3737 positions at theta 5000) one is kept (< 32 / 4), one smoothed, two divided by 8
+# (> 32 / 0.5).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.5,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+
+# name -> (tie_word_embeddings, initializer_range, RoPE scaling); llama3_rope has
+# llama_untied's weights (the same seed)
+LLAMA_VARIANTS = {"llama_untied": (False, 0.2, None), "llama_tied": (True, 0.2, None),
+                  "llama_untied_std002": (False, 0.02, None),
+                  "llama3_rope": (False, 0.2, LLAMA3_ROPE)}
 
 MINILM_SENTENCES = [
     "A man is playing a guitar.",
@@ -190,15 +198,17 @@ def bert_outputs(model, batch):
   return {"hidden": out.hidden_states[-1].numpy(), "logits": out.logits.numpy()}
 
 
-def build_llama(tie, init_range=0.2):
-  """A random LlamaForCausalLM (seed 1 tied, 0 untied) with norm weights in [0.5, 1.5)."""
+def build_llama(tie, init_range=0.2, rope_scaling=None):
+  """A random LlamaForCausalLM (seed 1 tied, 0 untied) with norm weights in [0.5, 1.5),
+  RoPE scaled by ``rope_scaling`` (HF's keys) if given."""
   import torch
   import transformers
   torch.manual_seed(1 if tie else 0)
   shape = dict(LLAMA_SHAPE)
   theta = shape.pop("rope_theta")
   cfg = transformers.LlamaConfig(
-      **shape, rope_parameters={"rope_type": "default", "rope_theta": theta},
+      **shape, rope_parameters={"rope_type": "default", **(rope_scaling or {}),
+                                "rope_theta": theta},
       tie_word_embeddings=tie, initializer_range=init_range, attn_implementation="eager")
   model = transformers.LlamaForCausalLM(cfg).float().eval()
   with torch.no_grad():

@@ -15,7 +15,7 @@ from flax import nnx
 
 import make_hf_fixtures as fixtures
 from lowmem_jax.memory import saved_residuals
-from models import hf, llama
+from models import hf, llama, rope
 from models.hf_state import CheckpointError
 
 HF_SHAPE = fixtures.LLAMA_SHAPE  # GQA: 4 query heads, 2 kv heads, head_dim 8; rope_theta 5000
@@ -36,12 +36,14 @@ def _golden(name):
   return fixtures.DATA / name, ref["tokens"], ref["logits"]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+@pytest.fixture(scope="module", params=["llama_untied", "llama_tied", "llama3_rope"],
+                ids=["untied", "tied", "llama3-rope"])
 def hf_ckpt(request):
   """(directory, tokens, HF logits) of a saved random HF LlamaForCausalLM, weights drawn
   with std 0.2 (10x HF's default) so attention is far from uniform and SiLU far from
-  its linear region: the parity checks exercise every op."""
-  return _golden("llama_tied" if request.param else "llama_untied")
+  its linear region: the parity checks exercise every op. llama3-rope: untied's weights
+  with Llama 3.1's RoPE scaling."""
+  return _golden(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -230,12 +232,94 @@ def test_ignored_and_unsupported_hf_keys(untied_ckpt, tmp_path):
   config = json.loads((src / "config.json").read_text())
   (tmp_path / "config.json").write_text(json.dumps(config))
   assert _max_abs(hf.load_pretrained(tmp_path, dtype=jnp.float32)(tokens), ref) < TOL
-  for bad in ({"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
-              {"rope_parameters": {"rope_type": "llama3", "rope_theta": 1e4}},
-              {"attention_bias": True}, {"hidden_act": "gelu"}):
-    with pytest.raises(CheckpointError, match=next(iter(bad)) if "rope" not in
-                       next(iter(bad)) else "rope_type"):
+  for bad in ({"attention_bias": True}, {"hidden_act": "gelu"}):
+    with pytest.raises(CheckpointError, match=next(iter(bad))):
       llama.config_from_hf({**config, **bad})
+
+
+# Llama 3.1 8B's config.json as transformers 4.x writes it (theta top-level, "rope_scaling")
+LLAMA31_ROPE = {"rope_theta": 500000.0, "rope_scaling": {
+    "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+
+
+def test_rope_scaling_read_from_either_transformers_format_and_written_back():
+  """Llama 3's RoPE scaling from transformers 4.x's ``rope_scaling`` (``type`` in older
+  files) or 5.x's ``rope_parameters``; the export writes both, and reads back the same."""
+  base = {k: v for k, v in json.loads((fixtures.DATA / "llama_untied" / "config.json")
+                                       .read_text()).items() if k != "rope_parameters"}
+  v4 = llama.config_from_hf({**base, **LLAMA31_ROPE})
+  assert (v4.rope_type, v4.rope_theta, v4.rope_factor, v4.rope_low_freq_factor,
+          v4.rope_high_freq_factor, v4.rope_original_max_seq_len) == (
+              "llama3", 500000.0, 8.0, 1.0, 4.0, 8192)
+  v5 = llama.config_from_hf({**base, "rope_parameters": {
+      **LLAMA31_ROPE["rope_scaling"], "rope_theta": 500000.0}})
+  assert v5 == v4
+  back = llama.config_to_hf(v4)
+  assert back["rope_scaling"] == LLAMA31_ROPE["rope_scaling"]
+  assert back["rope_parameters"] == {**LLAMA31_ROPE["rope_scaling"], "rope_theta": 500000.0}
+  assert llama.config_from_hf(json.loads(json.dumps(back))) == v4
+  old = llama.config_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 2.0}})
+  assert (old.rope_type, old.rope_factor, old.rope_theta) == ("linear", 2.0, 10000.0)
+  assert "rope_scaling" not in llama.config_to_hf(llama.config())  # default: as before
+
+  def error(**keys):
+    with pytest.raises(CheckpointError) as e:
+      llama.config_from_hf({**base, **keys})
+    return str(e.value)
+  assert "rope_type 'dynamic' is not supported (only 'default', 'linear', 'llama3')" in error(
+      rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+  assert "rope_type 'yarn' is not supported" in error(
+      rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+  assert "rope_scaling has no 'low_freq_factor', which rope_type 'llama3' needs" in error(
+      rope_scaling={"rope_type": "llama3", "factor": 8.0})
+  assert "rope_parameters says rope_type 'default', rope_scaling says 'llama3'" in error(
+      rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **LLAMA31_ROPE)
+  assert "rope_scaling: factor='8' is not a number" in error(
+      rope_scaling={**LLAMA31_ROPE["rope_scaling"], "factor": "8"})
+  assert "rope_scaling must be an object, got 'llama3'" in error(rope_scaling="llama3")
+  assert "partial_rotary_factor=0.5 is not supported" in error(
+      rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+  with pytest.raises(ValueError, match="rope_factor must be positive, got 0.0"):
+    llama.config_from_hf({**base, "rope_scaling": {"type": "linear", "factor": 0.0}})
+
+
+def test_linear_rope_scaling_divides_the_positions():
+  """HF's "linear" RoPE: position p under factor f is the default's position p / f."""
+  plain = llama.config(rope_theta=5000.0)
+  linear = llama.config(rope_theta=5000.0, rope_type="linear", rope_factor=2.0)
+  cos, sin = plain.rope_tables(8, jnp.float32)
+  cos2, sin2 = linear.rope_tables(16, jnp.float32)
+  np.testing.assert_allclose(cos2[:, ::2], cos, atol=1e-6)
+  np.testing.assert_allclose(sin2[:, ::2], sin, atol=1e-6)
+
+
+@requires_torch
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "default"}, {"rope_type": "linear", "factor": 4.0},
+    LLAMA31_ROPE["rope_scaling"], {**LLAMA31_ROPE["rope_scaling"], "factor": 32.0},
+    {**fixtures.LLAMA3_ROPE}], ids=["default", "linear", "llama3.1", "llama3.2", "fixture"])
+def test_rope_frequencies_match_transformers(scaling):
+  """Our frequencies are transformers' own (its rope init function), at Llama 3.1/3.2's
+  real constants (head_dim 128, theta 5e5) and the llama3_rope fixture's."""
+  import torch  # noqa: F401
+  import transformers
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  theta, head_dim = (5000.0, 8) if scaling == fixtures.LLAMA3_ROPE else (500000.0, 128)
+  hf_cfg = transformers.LlamaConfig(
+      hidden_size=head_dim * 2, num_attention_heads=2, max_position_embeddings=131072,
+      rope_parameters={**scaling, "rope_theta": theta})
+  kind = scaling["rope_type"]
+  if kind == "default":
+    want = 1.0 / (theta ** (torch.arange(0, head_dim, 2).float() / head_dim))
+  else:
+    want, attention_factor = ROPE_INIT_FUNCTIONS[kind](hf_cfg, "cpu")
+    assert attention_factor == 1.0
+  ours = llama.config_from_hf(llama.config_to_hf(llama.config_from_hf(hf_cfg.to_dict())))
+  got = rope.inv_frequencies(head_dim, theta, ours.rope_type, ours.rope_factor,
+                             ours.rope_low_freq_factor, ours.rope_high_freq_factor,
+                             ours.rope_original_max_seq_len)
+  np.testing.assert_allclose(np.asarray(got), want.numpy(), rtol=2e-7, atol=0)
 
 
 @pytest.mark.parametrize("policy", ["baseline", "ms-bp"])
@@ -311,7 +395,11 @@ def test_presets_and_config_errors():
                        (dict(head_dim=7), "even"),
                        (dict(num_layers=0), "num_layers must be a positive int"),
                        (dict(eps=0.0), "eps must be a positive"),
-                       (dict(model_type="bert"), "model_type")]:
+                       (dict(model_type="bert"), "model_type"),
+                       (dict(rope_type="yarn"), "rope_type 'yarn' is not supported"),
+                       (dict(rope_factor=2.0), "rope_factor 2.0 needs rope_type 'linear'"),
+                       (dict(rope_type="llama3", rope_low_freq_factor=4.0),
+                        "0 < rope_low_freq_factor < rope_high_freq_factor")]:
     with pytest.raises(ValueError, match=pattern):
       llama.config("llama-tiny", **bad)
   with pytest.raises(ValueError, match="unknown LlamaConfig preset 'llama-x'"):
