@@ -120,19 +120,24 @@ def test_reads_that_failed_unretrieved_before_the_close_are_not_logged(caplog):
   assert logged == ["another error"] + ["Task exception was never retrieved"] * 2, logged
 
 
+@pytest.mark.parametrize("damage", ["truncated", "binary"])
 def test_an_unreadable_orbax_step_metadata_is_one_warning(finished_run, tmp_path, capsys,
-                                                          caplog):
-  """A truncated ``_CHECKPOINT_METADATA`` (orbax's bookkeeping; our arrays and metadata
-  intact) resumes, with one warning of ours instead of absl ERROR lines per read."""
+                                                          caplog, damage):
+  """A truncated or binary (not UTF-8) ``_CHECKPOINT_METADATA`` (orbax's bookkeeping; our
+  arrays and metadata intact) resumes, with one warning of ours instead of absl ERROR
+  lines per read (orbax logs the two apart: json parse, read)."""
   from train.loop import train
   run = _copy(finished_run, tmp_path / "run")
   path = tmp_path / "run" / "checkpoints" / "4" / "_CHECKPOINT_METADATA"
-  path.write_text(path.read_text()[:20])
+  if damage == "truncated":
+    path.write_text(path.read_text()[:20])
+  else:
+    path.write_bytes(b"\x00garbage\xff" * 7)
   capsys.readouterr()
   result = train(run.replace(resume=True))
   err = capsys.readouterr().err
   assert result["step"] == 4
-  assert not [r for r in caplog.records if "Failed to json parse" in r.getMessage()]
+  assert not [r for r in caplog.records if "Metadata file" in r.getMessage()]
   warnings = [line for line in err.splitlines() if line.startswith("warning: ")]
   assert warnings == [f"warning: {path} (orbax's save time and handler names) is unreadable; "
                       "the arrays and metadata of step 4 passed their checksum, so the run "

@@ -1,11 +1,12 @@
-"""The learning-rate schedule (train/optim.py): warmup, then cosine, linear or constant."""
+"""The learning-rate schedule (train/optim.py): warmup, then cosine, linear or constant;
+the optimizers' weight decay."""
 
 import numpy as np
 import optax
 import pytest
 
 from train import config as config_lib
-from train.optim import make_schedule
+from train.optim import make_optimizer, make_schedule
 
 
 def _schedule(*overrides):
@@ -52,3 +53,16 @@ def test_a_warmup_as_long_as_the_run_is_said_with_the_rate_it_ends_at():
       "learning rate is 0.15, not lr=0.5); set")
   assert warning("steps=21", "warmup_steps=20") is None
   assert warning("steps=1", "warmup_steps=0") is None
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_weight_decay_applies_to_both_optimizers(optimizer):
+  """A zero gradient still decays the weights by lr * weight_decay in the first step (SGD
+  took no weight decay before: its default 0.05 was silently ignored)."""
+  cfg = config_lib.load_config(overrides=[f"optimizer={optimizer}", "lr=0.1",
+                                          "weight_decay=0.5", "grad_clip=0", "warmup_steps=0",
+                                          "schedule=constant"])
+  tx = make_optimizer(cfg)
+  params = {"w": np.full((3,), 2.0, np.float32)}
+  updates, _ = tx.update({"w": np.zeros(3, np.float32)}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * 2.0, rtol=1e-6)

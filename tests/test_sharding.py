@@ -66,6 +66,25 @@ def test_sharded_steps_compile_once(tmp_path):
   _run_on_8_cpu_devices(code)
 
 
+def test_a_batch_the_mesh_cannot_split_is_refused_before_the_run_folder(tmp_path):
+  """batch_size must divide over the mesh's devices: said before anything is written (it
+  failed at the first step, leaving a run folder that refused the corrected command)."""
+  out = tmp_path / "run"
+  code = textwrap.dedent(f"""
+      import pathlib
+      from train import config as config_lib, loop
+      cfg = config_lib.load_config("digits-vit", None, {TINY_TRAIN!r} + [
+          "out_dir={out}", "mesh=data=2", "batch_size=33"])
+      try:
+        loop.train(cfg)
+      except ValueError as e:
+        assert str(e) == "batch_size=33 is not divisible by the 2 devices of mesh='data=2'", e
+      assert not pathlib.Path({str(out)!r}).exists()
+      print("ok")
+  """)
+  _run_on_8_cpu_devices(code)
+
+
 def _run_on_8_cpu_devices(code: str) -> None:
   """Runs ``code`` in a Python subprocess with 8 host CPU devices; it prints "ok"."""
   env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),

@@ -288,6 +288,10 @@ def test_config_errors():
                             ("lr=true", "lr expects a number, got 'true'"),
                             ("resume=1", "resume expects true/false, got '1'"),
                             ("seed=-1", "TrainConfig: seed must be >= 0, got -1"),
+                            # inf was taken: an infinite lr made the "last good" state
+                            ("lr=1e999", "TrainConfig: lr must be finite, got inf"),
+                            ("weight_decay=1e999", "weight_decay must be finite, got inf"),
+                            ("grad_clip=1e999", "grad_clip must be finite, got inf"),
                             # (a raw OverflowError from jax's key before)
                             (f"seed={2 ** 63}", f"TrainConfig: seed must be < 2**32, got "
                                                 f"{2 ** 63}")]:
@@ -1054,6 +1058,7 @@ def test_malformed_config_file_names_the_file(tmp_path):
            "key.json": ('{"stepz": 3}', r"key.json: unknown config key 'stepz'"),
            "type.json": ('{"lr": "fast"}', r"type.json: lr expects a number"),
            "value.json": ('{"steps": 0}', r"value.json: TrainConfig: steps must be >= 1"),
+           "inf.json": ('{"lr": Infinity}', r"inf.json: lr expects a number, got 'Infinity'"),
            "bool.json": ('{"batch_size": true}', r"bool.json: batch_size expects an int, "
                                                  r"got 'true'"),
            "model.json": ('{"model_overrides": 3}', r"model.json: model_overrides must be a "

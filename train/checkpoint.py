@@ -182,10 +182,10 @@ def _reads_finish_before_loops_close():
 
 
 class _UnreadableStepMetadata(logging.Filter):
-  """Takes orbax's absl ERROR lines about a step's unparsable ``_CHECKPOINT_METADATA``
-  (its bookkeeping: save time, handler names; each read logs it again) off the log; the
-  folders they name are collected for one warning of ours."""
-  PREFIX = "Failed to json parse Metadata file: "
+  """Takes orbax's absl ERROR lines about a step's unparsable or unreadable (not UTF-8)
+  ``_CHECKPOINT_METADATA`` (its bookkeeping: save time, handler names; each read logs it
+  again) off the log; the folders they name are collected for one warning of ours."""
+  PREFIXES = ("Failed to json parse Metadata file: ", "Failed to read Metadata file: ")
 
   def __init__(self):
     super().__init__()
@@ -193,9 +193,10 @@ class _UnreadableStepMetadata(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
-    if message.startswith(self.PREFIX):
-      self.files.add(message[len(self.PREFIX):].split(",", 1)[0])
-      return False
+    for prefix in self.PREFIXES:
+      if message.startswith(prefix):
+        self.files.add(message[len(prefix):].split(", ", 1)[0])
+        return False
     return True
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import shlex
 import sys
@@ -385,7 +386,11 @@ def check_inputs(cfg: TrainConfig) -> None:
       pixel_normalization(resolve_path(cfg.pretrained))  # raises on a bad processor file
   elif cfg.new_head:
     raise ValueError("new_head=true replaces a pretrained model's head; set pretrained=<dir>")
-  sharding.make_mesh(cfg.mesh)  # raises when the mesh needs more devices than there are
+  mesh = sharding.make_mesh(cfg.mesh)  # raises when it needs more devices than there are
+  devices = math.prod(mesh.shape.values()) if mesh is not None else 1
+  if cfg.batch_size % devices:  # each step's batch is split over every device
+    raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the {devices} devices "
+                     f"of mesh={cfg.mesh!r}")
   # the model's shapes, nothing materialized or read: the policy's sites take the backend
   # (attention=cudnn off a GPU), the trainable split its parameter paths
   split_trainable(cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))

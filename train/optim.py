@@ -36,10 +36,12 @@ def warmup_warning(cfg: TrainConfig) -> str | None:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """AdamW or SGD with momentum 0.9 on the schedule, after global-norm clipping when set."""
+  """AdamW (decoupled weight decay) or SGD with momentum 0.9 and weight decay added to the
+  gradient (PyTorch SGD's), on the schedule, after global-norm clipping when set."""
   schedule = make_schedule(cfg)
   if cfg.optimizer == "adamw":
     opt = optax.adamw(schedule, weight_decay=cfg.weight_decay)
   else:
-    opt = optax.sgd(schedule, momentum=0.9)
+    opt = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
+                      optax.sgd(schedule, momentum=0.9))
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if cfg.grad_clip else opt
