@@ -34,7 +34,9 @@ class StepDerivative:
     return (0.0, a0, a0 + a1, a0 + a1 + a2)
 
   def code(self, x: jnp.ndarray) -> jnp.ndarray:
-    """The 2-bit code ``(x > c0) + (x > c1) + (x > c2)`` as uint8, compared in fp32."""
+    """The 2-bit code ``(x > c0) + (x > c1) + (x > c2)`` as uint8, compared in fp32. A NaN
+    codes as 0 (derivative 0, where the exact one is NaN): its forward output is NaN,
+    so the loss, and the trainer's non-finite check, still see it."""
     xf = x.astype(jnp.float32)
     c0, c1, c2 = self.thresholds
     return ((xf > c0).astype(jnp.uint8) + (xf > c1).astype(jnp.uint8)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable
 
 import jax
@@ -66,11 +67,31 @@ def checkpoint(fn: Callable, policy: Callable | None = None) -> Callable:
   that copy from forward to backward). A scanned layer's forward and backward are two
   loops: nothing can merge, and the barrier only forces its inputs into buffers of their
   own. On XLA:GPU that was a copy of every frozen weight's slice out of its stack before
-  its cast, each layer, in backward (LLaMA-7B widths, 4 layers, LoRA: 6189 MiB a step)."""
+  its cast, each layer, in backward (LLaMA-7B widths, 4 layers, LoRA: 6189 MiB a step).
+
+  Called with Flax NNX modules (a user's block: ``policy.remat_block(lambda m, x: m(x))``),
+  it is ``nnx.remat``, which writes back the state the block updates (Mesa's ranges,
+  WTA-CRS's key counts); ``jax.checkpoint`` would run the block on a copy and drop it."""
   @functools.wraps(fn)
   def run(*args, **kwargs):
-    return jax.checkpoint(fn, policy=policy, prevent_cse=not _IN_SCAN.get())(*args, **kwargs)
+    remat = _nnx_remat() if _holds_modules((args, kwargs)) else jax.checkpoint
+    return remat(fn, policy=policy, prevent_cse=not _IN_SCAN.get())(*args, **kwargs)
   return run
+
+
+def _holds_modules(tree) -> bool:
+  """Whether ``tree`` holds a Flax NNX graph node (a module or variable); False without
+  Flax imported (lowmem_jax does not import it)."""
+  graph = sys.modules.get("flax.nnx.graph")
+  if graph is None:
+    return False
+  return any(graph.is_graph_node(leaf)
+             for leaf in jax.tree.leaves(tree, is_leaf=graph.is_graph_node))
+
+
+def _nnx_remat():
+  from flax import nnx
+  return nnx.remat
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import dispatch, norms
+from lowmem_jax.carried import Carried
 
 DECAY = 0.9       # EMA decay of the per-group range
 LEVELS = 255      # codes 0..255
@@ -45,6 +46,8 @@ def group_view(shape: Sequence[int], axis: int, groups: int) -> tuple[int, int, 
   shape = tuple(int(d) for d in shape)
   if not shape:
     raise ValueError("quantize: expects at least one axis, got a scalar")
+  if not -len(shape) <= axis < len(shape):
+    raise ValueError(f"quantize: axis {axis} is out of bounds for shape {list(shape)}")
   axis = axis % len(shape)
   if groups < 1 or shape[axis] % groups:
     raise ValueError(f"quantize: {groups} groups do not divide axis {axis} of size "
@@ -221,7 +224,7 @@ jax.tree_util.register_dataclass(QuantState, data_fields=["lo", "hi", "count", "
 
 # ----------------------------------------------------------------------------- QTensor
 @dataclasses.dataclass(frozen=True)
-class QTensor:
+class QTensor(Carried):
   """An activation with its 8-bit code: ops that read it save ``codes`` (not ``value``).
 
   A pytree (arrays as leaves, layout as static metadata), so it may cross ``jax.checkpoint``

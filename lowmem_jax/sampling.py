@@ -34,6 +34,8 @@ import operator
 import jax
 import jax.numpy as jnp
 
+from lowmem_jax.carried import Carried
+
 DEFAULT_RATIO = 0.3  # the paper's budget: k = 0.3 |D|
 
 
@@ -235,7 +237,7 @@ def select(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
   ``row_weights``). No gradient flows through the choice (stop_gradient)."""
   x = jax.lax.stop_gradient(x)
   lead = x.shape[:x.ndim - contract_ndim]
-  x2d = x.reshape(math.prod(lead), -1)
+  x2d = x.reshape(math.prod(lead), math.prod(x.shape[len(lead):]))
   rw = None if row_weights is None else jax.lax.stop_gradient(row_weights).reshape(-1)
   return wta_crs_select(sampling_probabilities(x2d, rw), budget(x2d.shape[0], ratio), key)
 
@@ -295,6 +297,9 @@ def wta_crs_linear(x, kernel, bias, key, *, ratio: float = DEFAULT_RATIO, row_we
   lead = x.shape[:x.ndim - contract_ndim]
   _check_row_weights(row_weights, lead, "wta_crs_linear")
   _check_key(key)
+  if not math.prod(lead):  # no rows to sample: the exact (empty) linear, nothing kept
+    return linear_reference(x, kernel.astype(x.dtype),
+                            None if bias is None else bias.astype(x.dtype), contract_ndim)
   rows, idx, scale = select_rows(x, key, ratio=ratio, row_weights=row_weights,
                                  contract_ndim=contract_ndim)
   return _sampled_linear(x, kernel, bias, rows, idx, scale, row_weights, contract_ndim,
@@ -338,7 +343,7 @@ def _check_row_weights(row_weights, lead, who):
 
 # ----------------------------------------------------------------------------- shared sample
 @dataclasses.dataclass(frozen=True)
-class SampledTensor:
+class SampledTensor(Carried):
   """An activation ``[..., in]`` with one WTA-CRS sample of its rows, made once for all
   the linears that read it (q, k and v read one block input): each keeps these ``rows``
   (``[k, in]``, one buffer for all), ``idx`` and ``scale``, not a sample of its own.

@@ -89,6 +89,8 @@ def test_group_view(shape, axis, groups, view):
     ((3, 7, 12), 0, 0, "0 groups"),
     ((3, 7, 12), 1, -1, "-1 groups"),
     ((), 0, 1, "scalar"),
+    ((4, 6, 3, 5), 6, 3, r"axis 6 is out of bounds for shape \[4, 6, 3, 5\]"),  # was axis 2
+    ((4, 6), -3, 1, "axis -3 is out of bounds"),
 ])
 def test_group_view_rejects_bad_groups(shape, axis, groups, match):
   with pytest.raises(ValueError, match=match):

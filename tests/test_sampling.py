@@ -91,6 +91,19 @@ def test_budget_rejects_bad_rows():
     budget(0, 0.3)
 
 
+def test_wta_crs_linear_of_no_rows_is_the_empty_linear():
+  """Zero rows: nothing to sample; the exact (empty) output and gradients (it was a
+  ZeroDivisionError inside a reshape)."""
+  from lowmem_jax.sampling import wta_crs_linear
+  x, kernel, bias = jnp.ones((0, 5, 4)), jnp.ones((4, 3)), jnp.ones((3,))
+  y = wta_crs_linear(x, kernel, bias, jax.random.key(0))
+  assert y.shape == (0, 5, 3) and y.dtype == x.dtype
+  grads = jax.grad(lambda x, k, b: wta_crs_linear(x, k, b, jax.random.key(0)).sum(),
+                   argnums=(0, 1, 2))(x, kernel, bias)
+  assert [g.shape for g in grads] == [(0, 5, 4), (4, 3), (3,)]
+  assert not any(np.any(np.asarray(g)) for g in grads)
+
+
 def test_sampling_probabilities():
   x = jnp.asarray([[3.0, 4.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]])
   np.testing.assert_allclose(sampling_probabilities(x), [5 / 6, 0, 1 / 6, 0], rtol=1e-6)

@@ -191,6 +191,27 @@ def test_own_model_baseline_gradients_equal_plain_autodiff():
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", ["mesa8", "wta-crs", "lowmem"])
+def test_a_carried_norm_output_read_as_an_array_names_as_array(spec):
+  """Under a stateful policy a Norm's output is carried (its code or sample) to the
+  library's linears; read as an array in the user's own code (a pooled head, indexing,
+  arithmetic, nnx.Linear) it is one error naming models.sites.as_array, which gives the
+  value (before: "'QTensor' object has no attribute 'mean'", "not a valid JAX type")."""
+  from models.sites import as_array
+  x = jax.random.normal(jax.random.key(0), (2, 5, 8))
+  norm = Norm(8, policy=spec)
+  seed_sites(norm, nnx.Rngs(0))
+  y = norm(x)
+  assert (y.shape, y.dtype, y.ndim) == ((2, 5, 8), jnp.float32, 3)
+  head = nnx.Linear(8, 3, rngs=nnx.Rngs(0))
+  for misread in (lambda: y.mean(1), lambda: y[:, 0], lambda: y + 1, lambda: 2 * y,
+                  lambda: y @ jnp.ones((8, 3)), lambda: np.asarray(y), lambda: head(y)):
+    with pytest.raises((TypeError, AttributeError), match=r"of a (QTensor|SampledTensor): .*"
+                       r"read its value with models\.sites\.as_array\(x\)"):
+      misread()
+  np.testing.assert_allclose(as_array(y), Norm(8)(x), rtol=1e-6, atol=1e-6)
+
+
 def test_memory_tools_take_an_nnx_model():
   model = net("lowmembp")
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
