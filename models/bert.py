@@ -294,7 +294,7 @@ def classifier_head(cfg: BertConfig) -> tuple[str, ...]:
 # ----------------------------------------------------------------------------- HF interop
 # Keys a checkpoint may carry that this model does not use: buffers, pretraining heads,
 # and RobertaModel's pooler (RoBERTa's classification head does not read it). BERT's
-# pooler is always read, so a BERT checkpoint without one is still an error.
+# pooler is read where the checkpoint has one.
 HF_IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "pooler.dense.",
                    "lm_head.", "cls.predictions.", "cls.seq_relationship.")
 # the classification head (RoBERTa's dense + out_proj), replaced by a fresh one under
@@ -398,7 +398,7 @@ def hf_map(cfg: BertConfig, keys=None) -> list:
   and kept for the residual path. A checkpoint with no classification head at all (a
   plain ``BertModel``/``RobertaModel``, e.g. sentence encoders) keeps the model's fresh
   head (merged like a loaded one, so every policy computes the same function); BERT's
-  pooler is read all the same.
+  pooler is read where it has one (a ``BertForMaskedLM`` has none: it stays fresh).
   """
   prefix = _hf_prefix(cfg, keys)
   e = f"{prefix}embeddings."
@@ -426,6 +426,8 @@ def hf_map(cfg: BertConfig, keys=None) -> list:
   head = (out,) if cfg.model_type == "bert" else (dense, out)
   if keys is None or any(f"{n}.{w}" in keys for n in head for w in ("weight", "bias")):
     return entries + [HFLinear(dense, "pooler", norm=prev), HFLinear(out, "classifier")]
-  # no head in the checkpoint: keep the fresh one (BERT's pooler is still read)
+  # no head in the checkpoint: keep the fresh one (BERT's pooler is read where it has one;
+  # a BertForMaskedLM's has none, and transformers starts that one fresh too)
+  has_pooler = any(f"{dense}.{w}" in keys for w in ("weight", "bias"))
   return entries + [HFLinear(dense, "pooler", norm=prev,
-                             keep_weights=cfg.model_type == "roberta")]
+                             keep_weights=cfg.model_type == "roberta" or not has_pooler)]

@@ -79,7 +79,8 @@ class SafetensorsFiles(Mapping):
   tensors (which numpy lacks) come as float32. Opening checks every file's header (a
   missing shard, a truncated or corrupt file, an index naming a tensor its shard lacks
   are a :class:`CheckpointError` naming the file) and keeps each tensor's shape and dtype
-  (:meth:`header`), so a load checks them before it reads any tensor."""
+  (:meth:`header`), so a load checks them before it reads any tensor. TF-era names
+  (``LayerNorm.gamma``/``.beta``) are read as ``.weight``/``.bias``, as transformers does."""
 
   def __init__(self, path: str | os.PathLike):
     path = _directory(path)
@@ -109,6 +110,12 @@ class SafetensorsFiles(Mapping):
                                 f"maps to it: {', '.join(lacking[:5])}")
       self.headers.update({k: header[k] for k, v in weight_map.items() if v == name})
     self.path, self.weight_map = path, dict(weight_map)
+    # the name each tensor is read by -> its name in the file, where they differ
+    self.stored = {new: key for key in weight_map
+                   if (new := _modern_name(key)) != key and new not in weight_map}
+    for new, key in self.stored.items():
+      self.weight_map[new] = self.weight_map.pop(key)
+      self.headers[new] = self.headers.pop(key)
 
   def header(self, key: str) -> tuple[tuple[int, ...], str]:
     """``(shape, safetensors dtype name)`` of ``key``, from its file's header (no read)."""
@@ -117,13 +124,14 @@ class SafetensorsFiles(Mapping):
   def __getitem__(self, key: str) -> np.ndarray:
     from safetensors import safe_open
     file = str(self.path / self.weight_map[key])
+    stored = self.stored.get(key, key)
     with safe_open(file, framework="numpy") as f:
       try:
-        return f.get_tensor(key)
+        return f.get_tensor(stored)
       except TypeError:  # a dtype numpy lacks (bfloat16): through JAX, one tensor
         pass
     with safe_open(file, framework="flax") as f:
-      return np.asarray(f.get_tensor(key), np.float32)
+      return np.asarray(f.get_tensor(stored), np.float32)
 
   def __iter__(self):
     return iter(self.weight_map)
@@ -151,6 +159,18 @@ def _json(file: Path):
     return json.loads(file.read_text())
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+
+
+# transformers' legacy renames, applied on load to every model: the LayerNorm names of
+# TF-era checkpoints (the Hub's bert-base-uncased among them)
+_LEGACY_NAMES = (("LayerNorm.gamma", "LayerNorm.weight"), ("LayerNorm.beta", "LayerNorm.bias"))
+
+
+def _modern_name(key: str) -> str:
+  """``key`` as transformers reads it (:data:`_LEGACY_NAMES`)."""
+  for old, new in _LEGACY_NAMES:
+    key = key.replace(old, new)
+  return key
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -471,6 +491,18 @@ def with_labels(config: dict, labels: Sequence[str] | None) -> dict:
           "label2id": {name: i for i, name in enumerate(names)}}
 
 
+def checkpoint_labels(path: str | os.PathLike) -> list[str] | None:
+  """A HF classifier directory's class names by id (its config.json's ``id2label``), or
+  None where it has no usable one."""
+  try:
+    config = json.loads((Path(path) / "config.json").read_text())
+    id2label = config.get("id2label") or {}
+    names = [str(id2label[k]) for k in sorted(id2label, key=int)]
+  except (OSError, ValueError, AttributeError, TypeError, KeyError):
+    return None
+  return names if names and sorted(map(int, id2label)) == list(range(len(names))) else None
+
+
 def save_pretrained(model, path: str | os.PathLike, *,
                     max_shard_bytes: int | None = None,
                     labels: Sequence[str] | None = None) -> None:
@@ -493,7 +525,8 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
   directory, or HF tensors by name) with each adapter's ``scale * A @ B`` added to its
   linear's weight and the linears trained in full (the head) put in; every other tensor
   the checkpoint's own, bit for bit, in its dtype (:func:`models.hf_state.merged_tensors`).
-  ``new_head``: as the load (the checkpoint's head was not read). Streamed: tensors are
+  ``new_head``: as the load (the checkpoint's head was not read; if it was, and no
+  ``labels`` are given, base's class names are kept). Streamed: tensors are
   read from ``base`` and written a shard at a time (``max_shard_bytes``, default
   :data:`MAX_SHARD_BYTES`), so the host holds one shard, not the model. ``base`` must
   hold the values the model was loaded from: the train loop checks its fingerprint
@@ -510,5 +543,8 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
   tensors = merged_tensors(model, module.hf_map(model.cfg), state,
                            module.hf_map(model.cfg, frozenset(state)),
                            lambda var: isinstance(var, LoRAParam))
-  _write_model_dir(path, with_labels(module.config_to_hf(model.cfg), labels), tensors,
-                   max_shard_bytes)
+  config = module.config_to_hf(model.cfg)
+  if labels is None and not new_head and not isinstance(base, Mapping):
+    kept = checkpoint_labels(base)  # the head read from base: its classes' names
+    labels = kept if kept and len(kept) == len(config.get("id2label", ())) else None
+  _write_model_dir(path, with_labels(config, labels), tensors, max_shard_bytes)

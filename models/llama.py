@@ -351,10 +351,12 @@ def _rope_from_hf(hf: dict) -> dict:
             "rope_theta": hf_value(params, "rope_theta", float,
                                    hf_value(hf, "rope_theta", float, 10000.0))}
   where = "rope_parameters" if params else "rope_scaling"
+  # absent, the original context is the model's own (transformers' default too)
+  defaults = {"original_max_position_embeddings": hf.get("max_position_embeddings")}
   for key, (field, type_) in _HF_ROPE_KEYS.items():
     if field in rope.ROPE_TYPES[kind]:
       try:
-        fields[field] = hf_value(scaling, key, type_)
+        fields[field] = hf_value({**defaults, **scaling}, key, type_)
       except KeyError:
         raise CheckpointError(f"config_from_hf: {where} has no {key!r}, which rope_type "
                               f"{kind!r} needs") from None

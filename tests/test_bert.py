@@ -317,6 +317,72 @@ def test_headless_checkpoint_gets_a_fresh_head(hf_checkpoint, tmp_path):
     np.testing.assert_array_equal(new(*batch)[1], same(*batch)[1])
 
 
+def test_tf_era_layernorm_names_load_as_transformers_reads_them(hf_checkpoint, tmp_path):
+  """``LayerNorm.gamma``/``.beta`` (the Hub's bert-base-uncased names them so) are read as
+  ``.weight``/``.bias``, as transformers does; the export writes today's names."""
+  arch, path, ref = hf_checkpoint
+
+  def edit(state):
+    for key in [k for k in state if "LayerNorm." in k]:
+      state[key.replace("LayerNorm.weight", "LayerNorm.gamma")
+            .replace("LayerNorm.bias", "LayerNorm.beta")] = state.pop(key)
+
+  old = rewrite_checkpoint(path, tmp_path / "old", edit)
+  assert any(k.endswith("LayerNorm.gamma") for k in hf.read_safetensors(old).stored.values())
+  for policy in ("baseline", "lowmembp"):
+    assert_same_outputs(hf.load_pretrained(old, policy=policy),
+                        functools.partial(hf_reference, ref))
+  model = hf.load_pretrained(old, policy="lowmembp")
+  from models import lora
+  lora.apply_lora(model, rank=2, targets=("query",))
+  hf.save_lora_merged(model, tmp_path / "export", old)
+  written = hf.read_safetensors(tmp_path / "export")
+  assert not written.stored and f"{arch}.embeddings.LayerNorm.weight" in written
+
+
+def test_a_masked_lm_bert_checkpoint_gets_a_fresh_pooler(tmp_path):
+  """A ``BertForMaskedLM`` save (no pooler, no classifier; its MLM head unused) loads with
+  a fresh pooler and head, as ``BertForSequenceClassification.from_pretrained`` starts
+  them (it was refused: "missing keys: bert.pooler.dense.weight")."""
+  path, ref = fixtures.DATA / "bert", fixtures.reference("bert")
+
+  def edit(state):
+    for key in [k for k in state if k.startswith(("classifier", "bert.pooler"))]:
+      del state[key]
+    state["cls.predictions.bias"] = np.zeros((99,), np.float32)
+
+  mlm = rewrite_checkpoint(path, tmp_path / "mlm", edit)
+  batch = make_batch(bert.config_from_hf(json.loads((path / "config.json").read_text())))
+  mask = np.asarray(batch[1])
+  out = {p: forward_fn(hf.load_pretrained(mlm, policy=p, seed=3))(*batch)
+         for p in ("baseline", "lowmembp")}
+  assert max_diff(out["baseline"][0][mask], ref["hidden"][mask]) < 1e-4
+  assert max_diff(out["lowmembp"][1], out["baseline"][1]) < 1e-5
+
+
+def test_exports_keep_the_checkpoint_s_class_names(hf_checkpoint, tmp_path):
+  """A LoRA export of a checkpoint whose head was read keeps its id2label (it wrote
+  LABEL_i); ``checkpoint_labels`` gives them for ``save_pretrained(labels=...)``."""
+  from models import lora
+  arch, path, _ = hf_checkpoint
+  config = json.loads((path / "config.json").read_text())
+  names = ["neg", "neutral", "pos"][:len(config["id2label"])]
+  named = tmp_path / "named"
+  shutil.copytree(path, named)
+  (named / "config.json").write_text(json.dumps(
+      {**config, "id2label": dict(enumerate(names)), "label2id": {n: i for i, n in
+                                                                  enumerate(names)}}))
+  assert hf.checkpoint_labels(named) == names
+  model = hf.load_pretrained(named)
+  lora.apply_lora(model, rank=2, targets=("query",))
+  hf.save_lora_merged(model, tmp_path / "lora", named)
+  assert json.loads((tmp_path / "lora" / "config.json").read_text())["id2label"] == {
+      str(i): n for i, n in enumerate(names)}
+  hf.save_lora_merged(model, tmp_path / "given", named, labels=["a", "b"])  # labels win
+  assert list(json.loads((tmp_path / "given" / "config.json").read_text())["label2id"])[:2] == [
+      "a", "b"]
+
+
 # ----------------------------------------------------------------------------- real MiniLM
 @pytest.fixture(scope="module")
 def minilm():

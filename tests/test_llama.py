@@ -271,6 +271,10 @@ def test_rope_scaling_read_from_either_transformers_format_and_written_back():
       rope_scaling={"rope_type": "dynamic", "factor": 2.0})
   assert "rope_type 'yarn' is not supported" in error(
       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
+  no_original = {k: v for k, v in LLAMA31_ROPE["rope_scaling"].items()
+                 if k != "original_max_position_embeddings"}
+  assert llama.config_from_hf({**base, "rope_scaling": no_original}
+                              ).rope_original_max_seq_len == base["max_position_embeddings"]
   assert "rope_scaling has no 'low_freq_factor', which rope_type 'llama3' needs" in error(
       rope_scaling={"rope_type": "llama3", "factor": 8.0})
   assert "rope_parameters says rope_type 'default', rope_scaling says 'llama3'" in error(

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import functools
-import json
 import os
-from pathlib import Path
 
 import numpy as np
 
@@ -91,11 +89,9 @@ def _checkpoint_label_ids(dataset, cfg: TrainConfig):
   names = getattr(dataset, "class_names", None)
   if dataset is None or names is None or not cfg.pretrained or cfg.new_head:
     return dataset
-  try:
-    id2label = json.loads((Path(resolve_path(cfg.pretrained)) / "config.json").read_text()
-                          ).get("id2label") or {}
-    ours = [str(id2label[k]) for k in sorted(id2label, key=int)]
-  except (OSError, ValueError, AttributeError, TypeError):
+  from models.hf import checkpoint_labels
+  ours = checkpoint_labels(resolve_path(cfg.pretrained))
+  if ours is None:
     return dataset  # no usable label map: the model's own checks speak for the file
   if not set(names) <= set(ours) or len(set(ours)) != len(ours):
     return dataset

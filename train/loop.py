@@ -314,6 +314,9 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
     if cfg.task == "lm":
       ids = special_token_ids(load_tokenizer(tokenizer)[0])
       model.cfg = dataclasses.replace(model.cfg, **ids)
+  if labels is None and cfg.pretrained and not cfg.new_head:  # the head was read: its names
+    kept = hf.checkpoint_labels(resolve_path(cfg.pretrained))
+    labels = kept if kept and len(kept) == getattr(model.cfg, "num_labels", None) else None
   if streamed:
     hf.save_lora_merged(model, cfg.export_dir, resolve_path(cfg.pretrained),
                         new_head=cfg.new_head, labels=labels)
