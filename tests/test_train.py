@@ -1104,6 +1104,34 @@ def test_named_config_paths_resolve_against_the_package(tmp_path, monkeypatch):
   assert mine.data == "mine.jsonl"  # a user's path stays relative to the current folder
 
 
+@pytest.mark.parametrize("trainable", ["full", "lora"])
+def test_int_labels_on_a_pretrained_head_export_its_class_names(tmp_path, trainable):
+  """Data labelled by ids (no names) on a checkpoint's own head: the export keeps the
+  checkpoint's id2label (it wrote LABEL_0, LABEL_1, ...), streamed or whole."""
+  from tokenizers import Tokenizer, models as tok_models, pre_tokenizers
+  ckpt = tmp_path / "ckpt"
+  shutil.copytree(Path(__file__).parent / "data" / "hf" / "bert", ckpt)
+  config = json.loads((ckpt / "config.json").read_text())
+  names = ["neg", "neutral", "pos"]
+  (ckpt / "config.json").write_text(json.dumps({**config, "id2label": dict(enumerate(names)),
+                                                "label2id": {n: i for i, n in enumerate(names)}}))
+  words = ["[PAD]", "[UNK]"] + [f"w{i}" for i in range(20)]
+  tok = Tokenizer(tok_models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.save(str(ckpt / "tokenizer.json"))
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"text": f"w{i} w{i + 1}", "label": i % 3}) + "\n"
+                          for i in range(8)))
+  cfg = config_lib.load_config(None, None, [
+      "task=text", f"pretrained={ckpt}", f"data={data}", f"trainable={trainable}",
+      "steps=1", "batch_size=8", "max_len=8", "eval_every=0", "save_every=0",
+      "compare_baseline=false", "dtype=float32", f"out_dir={tmp_path / 'run'}",
+      f"export_dir={tmp_path / 'hf'}"])
+  train(cfg)
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["id2label"] == {
+      str(i): n for i, n in enumerate(names)}
+
+
 def test_eval_set_uses_the_training_label_map_and_labels_fit_the_model(tmp_path):
   from train.datasets import make_datasets
   from train.model import build_model
