@@ -156,6 +156,13 @@ def test_merge_without_peaks_and_a_note():
                                 {"peers": [{"name": "torch+peft", **_peer(False)}]})
   assert "peak_mib" not in cpu["peers"][0] and "peak" not in bench.table(cpu)
   assert cpu["peers"][0]["speed_ratio"] == pytest.approx(28.0 / 30.0)
+  # a peer's steps are queued on one batch: set against our baseline timed so, where the
+  # bench has that figure (it was against our interleaved time, which feeds new batches)
+  queued = _result(peak=False)
+  queued["rows"][0]["queued_ms"] = 21.0
+  row = bench_peers.merge_peers(queued, {"peers": [{"name": "torch+peft", **_peer(False)}]}
+                                )["peers"][0]
+  assert row["speed_ratio"] == row["queued_speed_ratio"] == pytest.approx(21.0 / 30.0)
   # our rows without --peak, the peers' with a peak: the peer's peak, no ratio
   gpu = bench_peers.merge_peers(_result(peak=False),
                                 {"peers": [{"name": "torch+peft", **_peer(False, 3653.0)}]})

@@ -229,6 +229,7 @@ def test_speeds_from_the_table_or_the_cost_model():
 
 @pytest.mark.parametrize("text,size", [("20GiB", 20 * 2 ** 30), ("512MiB", 512 * 2 ** 20),
                                        ("1.5 GB", 1_500_000_000), (4096, 4096),
+                                       ("1310720", 1310720),  # bytes as text (llama_fit's)
                                        ("auto", "auto")])
 def test_budget_parsing(text, size):
   assert config_lib.parse_budget(text) == size
@@ -240,6 +241,8 @@ def test_budget_parsing(text, size):
 def test_bad_budgets_name_the_field(text):
   with pytest.raises(ValueError, match=r"^TrainConfig: memory_budget=.*'20GiB'"):
     _cfg(f"memory_budget={text}")
+  with pytest.raises(ValueError, match=r"^TrainConfig: memory_budget='1.5'"):
+    config_lib.parse_budget("1.5")  # a fraction of a byte
 
 
 def test_auto_on_cpu_is_a_clear_error():

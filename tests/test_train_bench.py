@@ -68,12 +68,13 @@ def test_bench_end_to_end(tmp_path, capsys):
 def test_compile_only_runs_nothing(tmp_path, capsys, monkeypatch):
   monkeypatch.setattr(bench, "_Runner", _NoSteps)
   out = tmp_path / "compiled.json"
-  result = bench.main([*TINY, "--policies", "lowmem", "--compile-only", "--live",
+  result = bench.main([*TINY, "--policies", "lowmem,baseline", "--compile-only", "--live",
                        "--json", str(out)])
   data = json.loads(out.read_text())
   assert data == json.loads(json.dumps(result)) and data["timed_steps"] == 0
   rows = {r["policy"]: r for r in data["rows"]}
-  assert list(rows) == ["baseline", "lowmem"] and rows["baseline"]["temp_ratio"] == 1.0
+  assert list(rows) == ["lowmem", "baseline"] and rows["baseline"]["temp_ratio"] == 1.0
+  assert data["baseline"] == "baseline"  # the ratios' base (it said the first policy)
   assert rows["lowmem"]["canonical_policy"] == "lowmem"
   for r in rows.values():
     assert r["compiled"]["temp"] > 0 and r["step_ms"] is None and r["throughput"] is None
@@ -159,7 +160,8 @@ def test_synthetic_llama_lm_with_lora_and_peers(tmp_path, monkeypatch, capsys):
   assert lora["queued_speed_ratio"] == pytest.approx(row["queued_ms"] / 2.0)
   assert lora["peer"]["case"] == "llama-lora" and lora["peer"]["seq"] == "16"
   assert ckpt["peak_mib"] == 5.0 and "peak_ratio" not in ckpt  # no peak of ours
-  assert ckpt["speed_ratio"] == pytest.approx(row["step_ms"] / 3.0)
+  # its speed ratio too (it was against our interleaved time, which feeds a new batch)
+  assert ckpt["speed_ratio"] == pytest.approx(row["queued_ms"] / 3.0)
   text = capsys.readouterr().out
   assert "torch+peft+ckpt: resident 4.0 MiB before the step, peak - resident 1.0 MiB" in text
   assert [ln.split()[0] for ln in text.splitlines() if ln.startswith("torch+peft")][-4:] == [

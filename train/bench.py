@@ -388,7 +388,7 @@ def compile_only(cfg: TrainConfig, specs: Sequence[str], synthetic: int = 0,
                                for s, n, c in peak.by_source()[:5]])
   unit = "tokens/s" if cfg.task == "lm" else "examples/s"
   result = {**_device_info(), "config": cfg.to_json(), "policies": list(memory),
-            "baseline": specs[0], "timed_steps": 0, "warmup_steps": 0,
+            "baseline": base_spec, "timed_steps": 0, "warmup_steps": 0,
             "synthetic": synthetic, "throughput_unit": unit, "rows": rows}
   return {**result, "failed": failed} if failed else result
 
@@ -447,8 +447,9 @@ def table(result: dict) -> str:
     row = [r["policy"], "-", "-", "-", "-"] + (["-", "-"] if live else [])
     row += ["-", "-"] if launches else []
     row += (["failed", "-", "-"] if "step_ms" not in r else
-            [f"{r['step_ms']:.2f}", f"{r['speed_ratio']:.3f}", f"{r['throughput']:.0f}"])
-    if queued:  # a peer is timed one way, queued: the same figure against our queued base
+            [f"{r['step_ms']:.2f}", "-" if queued else f"{r['speed_ratio']:.3f}",
+             f"{r['throughput']:.0f}"])
+    if queued:  # a peer is timed one way, queued: its ratio is against our queued base
       row += (["-", "-"] if "queued_speed_ratio" not in r else
               [f"{r['step_ms']:.2f}", f"{r['queued_speed_ratio']:.3f}"])
     if peak:

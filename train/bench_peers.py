@@ -115,7 +115,10 @@ def ran_on_gpu(peers: dict) -> bool:
 
 def merge_peers(result: dict, peers: dict) -> dict:
   """``result`` (the bench's) with ``peers`` rows added: step time, speed ratio and
-  throughput against our baseline, peak and peak ratio where both peaks exist."""
+  throughput against our baseline, peak and peak ratio where both peaks exist. A peer is
+  timed with its steps queued on one batch, so its ``speed_ratio`` is against our
+  baseline timed so (``queued_ms``) where the bench has that figure, else against its
+  interleaved step time."""
   base = next(r for r in result["rows"] if r["policy"] == result["baseline"])
   rows = []
   for p in peers["peers"]:
@@ -123,9 +126,10 @@ def merge_peers(result: dict, peers: dict) -> dict:
     if p.get("profile"):
       row["profile"] = p["profile"]
     if "error" not in p:
-      row.update(step_ms=p["step_ms"], speed_ratio=base["step_ms"] / p["step_ms"],
+      like = base.get("queued_ms", base["step_ms"])  # timed as the peer is, where we can
+      row.update(step_ms=p["step_ms"], speed_ratio=like / p["step_ms"],
                  throughput=p["throughput"])
-      if "queued_ms" in base:  # timed as the peer is: one batch, steps queued
+      if "queued_ms" in base:  # one batch, steps queued
         row["queued_speed_ratio"] = base["queued_ms"] / p["step_ms"]
       if p["peak_mib"] is not None:
         row.update(peak_mib=p["peak_mib"], resident_mib=p["resident_mib"],

@@ -209,10 +209,11 @@ def parse_budget(value) -> int | str:
     raise ValueError(bad)
   if value == "auto":
     return value
-  match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]+)\s*", value)
-  if not match or match.group(2) not in BYTE_UNITS:
+  match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+  if not match or (match.group(2) or "B") not in BYTE_UNITS or (
+      not match.group(2) and "." in match.group(1)):  # "1310720" is bytes, as 1310720 is
     raise ValueError(bad)
-  size = int(float(match.group(1)) * BYTE_UNITS[match.group(2)])
+  size = int(float(match.group(1)) * BYTE_UNITS[match.group(2) or "B"])
   if size < 1:
     raise ValueError(bad)
   return size
