@@ -187,6 +187,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.error(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
   if args.rank < 1:
     ap.error(f"--rank must be >= 1, got {args.rank}")
+  if args.json:  # before the measurement, not after it (no jax here: cli_checks imports it)
+    parent = Path(args.json).resolve().parent
+    if Path(args.json).is_dir() or not parent.is_dir():
+      ap.error(f"--json {args.json}: not a file in an existing directory")
   targets = [t.strip() for t in (args.targets or DEFAULT_TARGETS[family]).split(",")
              if t.strip()]
   unknown = [t for t in targets if t not in TARGET_MODULES[family]]

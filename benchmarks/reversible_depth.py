@@ -44,7 +44,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from lowmem_jax import gpu_target
+from lowmem_jax import cli_checks, gpu_target
 from lowmem_jax.hlo_kernels import async_overlaps
 from lowmem_jax.memory import MiB, compiled_memory, format_table, policy_list, write_json
 
@@ -315,11 +315,21 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   # preallocating, so the children measured after it get the whole GPU
   os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+  cli_checks.at_least(ap, args, "--batch", "--run-batch", "--steps", "--rounds")
+  cli_checks.at_least(ap, args, "--warmup", minimum=0)
+  cli_checks.above(ap, args, "--case-timeout")
+  cli_checks.output_file(ap, args, "--json")
   cfg = dict(SMOKE if args.smoke else FULL, dtype=args.dtype)
   if args.depths:
-    cfg["depths"] = tuple(int(d) for d in args.depths.split(","))
-  cfg["batch"] = args.batch or cfg["batch"]
-  cfg["run_batch"] = args.run_batch or cfg["run_batch"]
+    try:
+      cfg["depths"] = tuple(int(d) for d in args.depths.split(","))
+    except ValueError:
+      ap.error(f"--depths {args.depths!r}: expected comma-separated layer counts, e.g. 12,24")
+    if min(cfg["depths"]) < 1 or len(set(cfg["depths"])) < len(cfg["depths"]):
+      ap.error(f"--depths {args.depths!r}: layer counts >= 1, each once (the growth is "
+               "between the least and the most)")
+  cfg["batch"] = args.batch if args.batch is not None else cfg["batch"]
+  cfg["run_batch"] = args.run_batch if args.run_batch is not None else cfg["run_batch"]
   try:
     policies = policy_list(args.policies)
   except ValueError as e:

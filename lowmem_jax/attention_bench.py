@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from lowmem_jax import attention as attn
+from lowmem_jax import cli_checks
 from lowmem_jax.memory import error_line, format_table, write_json
 
 LENGTHS = (17, 64, 129, 197, 577, 1024, 2048)
@@ -206,7 +207,8 @@ def run_bench(models: dict, lengths, dtype, smoke: bool,
 
 
 def main(argv=None) -> dict:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap = argparse.ArgumentParser(prog="python -m lowmem_jax.attention_bench",
+                               description=__doc__.split("\n")[0])
   ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
   ap.add_argument("--smoke", action="store_true",
                   help="tiny shapes, timings meaningless (default off GPU)")
@@ -215,15 +217,22 @@ def main(argv=None) -> dict:
   ap.add_argument("--budget", type=float, default=BUDGET_SECONDS,
                   help="seconds; rows not started by then are reported as skipped")
   args = ap.parse_args(argv)
+  cli_checks.above(ap, args, "--budget")
+  cli_checks.output_file(ap, args, "--json")
   smoke = args.smoke or jax.default_backend() != "gpu"
   models = SMOKE_MODELS if smoke else MODELS
   if args.models:
     unknown = sorted(set(args.models.split(",")) - set(models))
     if unknown:
-      raise SystemExit(f"unknown model(s) {', '.join(unknown)}; valid: {', '.join(models)}")
+      ap.error(f"--models: unknown {', '.join(unknown)}; valid: {', '.join(models)}")
     models = {k: models[k] for k in args.models.split(",")}
-  lengths = (tuple(int(x) for x in args.lengths.split(",")) if args.lengths
-             else SMOKE_LENGTHS if smoke else LENGTHS)
+  try:
+    lengths = (tuple(int(x) for x in args.lengths.split(",")) if args.lengths
+               else SMOKE_LENGTHS if smoke else LENGTHS)
+  except ValueError:
+    ap.error(f"--lengths {args.lengths!r}: expected comma-separated sequence lengths")
+  if min(lengths) < 1:
+    ap.error(f"--lengths {args.lengths!r}: sequence lengths must be >= 1")
   dtype = jnp.bfloat16
   start = time.perf_counter()
   rows = run_bench(models, lengths, dtype, smoke, args.budget)

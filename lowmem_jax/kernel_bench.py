@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from lowmem_jax import activations, block_stack, norms, packing
+from lowmem_jax import activations, block_stack, cli_checks, norms, packing
 from lowmem_jax.memory import error_line, format_table, write_json
 from lowmem_jax.policy import MemoryPolicy
 
@@ -376,10 +376,23 @@ def main(argv: Sequence[str] | None = None) -> dict:
   ap.add_argument("--batch", type=int, default=64)
   ap.add_argument("--no-step", action="store_true", help="kernels only, no block step")
   ap.add_argument("--interpret", action="store_true",
-                  help="tiny sizes, kernels in interpret mode (smoke test on any backend)")
+                  help="kernels in interpret mode, at fixed tiny sizes (4096 elements, hidden "
+                       "64, 1 layer of width 32, batch 2, 2 rounds: the size and round flags "
+                       "are not read): a smoke test on any backend")
   ap.add_argument("--json", metavar="FILE")
   args = ap.parse_args(argv)
-  dtype = jnp.dtype(args.dtype)
+  cli_checks.at_least(ap, args, "--elements", "--hidden", "--rounds", "--step-rounds",
+                      "--layers", "--batch")
+  cli_checks.above(ap, args, "--target-ms")
+  cli_checks.output_file(ap, args, "--json")
+  try:
+    dtype = jnp.dtype(args.dtype)
+  except TypeError:
+    ap.error(f"--dtype {args.dtype!r} is not a dtype; e.g. bfloat16, float16, float32")
+  if not jnp.issubdtype(dtype, jnp.floating):
+    ap.error(f"--dtype {args.dtype!r} is not a floating dtype")
+  if not args.interpret and args.elements < args.hidden:
+    ap.error(f"--elements {args.elements} is less than one row of --hidden {args.hidden}")
   cfg = block_stack.StackConfig(num_layers=args.layers)
   # a ~50 us kernel gets ~500 calls from --target-ms anyway
   seq, batch, min_iters, max_iters = 197, args.batch, MIN_LOOP_TRIPS, 100_000

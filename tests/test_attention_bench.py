@@ -5,6 +5,7 @@ import types
 import jax
 import jax.numpy as jnp
 import pytest
+from conftest import cli_error
 
 from lowmem_jax import attention_bench
 
@@ -56,9 +57,15 @@ def test_loop_feeds_each_call_into_the_next():
   assert all(float(jnp.max(jnp.abs(a - b))) > 0 for a, b in zip(one, two))
 
 
-def test_unknown_model_is_a_clear_error():
-  with pytest.raises(SystemExit, match="unknown model"):
-    attention_bench.main(["--smoke", "--models", "gpt"])
+@pytest.mark.parametrize("argv,message", [
+    (["--models", "gpt"], "--models: unknown gpt; valid: "),
+    (["--lengths", "0"], "--lengths '0': sequence lengths must be >= 1"),  # ZeroDivisionError
+    (["--lengths", "abc"], "--lengths 'abc': expected comma-separated sequence lengths"),
+    (["--budget", "-5"], "--budget must be > 0, got -5.0"),  # every row was "skipped"
+    (["--json", "/nonexistent/x.json"], "the directory /nonexistent does not exist"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+  assert message in cli_error(attention_bench.main, ["--smoke", *argv], capsys)
 
 
 def test_rows_past_the_time_budget_are_reported_as_skipped():

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+from conftest import cli_error
 from lowmem_jax import kernel_bench
 
 pytestmark = pytest.mark.precision("default")
@@ -161,3 +162,16 @@ def test_a_kernel_that_fails_is_a_row_and_the_bench_goes_on(monkeypatch):
   assert neg["kernel"] == "neg" and neg["max_abs_err_vs_xla"] == 0 and neg["loop_intact"]
   table = kernel_bench.kernel_table(kernels)
   assert "broken" in table and "failed" in table
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),  # StatisticsError after the run
+    (["--hidden", "0"], "--hidden must be >= 1, got 0"),  # ZeroDivisionError
+    (["--dtype", "foo"], "--dtype 'foo' is not a dtype"),
+    (["--dtype", "int32"], "--dtype 'int32' is not a floating dtype"),
+    (["--target-ms", "0"], "--target-ms must be > 0"),
+    (["--elements", "10", "--hidden", "64"], "--elements 10 is less than one row"),
+    (["--json", "/nonexistent/x.json"], "the directory /nonexistent does not exist"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+  assert message in cli_error(kernel_bench.main, ["--no-step", *argv], capsys)

@@ -70,6 +70,9 @@ def test_smoke_shapes_and_explicit_flags_win():
     (["--case", "llama-full", "--base-dtype", "nf4"], "applies to llama-lora"),
     (["--case", "llama-lora", "--base-dtype", "int8"], "invalid choice: 'int8'"),
     (["--case", "llama-lora", "--max-batch", "0"], "--max-batch must be >= 1"),
+    # said before the measurement (it ran, then failed to write)
+    (["--case", "vit-lora", "--json", "/nonexistent/x.json"],
+     "--json /nonexistent/x.json: not a file in an existing directory"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
   with pytest.raises(SystemExit) as e:

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import reversible_depth as rd
+from conftest import cli_error
 
 TINY = rd.SMOKE["overrides"]
 
@@ -48,3 +49,15 @@ def test_target_goes_with_the_compile_rows():
   for argv in (["--target", "h100"], ["--compile-only", "--no-compile-rows", "--target", "h100"]):
     with pytest.raises(SystemExit):
       rd.main(["--smoke", *argv])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--depths", "2,2"], "--depths '2,2': layer counts >= 1, each once"),  # ZeroDivisionError
+    (["--depths", "x"], "expected comma-separated layer counts"),
+    (["--batch", "0"], "--batch must be >= 1, got 0"),  # was the default, silently
+    (["--steps", "0"], "--steps must be >= 1, got 0"),  # every row an UnboundLocalError
+    (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--json", "/nonexistent/x.json"], "the directory /nonexistent does not exist"),
+])
+def test_bad_arguments_are_one_line_errors(argv, message, capsys):
+  assert message in cli_error(rd.main, ["--smoke", "--compile-only", *argv], capsys)
