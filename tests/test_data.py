@@ -700,6 +700,32 @@ def test_causal_lm_llama_style_tokenizer(tmp_path):
   assert ds.arrays["loss_mask"][1].tolist() == [True] * 3 + [False] * 5
 
 
+def test_causal_lm_ends_texts_with_the_tokenizer_s_configured_eos(tmp_path, capsys):
+  """An end token of another name (DeepSeek's "<｜end▁of▁sentence｜>"), named by the
+  tokenizer_config.json beside tokenizer.json, ends each text (it ended with none, and
+  the model never learned to stop); none anywhere is a warning."""
+  from tokenizers import models, pre_tokenizers, processors
+  words = ["<pad>", "<bos>", "<｜end▁of▁sentence｜>", "<unk>", "hello", "world"]
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                              unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = processors.TemplateProcessing(single="<bos> $A",
+                                                     special_tokens=[("<bos>", 1)])
+  (tmp_path / "tok").mkdir()
+  tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+  path = write_jsonl(tmp_path / "lm.jsonl", [{"text": "hello world"}])
+  ds = causal_lm(path, tmp_path / "tok" / "tokenizer.json", max_len=6)
+  assert ds.arrays["targets"][0].tolist()[:3] == [4, 5, 0]  # no end token: <pad> follows
+  assert "has no end-of-text token" in capsys.readouterr().err
+  (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+      {"eos_token": {"content": "<｜end▁of▁sentence｜>", "special": True}}))
+  for given in (tmp_path / "tok" / "tokenizer.json", tmp_path / "tok"):
+    ds = causal_lm(path, given, max_len=6)
+    assert ds.arrays["targets"][0].tolist()[:3] == [4, 5, 2]
+    assert ds.arrays["loss_mask"][0].tolist()[:3] == [True] * 3
+  assert "no end-of-text token" not in capsys.readouterr().err
+
+
 def test_causal_lm_tokenizes_prompt_and_output_as_one_text(tmp_path):
   """A tokenizer that marks where a text starts (Metaspace's "▁", as LLaMA-2's): the prompt
   and the output tokenized as one text, as Alpaca and TRL do (before: apart, so the

@@ -599,6 +599,16 @@ def test_an_lm_export_names_the_tokenizer_it_trained_with(tmp_path):
                              "tokenizer_config.json"]
   assert (tmp_path / "own" / "generation_config.json").read_bytes() == (
       llama / "generation_config.json").read_bytes()  # the checkpoint's own: as it was
+  # the same tokenizer written another way (unindented) is still the checkpoint's own (it
+  # was taken for another: its files dropped, its eos list replaced by one id)
+  import tokenizers
+  tokenizers.Tokenizer.from_file(str(minilm / "tokenizer.json")).save(
+      str(tmp_path / "compact.json"), pretty=False)
+  assert (tmp_path / "compact.json").read_bytes() != (minilm / "tokenizer.json").read_bytes()
+  export("compact", f"pretrained={llama}", f"tokenizer={tmp_path / 'compact.json'}")
+  assert exported["compact"] == exported["own"]
+  assert (tmp_path / "compact" / "generation_config.json").read_bytes() == (
+      llama / "generation_config.json").read_bytes()
 
 
 @pytest.mark.slow

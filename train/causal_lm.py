@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -9,7 +10,8 @@ import numpy as np
 
 from train.dataset import ArrayDataset, MissingFileError
 from train.jsonl import field, read_jsonl, read_text
-from train.tokenize import check_max_len, eos_ids, load_tokenizer, special_affixes
+from train.tokenize import (EOS_CANDIDATES, check_max_len, configured_eos, eos_ids,
+                            load_tokenizer, special_affixes)
 
 # Alpaca's two prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT). The model
 # is trained on the tokens of `output` (and the end token) that follow the formatted prompt.
@@ -43,8 +45,10 @@ def causal_lm(path, tokenizer, *, max_len: int,
     the default template an empty input uses Alpaca's no-input prompt.
 
   Start/end tokens are the ones the tokenizer's post-processor adds to one sequence (BERT:
-  [CLS] ... [SEP]; LLaMA: <s>); when it adds no end token, the first of ``EOS_CANDIDATES`` in
-  the vocabulary ends each text and output, so the model learns to stop.
+  [CLS] ... [SEP]; LLaMA: <s>); when it adds no end token, the tokenizer's own
+  (``tokenizer_config.json``'s ``eos_token``), else the first of ``EOS_CANDIDATES`` in the
+  vocabulary ends each text and output, so the model learns to stop (a warning says so
+  when there is none).
   """
   check_max_len(max_len)
   p = Path(path)
@@ -54,7 +58,13 @@ def causal_lm(path, tokenizer, *, max_len: int,
     raise MissingFileError(f"data file not found: {p}")
   tok, pad_id = load_tokenizer(tokenizer)
   prefix, suffix = special_affixes(tok)
-  eos = eos_ids(tok, suffix)
+  eos = eos_ids(tok, suffix, configured_eos(tokenizer))
+  if not eos:
+    named = tokenizer if isinstance(tokenizer, (str, os.PathLike)) else type(tokenizer).__name__
+    print(f"warning: the tokenizer ({named}) has no end-of-text token (its post-processor "
+          "adds none, no tokenizer_config.json names one, and none of "
+          f"{', '.join(EOS_CANDIDATES)} is in its vocabulary): texts and outputs end "
+          "without one, so the model does not learn to stop", file=sys.stderr, flush=True)
   suffix_lower = p.suffix.lower()
   if suffix_lower == ".txt":
     text = read_text(p)

@@ -36,7 +36,7 @@ from train.metrics import Log, finished_result
 from train.model import (build_model, model_config, model_family, resolve_path,
                          split_trainable, trainable_filter)
 from train.optim import make_schedule, warmup_warning
-from train.tokenize import load_tokenizer, special_token_ids
+from train.tokenize import configured_eos, load_tokenizer, special_token_ids
 from train.trainer import Trainer
 
 
@@ -305,14 +305,14 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
   if tokenizer:
     folder = tokenizer if os.path.isdir(tokenizer) else None  # a folder of tokenizer files
     tokenizer = os.path.join(folder, "tokenizer.json") if folder else tokenizer
-  if tokenizer and not (files and _same_file(tokenizer, files["tokenizer.json"])):
+  if tokenizer and not (files and _same_tokenizer(tokenizer, files["tokenizer.json"])):
     # another tokenizer than the checkpoint's: its files in place of the directory's, and
     # its special ids in the config (an LM learned to end texts with its eos)
     files = {k: v for k, v in files.items() if k not in TOKENIZER_FILES}
     files.update({name: os.path.join(folder, name) for name in TOKENIZER_FILES} if folder
                  else {"tokenizer.json": tokenizer})
     if cfg.task == "lm":
-      ids = special_token_ids(load_tokenizer(tokenizer)[0])
+      ids = special_token_ids(load_tokenizer(tokenizer)[0], configured_eos(folder or tokenizer))
       model.cfg = dataclasses.replace(model.cfg, **ids)
   if labels is None and cfg.pretrained and not cfg.new_head:  # the head was read: its names
     kept = hf.checkpoint_labels(resolve_path(cfg.pretrained))
@@ -335,10 +335,19 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
         + (f" (with {', '.join(copied)})" if copied else ""), flush=True)
 
 
-def _same_file(a: str, b: str) -> bool:
-  """Whether two paths hold the same bytes (False where either is missing)."""
-  return os.path.isfile(a) and os.path.isfile(b) and (
-      os.path.samefile(a, b) or Path(a).read_bytes() == Path(b).read_bytes())
+def _same_tokenizer(a: str, b: str) -> bool:
+  """Whether two tokenizer.json files hold the same tokenizer: the same bytes, or the
+  same content written another way (``save(pretty=False)``); False where either is
+  missing or unreadable."""
+  if not (os.path.isfile(a) and os.path.isfile(b)):
+    return False
+  if os.path.samefile(a, b) or Path(a).read_bytes() == Path(b).read_bytes():
+    return True
+  from tokenizers import Tokenizer
+  try:
+    return Tokenizer.from_file(a).to_str() == Tokenizer.from_file(b).to_str()
+  except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
+    return False
 
 
 def check_inputs(cfg: TrainConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -53,23 +54,42 @@ def special_affixes(tok) -> tuple[list[int], list[int]]:
   raise ValueError("cannot locate the text inside the tokenizer's post-processed encoding")
 
 
-def eos_ids(tok, suffix: list[int]) -> list[int]:
-  """End-of-text ids: the post-processor's suffix (e.g. BERT's [SEP]), else a known end token."""
+def configured_eos(tokenizer) -> str | None:
+  """The end token ``tokenizer`` names as transformers reads it: a HF tokenizer's
+  ``eos_token``, or for a path the ``eos_token`` of the ``tokenizer_config.json`` beside its
+  tokenizer.json; None where there is none (or it cannot be read)."""
+  if not isinstance(tokenizer, (str, os.PathLike)):
+    name = getattr(tokenizer, "eos_token", None)
+    return name if isinstance(name, str) else None
+  p = Path(tokenizer)
+  config = (p if p.is_dir() else p.parent) / "tokenizer_config.json"
+  try:
+    name = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
+  except (OSError, ValueError, AttributeError):
+    return None
+  name = name.get("content") if isinstance(name, dict) else name  # an AddedToken's form
+  return name if isinstance(name, str) else None
+
+
+def eos_ids(tok, suffix: list[int], configured: str | None = None) -> list[int]:
+  """End-of-text ids: the post-processor's suffix (e.g. BERT's [SEP]), else the tokenizer's
+  configured end token (:func:`configured_eos`; DeepSeek's is none of the known names),
+  else a known end token; [] when there is none."""
   if suffix:
     return suffix
-  for name in EOS_CANDIDATES:
-    i = tok.token_to_id(name)
+  for name in (configured, *EOS_CANDIDATES):
+    i = None if name is None else tok.token_to_id(name)
     if i is not None:
       return [i]
   return []
 
 
-def special_token_ids(tok) -> dict:
+def special_token_ids(tok, configured: str | None = None) -> dict:
   """``bos_token_id`` and ``eos_token_id`` as the LM data feeds them (the post-processor's
   first prefix id; the end-of-text id after each text, :func:`eos_ids`), None where the
   tokenizer has none: what an exported model's config says of its tokenizer."""
   prefix, suffix = special_affixes(tok)
-  eos = eos_ids(tok, suffix)
+  eos = eos_ids(tok, suffix, configured)
   return {"bos_token_id": prefix[0] if prefix else None,
           "eos_token_id": eos[0] if eos else None}
 
