@@ -3,6 +3,8 @@ with ``%``, so a bare ``%`` in one (``"10%"``) breaks ``--help`` for the whole c
 
 import importlib
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -33,3 +35,16 @@ def test_help_prints_and_exits_zero(module, capsys):
   assert exit_.value.code == 0
   out = capsys.readouterr().out
   assert out.startswith("usage: ") and "--help" in out, out[:200]
+
+
+def test_every_command_package_is_installed(tmp_path):
+  """The README's ``python -m benchmarks.llama_fit`` from a folder other than the repo's
+  (the package was not installed: "No module named 'benchmarks'"); and every other package
+  whose commands it gives."""
+  code = ("import importlib.util, sys; "
+          "sys.path = [p for p in sys.path if p not in ('', '.', sys.argv[1])]; "
+          "print([p for p in sys.argv[2:] if importlib.util.find_spec(p) is None])")
+  packages = sorted({m.split(".")[0] for m in COMMANDS})
+  out = subprocess.run([sys.executable, "-c", code, str(ROOT), *packages], cwd=tmp_path,
+                       capture_output=True, text=True, check=True).stdout
+  assert out.strip() == "[]", (packages, out)

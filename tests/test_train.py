@@ -389,13 +389,48 @@ def test_a_run_that_fails_before_writing_leaves_no_folder(tmp_path, monkeypatch,
   cfg = config_lib.load_config("digits-vit", None, ["model.num_labels=5", "steps=1"])
   with pytest.raises(ValueError, match="data=digits has 10 classes"):
     train(cfg)
-  assert "removed the empty run folder runs/digits-vit/" in capsys.readouterr().out
+  assert "removed the run folder runs/digits-vit/" in capsys.readouterr().out
   assert list((tmp_path / "runs" / "digits-vit").iterdir()) == []
   mine = tmp_path / "mine"  # a folder the user made stays
   mine.mkdir()
   with pytest.raises(ValueError, match="data=digits has 10 classes"):
     train(cfg.replace(out_dir=str(mine)))
   assert mine.is_dir()
+
+
+def test_grad_norm_cache_runs_beside_a_baseline_comparison(tmp_path):
+  """README's ``--policy wta-crs --set grad_norm_cache=true``: the memory report's baseline
+  takes no grad_norm_cache (it was refused: "policy 'baseline' samples none"), nor does a
+  bench's baseline row."""
+  from train import bench
+  cfg = _cfg(tmp_path / "run", "policy=wta-crs", "grad_norm_cache=true",
+             "compare_baseline=true", "steps=1", "save_every=0")
+  assert train(cfg)["step"] == 1
+  assert cfg.with_policy("baseline").grad_norm_cache is False
+  assert cfg.with_policy("wta-crs+lowmembp").grad_norm_cache is True
+  result = bench.main([*set_args(TINY_TRAIN), "--policies", "wta-crs", "--compile-only",
+                       "--set", "grad_norm_cache=true"])
+  assert [r["policy"] for r in result["rows"]] == ["baseline", "wta-crs"]
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_folder(tmp_path, monkeypatch,
+                                                                  capsys):
+  """A failure once the run's files are written (config.json, labels.json, the memory
+  report's record), before step 1: the folder goes, so the same --out-dir works again
+  (it was "already holds a run"); after a step was logged it stays."""
+  out = tmp_path / "run"
+  cfg = _cfg(out, "steps=1", "save_every=0")
+
+  def broken(*args):
+    raise RuntimeError("step 1 failed")
+  monkeypatch.setattr(Trainer, "step", broken)
+  with pytest.raises(RuntimeError, match="step 1 failed"):
+    train(cfg)
+  assert not out.exists()
+  assert f"removed the run folder {out}: the run stopped before its first step" in (
+      capsys.readouterr().out)
+  monkeypatch.undo()
+  assert train(cfg)["step"] == 1  # the same command, again
 
 
 def test_model_overrides_of_the_right_type_pass_and_ints_become_floats():

@@ -90,9 +90,9 @@ SWEEP_FIELDS = ("policy", "seed", "out_dir", "compare_baseline", "save_every", "
 def seed_config(cfg, spec: str, seed: int, out: str | None):
   """``cfg`` as one fine-tune of the sweep runs it: policy ``spec``, ``seed``, folder
   ``out``, evaluated once at the end, nothing saved."""
-  return cfg.replace(policy=spec, seed=seed, out_dir=out, compare_baseline=False,
-                     save_every=0, eval_every=cfg.steps, export_dir=None, resume=False,
-                     overwrite=False)
+  return cfg.with_policy(spec, seed=seed, out_dir=out, compare_baseline=False,
+                         save_every=0, eval_every=cfg.steps, export_dir=None, resume=False,
+                         overwrite=False)
 
 
 def train_seed(cfg, spec: str, seed: int) -> dict:

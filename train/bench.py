@@ -159,7 +159,7 @@ def train_dataset(cfg: TrainConfig, synthetic: int = 0):
 def _make_runner(cfg: TrainConfig, spec: str, train_set):
   from train.batches import Batches
   from train.trainer import Trainer
-  trainer = Trainer.create(cfg.replace(policy=spec, resume=False))
+  trainer = Trainer.create(cfg.with_policy(spec, resume=False))
   return _Runner(trainer, Batches(train_set, cfg.batch_size, seed=cfg.seed))
 
 
@@ -557,8 +557,10 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   cli_checks.at_least(ap, args, "--steps", "--warmup")
   cli_checks.at_least(ap, args, "--synthetic", minimum=0)
   cli_checks.output_file(ap, args, "--json", "--png")
-  cfg = load_config(args.config_name, args.config, args.set)
   specs = parse_policies(args.policies)
+  # checked under the last policy asked for (a wta-crs row's options are valid there; each
+  # row then takes its own policy, TrainConfig.with_policy)
+  cfg = load_config(args.config_name, args.config, [f"policy={specs[-1]}", *args.set])
 
   if args.peak_child:  # the subprocess of --peak: one policy, one number
     # parse_policies puts baseline first when missing: the policy asked for is the last

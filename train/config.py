@@ -186,6 +186,13 @@ class TrainConfig:
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)
 
+  def with_policy(self, spec: str, **changes) -> "TrainConfig":
+    """This config under policy ``spec`` (a comparison's, a bench row's, a sweep's): the
+    options of a sampling policy (``grad_norm_cache``) kept only where ``spec`` samples."""
+    samples = MemoryPolicy.parse(spec).sampled_linear != "none"
+    return self.replace(policy=spec, grad_norm_cache=self.grad_norm_cache and samples,
+                        **changes)
+
   def to_json(self) -> dict:
     """The fields as JSON values (what checkpoints and config.json record)."""
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))

@@ -65,8 +65,9 @@ def train(cfg: TrainConfig) -> dict:
     with ctrl_c:
       return _run(cfg, budget, ctrl_c)
   except BaseException as e:
-    if not existed:  # a run that failed before writing anything leaves no folder behind
-      runs.remove_if_empty(Path(cfg.out_dir))
+    if not existed:  # a run that failed before its first step leaves no folder behind
+      (runs.remove_if_empty if isinstance(e, KeyboardInterrupt) else runs.remove_unstarted)(
+          Path(cfg.out_dir))
     out = Path(cfg.out_dir)
     if isinstance(e, KeyboardInterrupt) and runs.holds_run(out):
       # where it continues: the run's own config.json (train.runs.resumed_config); without

@@ -22,7 +22,7 @@ def print_memory(trainer: Trainer, batch, cfg: TrainConfig) -> dict:
   line = (f"compiled step memory [{report['policy']}]: temp {_mib(ours.temp)}, "
           f"arguments {_mib(ours.argument)}, total {_mib(ours.total)}")
   if cfg.compare_baseline and MemoryPolicy.parse(cfg.policy) != MemoryPolicy():
-    base = abstract_trainer(cfg.replace(policy="baseline", resume=False))
+    base = abstract_trainer(cfg.with_policy("baseline", resume=False))
     mem = base.compiled_memory(batch)
     report["baseline"] = mem.as_dict()
     line += (f"\n                       [baseline]: temp {_mib(mem.temp)}, arguments "

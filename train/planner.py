@@ -214,7 +214,7 @@ class Plan:
 
   def apply(self, cfg: TrainConfig) -> TrainConfig:
     """``cfg`` with the chosen policy and grad_accum (the batch size unchanged)."""
-    return cfg.replace(policy=self.chosen.policy, grad_accum=self.chosen.grad_accum)
+    return cfg.with_policy(self.chosen.policy, grad_accum=self.chosen.grad_accum)
 
   def table(self) -> str:
     def note(c):
@@ -396,7 +396,7 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
 
   states = {}  # policy -> its train state's bytes, until one fits the budget
   for spec in policies:
-    states[spec] = state_bytes(cfg.replace(policy=spec))
+    states[spec] = state_bytes(cfg.with_policy(spec))
     if states[spec] <= budget_bytes:
       break
   else:
@@ -413,7 +413,7 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
 
   def peak_of(c: Candidate) -> int:
     t0 = time.perf_counter()
-    peak = predict(cfg.replace(policy=c.policy, grad_accum=c.grad_accum), shapes)
+    peak = predict(cfg.with_policy(c.policy, grad_accum=c.grad_accum), shapes)
     if progress:
       progress(f"planner: {c.policy}, micro-batch {c.micro_batch} x grad_accum "
                f"{c.grad_accum}: predicted peak {fmt_bytes(peak)}, "

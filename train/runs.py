@@ -71,6 +71,31 @@ def remove_if_empty(folder: Path) -> None:
     pass
 
 
+def remove_unstarted(folder: Path) -> None:
+  """Removes the folder of a run that failed before its first step (no checkpoint, no
+  step in ``metrics.jsonl``, events such as the memory report aside): its own files (:data:`ARTIFACTS`), then the folder if that
+  leaves it empty. A refused first step (a check after the folder was made, a memory
+  report that could not compile) so leaves nothing that would refuse the corrected
+  command. Call it only for a folder this run made."""
+  from train.metrics import metric_records
+  folder = Path(folder)
+  if has_checkpoint(folder) or any("event" not in record for _, record in
+                                   metric_records(folder / "metrics.jsonl")):
+    return  # a step was logged: the run started (its log is kept)
+  for name in ARTIFACTS:
+    path = folder / name
+    if path.is_dir():
+      shutil.rmtree(path, ignore_errors=True)
+    elif path.exists():
+      path.unlink(missing_ok=True)
+  try:
+    folder.rmdir()
+    print(f"removed the run folder {folder}: the run stopped before its first step",
+          flush=True)
+  except OSError:
+    pass
+
+
 def newest_run(parent: Path) -> Path | None:
   """The newest timestamped run folder in ``parent`` that has a checkpoint."""
   if not Path(parent).is_dir():
