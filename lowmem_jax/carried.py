@@ -5,9 +5,11 @@ form its readers keep for backward (a code, a sample of rows).
 A carried activation passes through a user's model unchanged, from the op that makes it
 (a norm under ``mesa8``, ``lowmem`` or ``wta-crs``) to the library's linears that read it
 (``models.linear.Linear``, ``Mlp``, ``SelfAttention``). It tells its ``shape``, ``dtype``
-and ``ndim``; reading it any other way (indexing, arithmetic, a method, a conversion to an
-array) is a TypeError that names ``models.sites.as_array``, which gives the value, where
-it would otherwise fail deep inside jax with an error about a type it does not know.
+and ``ndim``; read as an array by indexing, an operator, a method, ``jnp.asarray`` (so
+``jax.numpy`` functions and Flax's layers) or ``np.asarray``, it raises an error that
+names ``models.sites.as_array``, which gives the value (it failed deep inside jax with an
+error about a type it does not know). A ``jax.lax`` primitive still gives jax's own error
+(that ``__jax_array__`` cannot be used there).
 """
 
 from __future__ import annotations

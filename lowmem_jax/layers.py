@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 import functools
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -69,29 +70,32 @@ def checkpoint(fn: Callable, policy: Callable | None = None) -> Callable:
   own. On XLA:GPU that was a copy of every frozen weight's slice out of its stack before
   its cast, each layer, in backward (LLaMA-7B widths, 4 layers, LoRA: 6189 MiB a step).
 
-  Called with Flax NNX modules (a user's block: ``policy.remat_block(lambda m, x: m(x))``),
-  it is ``nnx.remat``, which writes back the state the block updates (Mesa's ranges,
-  WTA-CRS's key counts); ``jax.checkpoint`` would run the block on a copy and drop it."""
+  Called with Flax NNX modules (a user's block: ``policy.remat_block(lambda m, x: m(x))``,
+  or a module's own method), it is ``nnx.remat``, which writes back the state the block
+  updates (Mesa's ranges, WTA-CRS's key counts); ``jax.checkpoint`` would run the block on
+  a copy and drop it. States and variables (a block stack's layer) go to
+  ``jax.checkpoint``."""
   @functools.wraps(fn)
   def run(*args, **kwargs):
-    remat = _nnx_remat() if _holds_modules((args, kwargs)) else jax.checkpoint
-    return remat(fn, policy=policy, prevent_cse=not _IN_SCAN.get())(*args, **kwargs)
+    prevent_cse = not _IN_SCAN.get()
+    nnx = _nnx()
+    if nnx is not None:  # a module's state updates go back to it (nnx.remat)
+      target, inputs = fn, args
+      if inspect.ismethod(fn):  # nnx.remat takes no bound method: its module is an input
+        if isinstance(fn.__self__, nnx.Module):
+          target, inputs = fn.__func__, (fn.__self__, *args)
+        else:
+          target = lambda *a, **k: fn(*a, **k)  # noqa: E731
+      if any(isinstance(leaf, nnx.Module) for leaf in jax.tree.leaves(
+          (inputs, kwargs), is_leaf=lambda x: isinstance(x, nnx.Module))):
+        return nnx.remat(target, policy=policy, prevent_cse=prevent_cse)(*inputs, **kwargs)
+    return jax.checkpoint(fn, policy=policy, prevent_cse=prevent_cse)(*args, **kwargs)
   return run
 
 
-def _holds_modules(tree) -> bool:
-  """Whether ``tree`` holds a Flax NNX graph node (a module or variable); False without
-  Flax imported (lowmem_jax does not import it)."""
-  graph = sys.modules.get("flax.nnx.graph")
-  if graph is None:
-    return False
-  return any(graph.is_graph_node(leaf)
-             for leaf in jax.tree.leaves(tree, is_leaf=graph.is_graph_node))
-
-
-def _nnx_remat():
-  from flax import nnx
-  return nnx.remat
+def _nnx():
+  """``flax.nnx`` where Flax is imported (lowmem_jax does not import it), else None."""
+  return sys.modules.get("flax.nnx")
 
 
 @dataclasses.dataclass(frozen=True)

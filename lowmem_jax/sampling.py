@@ -237,6 +237,8 @@ def select(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
   ``row_weights``). No gradient flows through the choice (stop_gradient)."""
   x = jax.lax.stop_gradient(x)
   lead = x.shape[:x.ndim - contract_ndim]
+  if not math.prod(lead):
+    raise ValueError(f"select: x{list(x.shape)} has no rows to sample")
   x2d = x.reshape(math.prod(lead), math.prod(x.shape[len(lead):]))
   rw = None if row_weights is None else jax.lax.stop_gradient(row_weights).reshape(-1)
   return wta_crs_select(sampling_probabilities(x2d, rw), budget(x2d.shape[0], ratio), key)
@@ -388,6 +390,8 @@ def sample_tensor(x, key, *, ratio: float = DEFAULT_RATIO, row_weights=None,
                      f"{jnp.result_type(x)}{list(jnp.shape(x))}")
   _check_row_weights(row_weights, x.shape[:-1], "sample_tensor")
   _check_key(key)
+  if not math.prod(x.shape[:-1]):  # no rows to sample: its readers' dW are exact (zero)
+    return SampledTensor.whole(x, lean)
   rows, idx, scale = select_rows(x, key, ratio=ratio, row_weights=row_weights)
   return SampledTensor(x, rows, idx, scale, row_weights, lean)
 

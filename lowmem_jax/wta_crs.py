@@ -189,8 +189,9 @@ class SampledLinear(Strategy):
     return {"sampler": sampling.KeyState.create()}
 
   def apply(self, states, dense, x, kernel, bias, *, contract: int):
+    rows = math.prod(value_of(x).shape[:value_of(x).ndim - contract])
     if (isinstance(x, SampledTensor) and x.is_whole) or (isinstance(x, quant.QTensor)
-                                                         and x.kept):
+                                                         and (x.kept or not rows)):
       return read(dense, [x], (kernel,) if bias is None else (kernel, bias)), {}
     # dense casts to its compute dtype: the activation here, the weights inside the rule
     # (which keeps them as given, not a cast copy)

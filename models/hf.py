@@ -79,8 +79,7 @@ class SafetensorsFiles(Mapping):
   tensors (which numpy lacks) come as float32. Opening checks every file's header (a
   missing shard, a truncated or corrupt file, an index naming a tensor its shard lacks
   are a :class:`CheckpointError` naming the file) and keeps each tensor's shape and dtype
-  (:meth:`header`), so a load checks them before it reads any tensor. TF-era names
-  (``LayerNorm.gamma``/``.beta``) are read as ``.weight``/``.bias``, as transformers does."""
+  (:meth:`header`), so a load checks them before it reads any tensor."""
 
   def __init__(self, path: str | os.PathLike):
     path = _directory(path)
@@ -110,12 +109,6 @@ class SafetensorsFiles(Mapping):
                                 f"maps to it: {', '.join(lacking[:5])}")
       self.headers.update({k: header[k] for k, v in weight_map.items() if v == name})
     self.path, self.weight_map = path, dict(weight_map)
-    # the name each tensor is read by -> its name in the file, where they differ
-    self.stored = {new: key for key in weight_map
-                   if (new := _modern_name(key)) != key and new not in weight_map}
-    for new, key in self.stored.items():
-      self.weight_map[new] = self.weight_map.pop(key)
-      self.headers[new] = self.headers.pop(key)
 
   def header(self, key: str) -> tuple[tuple[int, ...], str]:
     """``(shape, safetensors dtype name)`` of ``key``, from its file's header (no read)."""
@@ -124,14 +117,13 @@ class SafetensorsFiles(Mapping):
   def __getitem__(self, key: str) -> np.ndarray:
     from safetensors import safe_open
     file = str(self.path / self.weight_map[key])
-    stored = self.stored.get(key, key)
     with safe_open(file, framework="numpy") as f:
       try:
-        return f.get_tensor(stored)
+        return f.get_tensor(key)
       except TypeError:  # a dtype numpy lacks (bfloat16): through JAX, one tensor
         pass
     with safe_open(file, framework="flax") as f:
-      return np.asarray(f.get_tensor(stored), np.float32)
+      return np.asarray(f.get_tensor(key), np.float32)
 
   def __iter__(self):
     return iter(self.weight_map)
@@ -171,6 +163,44 @@ def _modern_name(key: str) -> str:
   for old, new in _LEGACY_NAMES:
     key = key.replace(old, new)
   return key
+
+
+class _ModernNames(Mapping):
+  """``state`` (HF tensors by name, file headers kept) with TF-era names read as today's
+  (:data:`_LEGACY_NAMES`), as transformers loads them; a legacy name whose modern twin is
+  also there is left out (the twin is read)."""
+
+  def __init__(self, state: Mapping):
+    self.state = state
+    self.stored = {new: key for key in state
+                   if (new := _modern_name(key)) != key and new not in state}
+    self.hidden = {key for key in state if _modern_name(key) != key} - set(
+        self.stored.values())
+
+  def header(self, key: str):
+    return header_of(self.state, self.stored.get(key, key))
+
+  def __getitem__(self, key: str):
+    if key in self.hidden:
+      raise KeyError(key)
+    return self.state[self.stored.get(key, key)]
+
+  def __iter__(self):
+    renamed = {v: k for k, v in self.stored.items()}
+    return (renamed.get(k, k) for k in self.state if k not in self.hidden)
+
+  def __len__(self) -> int:
+    return len(self.state) - len(self.hidden)
+
+  def __contains__(self, key) -> bool:
+    return key in self.stored or (key in self.state and key not in self.hidden
+                                  and key not in self.stored.values())
+
+
+def modern_names(state: Mapping) -> Mapping:
+  """``state`` as transformers reads it (:class:`_ModernNames`), or itself where no name
+  is a legacy one."""
+  return _ModernNames(state) if any(_modern_name(k) != k for k in state) else state
 
 
 def _weight_map(index: Path) -> dict[str, str]:
@@ -311,7 +341,7 @@ class _Without(Mapping):
 def _pretrained_state(path, family: registry.Family, new_head: bool):
   """The tensors of ``path`` (a directory, or HF tensors by name) a load reads (less the
   head under ``new_head``), and the key prefixes it may leave unread."""
-  state = path if isinstance(path, Mapping) else read_safetensors(path)
+  state = modern_names(path if isinstance(path, Mapping) else read_safetensors(path))
   if not new_head:
     return state, ()
   head = getattr(family.module, "HF_HEAD_KEYS", ())
@@ -326,6 +356,7 @@ def load_state(model, state: Mapping[str, np.ndarray], *, store: Callable | None
   missing, unexpected or mis-shaped key is named in one CheckpointError. ``store``: as
   :func:`load_pretrained`'s."""
   module = registry.hf_family(model.cfg.model_type).module
+  state = modern_names(state)
   _read(model, state, module.hf_map(model.cfg, frozenset(state)), store)
 
 

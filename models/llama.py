@@ -337,9 +337,11 @@ def _rope_from_hf(hf: dict) -> dict:
     if not isinstance(value, dict):
       raise CheckpointError(f"config_from_hf: {key} must be an object, got {value!r}")
   kinds = [r.get("rope_type", r.get("type", "default")) for r in (params, legacy)]
-  if params and legacy and kinds[0] != kinds[1]:
-    raise CheckpointError(f"config_from_hf: rope_parameters says rope_type {kinds[0]!r}, "
-                          f"rope_scaling says {kinds[1]!r}")
+  if params and legacy and (kinds[0] != kinds[1] or any(
+      params.get(k) != legacy.get(k) for k in _HF_ROPE_KEYS if k in params or k in legacy)):
+    # transformers 4.x reads the one, 5.x the other: which is meant cannot be told
+    raise CheckpointError(f"config_from_hf: rope_parameters ({kinds[0]}) and rope_scaling "
+                          f"({kinds[1]}) disagree: {params} vs {legacy}")
   scaling, kind = (params, kinds[0]) if params else (legacy, kinds[1])
   if kind not in rope.ROPE_TYPES:
     raise CheckpointError(f"config_from_hf: rope_type {kind!r} is not supported (only "

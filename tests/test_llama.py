@@ -277,8 +277,11 @@ def test_rope_scaling_read_from_either_transformers_format_and_written_back():
                               ).rope_original_max_seq_len == base["max_position_embeddings"]
   assert "rope_scaling has no 'low_freq_factor', which rope_type 'llama3' needs" in error(
       rope_scaling={"rope_type": "llama3", "factor": 8.0})
-  assert "rope_parameters says rope_type 'default', rope_scaling says 'llama3'" in error(
+  assert "rope_parameters (default) and rope_scaling (llama3) disagree" in error(
       rope_parameters={"rope_type": "default", "rope_theta": 1e4}, **LLAMA31_ROPE)
+  assert "rope_parameters (linear) and rope_scaling (linear) disagree" in error(  # 4.x vs 5.x
+      rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4},
+      rope_scaling={"rope_type": "linear", "factor": 4.0})
   assert "rope_scaling: factor='8' is not a number" in error(
       rope_scaling={**LLAMA31_ROPE["rope_scaling"], "factor": "8"})
   assert "rope_scaling must be an object, got 'llama3'" in error(rope_scaling="llama3")

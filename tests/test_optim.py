@@ -64,5 +64,8 @@ def test_weight_decay_applies_to_both_optimizers(optimizer):
                                           "schedule=constant"])
   tx = make_optimizer(cfg)
   params = {"w": np.full((3,), 2.0, np.float32)}
-  updates, _ = tx.update({"w": np.zeros(3, np.float32)}, tx.init(params), params)
+  updates, state = tx.update({"w": np.zeros(3, np.float32)}, tx.init(params), params)
+  np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * 2.0, rtol=1e-6)
+  # decoupled: the decay does not go through SGD's momentum (step 2: decay alone again)
+  updates, _ = tx.update({"w": np.zeros(3, np.float32)}, state, params)
   np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * 2.0, rtol=1e-6)

@@ -102,6 +102,10 @@ def test_wta_crs_linear_of_no_rows_is_the_empty_linear():
                    argnums=(0, 1, 2))(x, kernel, bias)
   assert [g.shape for g in grads] == [(0, 5, 4), (4, 3), (3,)]
   assert not any(np.any(np.asarray(g)) for g in grads)
+  from lowmem_jax.sampling import sample_tensor, select
+  assert sample_tensor(x, jax.random.key(0)).is_whole  # a shared sample of no rows
+  with pytest.raises(ValueError, match=r"select: x\[0, 5, 4\] has no rows to sample"):
+    select(x, jax.random.key(0))
 
 
 def test_sampling_probabilities():

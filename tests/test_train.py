@@ -644,6 +644,13 @@ def test_an_lm_export_names_the_tokenizer_it_trained_with(tmp_path):
   assert exported["compact"] == exported["own"]
   assert (tmp_path / "compact" / "generation_config.json").read_bytes() == (
       llama / "generation_config.json").read_bytes()
+  # the same tokenizer.json with another end token (Llama 3 base -> instruct): the data
+  # ended its texts with that one, so the export is that folder's, not the checkpoint's
+  instruct = shutil.copytree(llama, tmp_path / "instruct_tok")
+  (instruct / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[MASK]"}))
+  export("instruct", f"pretrained={llama}", f"tokenizer={instruct}")
+  assert (tmp_path / "instruct" / "tokenizer_config.json").read_text() == (
+      instruct / "tokenizer_config.json").read_text()
 
 
 @pytest.mark.slow

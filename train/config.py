@@ -115,7 +115,7 @@ class TrainConfig:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not value >= low:
           raise ValueError(f"TrainConfig: {field} must be >= {low}, got {value!r}")
-        if not math.isfinite(value):  # --set lr=1e999, JSON's Infinity
+        if isinstance(value, float) and not math.isfinite(value):  # --set lr=1e999
           raise ValueError(f"TrainConfig: {field} must be finite, got {value!r}")
     if self.seed >= 2 ** 32:  # jax's keys take 64-bit seeds; seeds derived from it add to it
       raise ValueError(f"TrainConfig: seed must be < 2**32, got {self.seed!r}")

@@ -306,7 +306,11 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
   if tokenizer:
     folder = tokenizer if os.path.isdir(tokenizer) else None  # a folder of tokenizer files
     tokenizer = os.path.join(folder, "tokenizer.json") if folder else tokenizer
-  if tokenizer and not (files and _same_tokenizer(tokenizer, files["tokenizer.json"])):
+  # the checkpoint's own tokenizer: the same tokenizer.json and the same end token (which
+  # ends the data's texts: train.tokenize.configured_eos)
+  own = bool(tokenizer and files) and _same_tokenizer(tokenizer, files["tokenizer.json"]) and (
+      configured_eos(folder or tokenizer) == configured_eos(resolve_path(cfg.pretrained)))
+  if tokenizer and not own:
     # another tokenizer than the checkpoint's: its files in place of the directory's, and
     # its special ids in the config (an LM learned to end texts with its eos)
     files = {k: v for k, v in files.items() if k not in TOKENIZER_FILES}

@@ -36,12 +36,14 @@ def warmup_warning(cfg: TrainConfig) -> str | None:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """AdamW (decoupled weight decay) or SGD with momentum 0.9 and weight decay added to the
-  gradient (PyTorch SGD's), on the schedule, after global-norm clipping when set."""
+  """AdamW or SGD with momentum 0.9 (SGDW), on the schedule, after global-norm clipping when
+  set. Weight decay is decoupled in both (``lr * weight_decay * param`` a step, outside the
+  momentum): the default 0.05 means the same for either (PyTorch SGD's coupled decay,
+  through the momentum, would be 10x it)."""
   schedule = make_schedule(cfg)
   if cfg.optimizer == "adamw":
     opt = optax.adamw(schedule, weight_decay=cfg.weight_decay)
   else:
-    opt = optax.chain(optax.add_decayed_weights(cfg.weight_decay),
-                      optax.sgd(schedule, momentum=0.9))
+    opt = optax.chain(optax.trace(decay=0.9), optax.add_decayed_weights(cfg.weight_decay),
+                      optax.scale_by_learning_rate(schedule))
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if cfg.grad_clip else opt
