@@ -172,29 +172,28 @@ class _ModernNames(Mapping):
 
   def __init__(self, state: Mapping):
     self.state = state
-    self.stored = {new: key for key in state
-                   if (new := _modern_name(key)) != key and new not in state}
-    self.hidden = {key for key in state if _modern_name(key) != key} - set(
-        self.stored.values())
+    self.names = {}  # the name a tensor is read by -> its name in ``state``
+    for key in state:
+      new = _modern_name(key)
+      if new == key:
+        self.names[key] = key
+      elif new not in state:
+        self.names[new] = key
 
   def header(self, key: str):
-    return header_of(self.state, self.stored.get(key, key))
+    return header_of(self.state, self.names[key])
 
   def __getitem__(self, key: str):
-    if key in self.hidden:
-      raise KeyError(key)
-    return self.state[self.stored.get(key, key)]
+    return self.state[self.names[key]]
 
   def __iter__(self):
-    renamed = {v: k for k, v in self.stored.items()}
-    return (renamed.get(k, k) for k in self.state if k not in self.hidden)
+    return iter(self.names)
 
   def __len__(self) -> int:
-    return len(self.state) - len(self.hidden)
+    return len(self.names)
 
   def __contains__(self, key) -> bool:
-    return key in self.stored or (key in self.state and key not in self.hidden
-                                  and key not in self.stored.values())
+    return key in self.names
 
 
 def modern_names(state: Mapping) -> Mapping:
@@ -522,16 +521,20 @@ def with_labels(config: dict, labels: Sequence[str] | None) -> dict:
           "label2id": {name: i for i, name in enumerate(names)}}
 
 
-def checkpoint_labels(path: str | os.PathLike) -> list[str] | None:
-  """A HF classifier directory's class names by id (its config.json's ``id2label``), or
-  None where it has no usable one."""
+def checkpoint_labels(path: str | os.PathLike, num_labels: int | None = None
+                      ) -> list[str] | None:
+  """A HF classifier directory's class names by id (its config.json's ``id2label``; only
+  if there are ``num_labels`` of them, where given), or None where it has no usable
+  one."""
   try:
     config = json.loads((Path(path) / "config.json").read_text())
     id2label = config.get("id2label") or {}
     names = [str(id2label[k]) for k in sorted(id2label, key=int)]
   except (OSError, ValueError, AttributeError, TypeError, KeyError):
     return None
-  return names if names and sorted(map(int, id2label)) == list(range(len(names))) else None
+  if not names or sorted(map(int, id2label)) != list(range(len(names))):
+    return None
+  return names if num_labels is None or len(names) == num_labels else None
 
 
 def save_pretrained(model, path: str | os.PathLike, *,
@@ -575,7 +578,6 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
                            module.hf_map(model.cfg, frozenset(state)),
                            lambda var: isinstance(var, LoRAParam))
   config = module.config_to_hf(model.cfg)
-  if labels is None and not new_head and not isinstance(base, Mapping):
-    kept = checkpoint_labels(base)  # the head read from base: its classes' names
-    labels = kept if kept and len(kept) == len(config.get("id2label", ())) else None
+  if labels is None and not new_head and not isinstance(base, Mapping):  # the head was read
+    labels = checkpoint_labels(base, len(config.get("id2label", ())))
   _write_model_dir(path, with_labels(config, labels), tensors, max_shard_bytes)

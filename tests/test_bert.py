@@ -383,7 +383,8 @@ def test_exports_keep_the_checkpoint_s_class_names(hf_checkpoint, tmp_path):
   (named / "config.json").write_text(json.dumps(
       {**config, "id2label": dict(enumerate(names)), "label2id": {n: i for i, n in
                                                                   enumerate(names)}}))
-  assert hf.checkpoint_labels(named) == names
+  assert hf.checkpoint_labels(named) == hf.checkpoint_labels(named, len(names)) == names
+  assert hf.checkpoint_labels(named, len(names) + 1) is None  # a head of another size
   model = hf.load_pretrained(named)
   lora.apply_lora(model, rank=2, targets=("query",))
   hf.save_lora_merged(model, tmp_path / "lora", named)

@@ -308,8 +308,9 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
     tokenizer = os.path.join(folder, "tokenizer.json") if folder else tokenizer
   # the checkpoint's own tokenizer: the same tokenizer.json and the same end token (which
   # ends the data's texts: train.tokenize.configured_eos)
+  eos_name = configured_eos(folder or tokenizer) if tokenizer else None
   own = bool(tokenizer and files) and _same_tokenizer(tokenizer, files["tokenizer.json"]) and (
-      configured_eos(folder or tokenizer) == configured_eos(resolve_path(cfg.pretrained)))
+      eos_name == configured_eos(resolve_path(cfg.pretrained)))
   if tokenizer and not own:
     # another tokenizer than the checkpoint's: its files in place of the directory's, and
     # its special ids in the config (an LM learned to end texts with its eos)
@@ -317,11 +318,11 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
     files.update({name: os.path.join(folder, name) for name in TOKENIZER_FILES} if folder
                  else {"tokenizer.json": tokenizer})
     if cfg.task == "lm":
-      ids = special_token_ids(load_tokenizer(tokenizer)[0], configured_eos(folder or tokenizer))
+      ids = special_token_ids(load_tokenizer(tokenizer)[0], eos_name)
       model.cfg = dataclasses.replace(model.cfg, **ids)
   if labels is None and cfg.pretrained and not cfg.new_head:  # the head was read: its names
-    kept = hf.checkpoint_labels(resolve_path(cfg.pretrained))
-    labels = kept if kept and len(kept) == getattr(model.cfg, "num_labels", None) else None
+    labels = hf.checkpoint_labels(resolve_path(cfg.pretrained),
+                                  getattr(model.cfg, "num_labels", 0))
   if streamed:
     hf.save_lora_merged(model, cfg.export_dir, resolve_path(cfg.pretrained),
                         new_head=cfg.new_head, labels=labels)
