@@ -233,6 +233,8 @@ def chunked_cross_entropy(h, w, targets, *, chunk: int = DEFAULT_CHUNK,
     raise ValueError(f"chunked_cross_entropy: targets must be integers of shape "
                      f"{list(h.shape[:-1])}, got {targets.dtype}{list(targets.shape)}")
   lead = targets.shape
+  if targets.size == 0:  # no token: nothing to chunk (a loop over an empty axis cannot slice)
+    return jnp.zeros(lead, jnp.float32), jnp.zeros(lead, bool)
   t = lead[-1] if lead else 1
   rows = targets.size // t if t else 0
   # Steps slice the last (sequence) axis, every row at once: leading (batch) axes stay

@@ -111,6 +111,21 @@ def test_any_leading_shape(shape):
     assert g.shape == r.shape and _max_abs(g, r) < 1e-5 * float(jnp.max(jnp.abs(r)))
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 5), (0,)], ids=["no-positions", "no-rows",
+                                                              "no-tokens"])
+def test_no_tokens_gives_empty_losses_and_zero_gradients(shape):
+  """An empty token set (a sequence axis of length 0 too): the reference's empty losses
+  and zero gradients, not a slice out of bounds."""
+  h, w, _, _ = _inputs()
+  h = jnp.zeros(shape + (D,))
+  targets, weights = jnp.zeros(shape, jnp.int32), jnp.ones(shape)
+  ref = _loss_and_grads(cross_entropy_reference, h, w, targets, weights)
+  got = _loss_and_grads(chunked_cross_entropy, h, w, targets, weights, chunk=4)
+  for g, r in zip(got[1:3] + got[3], ref[1:3] + ref[3]):
+    assert g.shape == r.shape and g.dtype == r.dtype
+    np.testing.assert_array_equal(g, r)
+
+
 @pytest.mark.parametrize("w_dtype", [jnp.bfloat16, jnp.float32], ids=["w-bf16", "w-fp32"])
 def test_bf16_against_fp32_reference(w_dtype):
   """bf16 h; w in bf16 or as stored in fp32 (cast to bf16 inside). The forward
