@@ -85,6 +85,74 @@ def test_a_batch_the_mesh_cannot_split_is_refused_before_the_run_folder(tmp_path
   _run_on_8_cpu_devices(code)
 
 
+def test_micro_batches_stay_split_and_state_keeps_its_places(tmp_path):
+  """grad_accum on a data mesh: each micro-batch is split over the devices (no all-gather
+  of the batch; it gathered each micro-batch on every device) and the update is the full
+  batch's. WTA-CRS's example ids, written from the batch into the state, keep the state's
+  place (step 2 failed: compiled for other shardings). The abstract trainer of an FSDP run
+  (the memory report's baseline, the planner) has the real state's shardings."""
+  code = textwrap.dedent(f"""
+      import jax, numpy as np
+      from train import config as config_lib
+      from train.batches import Batches
+      from train.images import digits
+      from train.planner import abstract_trainer
+      from train.trainer import Trainer
+      base = {TINY_TRAIN!r} + ["out_dir={tmp_path}", "mesh=data=4", "precision=highest"]
+      batch = next(Batches(digits("train"), 32))
+      states = {{}}
+      for accum in (1, 4):
+        trainer = Trainer.create(config_lib.load_config(
+            "digits-vit", None, base + [f"grad_accum={{accum}}"]))
+        b = trainer.put(batch)
+        text = trainer.compile(b).as_text()
+        assert "all-gather" not in text and "all-reduce" in text, accum
+        for _ in range(2):
+          trainer.step(b)
+        states[accum] = jax.device_get(trainer.state["params"])
+      for a, b in zip(jax.tree.leaves(states[1]), jax.tree.leaves(states[4])):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+      cfg = config_lib.load_config("digits-vit", None, base + [
+          "policy=wta-crs", "grad_norm_cache=true"])
+      trainer = Trainer.create(cfg)
+      b = trainer.put(batch | {{"example_id": np.arange(32, dtype=np.int32)}})
+      trainer.compile(b)  # the kept executable, as the memory report leaves it
+      for _ in range(3):
+        trainer.step(b)
+      assert int(trainer.state["step"]) == 3 and trainer.train_step._cache_size() == 0
+
+      cfg = config_lib.load_config("digits-vit", None, base[:-2] + ["mesh=data=2,fsdp=4"])
+      real, abstract = Trainer.create(cfg), abstract_trainer(cfg)
+      for x, y in zip(jax.tree.leaves((real.state, real.first_bad)),
+                      jax.tree.leaves((abstract.state, abstract.first_bad))):
+        assert x.sharding.is_equivalent_to(y.sharding, x.ndim), (x.sharding, y.sharding)
+      assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(abstract.state))
+      print("ok")
+  """)
+  _run_on_8_cpu_devices(code)
+
+
+def test_micro_batches_and_eval_batches_the_mesh_cannot_split_are_refused(tmp_path):
+  """Before any work: a micro-batch (batch_size / grad_accum) or an eval batch that the
+  devices cannot split (an eval batch ran whole on every device)."""
+  code = textwrap.dedent(f"""
+      from train import config as config_lib, loop
+      base = {TINY_TRAIN!r} + ["out_dir={tmp_path / 'run'}", "mesh=data=4"]
+      for extra, want in ((["grad_accum=16"], "batch_size=32 / grad_accum=16 = 2 examples "
+                           "per micro-batch, not divisible by the 4 devices of mesh='data=4'"),
+                          (["eval_batch_size=254"], "eval_batch_size=254 is not divisible by "
+                           "the 4 devices of mesh='data=4' (try 252)")):
+        try:
+          loop.check_inputs(config_lib.load_config("digits-vit", None, base + extra))
+          raise AssertionError(extra)
+        except ValueError as e:
+          assert str(e) == want, e
+      print("ok")
+  """)
+  _run_on_8_cpu_devices(code)
+
+
 def _run_on_8_cpu_devices(code: str) -> None:
   """Runs ``code`` in a Python subprocess with 8 host CPU devices; it prints "ok"."""
   env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),

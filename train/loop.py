@@ -409,6 +409,15 @@ def check_inputs(cfg: TrainConfig) -> None:
   if cfg.batch_size % devices:  # each step's batch is split over every device
     raise ValueError(f"batch_size={cfg.batch_size} is not divisible by the {devices} devices "
                      f"of mesh={cfg.mesh!r}")
+  micro = cfg.batch_size // cfg.grad_accum
+  if micro % devices:  # and so is each micro-batch
+    raise ValueError(f"batch_size={cfg.batch_size} / grad_accum={cfg.grad_accum} = {micro} "
+                     f"examples per micro-batch, not divisible by the {devices} devices of "
+                     f"mesh={cfg.mesh!r}")
+  if cfg.eval_batch_size % devices:  # else every eval batch would run whole on each device
+    raise ValueError(f"eval_batch_size={cfg.eval_batch_size} is not divisible by the "
+                     f"{devices} devices of mesh={cfg.mesh!r} (try "
+                     f"{cfg.eval_batch_size - cfg.eval_batch_size % devices or devices})")
   # the model's shapes, nothing materialized or read: the policy's sites take the backend
   # (attention=cudnn off a GPU), the trainable split its parameter paths
   split_trainable(cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))

@@ -57,6 +57,7 @@ import numpy as np
 from lowmem_jax import gpu_target
 from lowmem_jax.memory import MiB, compiled_memory, format_table
 from lowmem_jax.policy import MemoryPolicy
+from train import sharding
 from train.config import TrainConfig, parse_budget
 from train.model import build_model
 from train.trainer import Trainer, no_bad_step
@@ -331,7 +332,15 @@ def abstract_trainer(cfg: TrainConfig) -> Trainer:
     made["trainer"] = Trainer.create(cfg, build_model(cfg, load_weights=False))
     return made["trainer"].state
   shapes = jax.eval_shape(state)
-  return dataclasses.replace(made["trainer"], state=shapes, first_bad=no_bad_step())
+  trainer = made["trainer"]
+  first_bad = no_bad_step()
+  if trainer.mesh is not None:  # eval_shape drops the shardings: the state's, FSDP's
+    placed = lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+    shapes = jax.tree.map(placed, shapes, sharding.state_shardings(shapes, trainer.mesh))
+    replicated = jax.sharding.NamedSharding(trainer.mesh, jax.P())
+    first_bad = jax.tree.map(lambda x: placed(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                              replicated), first_bad)
+  return dataclasses.replace(trainer, state=shapes, first_bad=first_bad)
 
 
 def state_bytes(cfg: TrainConfig) -> int:

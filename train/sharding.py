@@ -69,10 +69,31 @@ def _is_stacked(path) -> bool:
   return any(getattr(k, "key", getattr(k, "name", None)) == "stack" for k in path)
 
 
-def shard_state(state, mesh: Mesh):
+def state_shardings(state, mesh: Mesh):
+  """Each leaf's place on ``mesh`` (:func:`param_sharding`), from its path and shape alone:
+  the same for arrays, ShapeDtypeStructs and a traced step's values (which the train step
+  pins its new state to, so a state leaf written from the batch, such as WTA-CRS's example
+  ids, keeps its place and the next step runs the same executable)."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: jax.device_put(x, param_sharding(mesh, np.shape(x),
-                                                       stacked=_is_stacked(path))), state)
+      lambda path, x: param_sharding(mesh, np.shape(x), stacked=_is_stacked(path)), state)
+
+
+def shard_state(state, mesh: Mesh):
+  return jax.device_put(state, state_shardings(state, mesh))
+
+
+def micro_batches(batch: dict, grad_accum: int, mesh: Mesh | None) -> dict:
+  """``batch`` as ``[grad_accum, batch / grad_accum, ...]``: micro-batch ``i`` holds
+  examples ``i, i + grad_accum, ...``. On a mesh each device's rows of the batch then split
+  evenly over the micro-batches, so each micro-batch stays split over every device with no
+  communication (consecutive micro-batches would each live on a few devices, and the scan
+  would gather each one everywhere)."""
+  def split(x):
+    x = x.reshape((-1, grad_accum) + x.shape[1:]).swapaxes(0, 1)
+    if mesh is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(None, AXES)))
+  return {k: split(v) for k, v in batch.items()}
 
 
 def shard_batch(batch: dict, mesh: Mesh) -> dict:

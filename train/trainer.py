@@ -137,7 +137,7 @@ class Trainer:
       if cfg.grad_accum == 1:
         loss, aux, grads, rest = grads_of(params, rest, batch)
       else:  # scan over micro-batches: activations of one micro-batch at a time
-        micro = jax.tree.map(lambda x: x.reshape((cfg.grad_accum, -1) + x.shape[1:]), batch)
+        micro = sharding.micro_batches(batch, cfg.grad_accum, self.mesh)
 
         def body(carry, mb):
           # each micro-batch's mean loss and its gradient, weighted by its count of examples
@@ -161,6 +161,8 @@ class Trainer:
       halted = first_bad["step"] > 0
       keep_new, first = finite & ~halted, ~finite & ~halted
       new = jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, state)
+      if self.mesh is not None:  # each leaf where the state put it: one executable
+        new = jax.lax.with_sharding_constraint(new, sharding.state_shardings(new, self.mesh))
       this = {"step": state["step"] + 1, "loss": loss.astype(jnp.float32),
               "grad_norm": grad_norm.astype(jnp.float32)}
       first_bad = jax.tree.map(lambda n, o: jnp.where(first, n, o), this, first_bad)
