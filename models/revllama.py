@@ -29,10 +29,11 @@ PRESETS, config = derived_presets("rev", llama.PRESETS, llama.config, "RevLlama"
 
 
 class RevLlamaAttention(nnx.Module):
-  """``F(x) = attn(rms_norm(x))`` with RoPE tables built from x's (static) length."""
+  """``F(x) = attn(rms_norm(x))`` with RoPE tables built from x's (static) length, in the
+  compute dtype."""
 
   def __init__(self, cfg: llama.LlamaConfig, policy: MemoryPolicy, dtype, rngs: nnx.Rngs):
-    self.cfg = cfg
+    self.cfg, self.dtype = cfg, dtype
     self.norm = Norm(cfg.dim, kind="rms", eps=cfg.eps, policy=policy)
     self.attn = SelfAttention(cfg.dim, cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                               head_dim=cfg.resolved_head_dim, qkv_bias=False,
@@ -40,7 +41,8 @@ class RevLlamaAttention(nnx.Module):
                               rngs=rngs)
 
   def __call__(self, x):
-    cos, sin = self.cfg.rope_tables(x.shape[1], x.dtype)
+    # in the compute dtype, as LLaMA's: x is the fp32 stream the reversible stack carries
+    cos, sin = self.cfg.rope_tables(x.shape[1], self.dtype)
     return self.attn(self.norm(x), rope=(cos, sin))
 
 

@@ -52,6 +52,19 @@ def test_gradients_exact_with_float64_activations(tokens, policy):
   with jax.enable_x64(True):
     assert _relative_error(policy, 4, tokens, jnp.float64) <= 1e-6
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_16_bit_compute_is_as_accurate_as_plain_autodiff(tokens, dtype):
+  """bf16, the trainer's default, and fp16 run (RoPE tables in the fp32 stream's dtype
+  made q and k fp32 beside a bf16 v); the streams stay fp32, so the rebuild costs nothing
+  beside 16-bit rounding."""
+  flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
+  ref = flat(_grads(_model("baseline", 2), tokens)[1])
+  err = {p: np.linalg.norm(flat(_grads(_model(p, 2, dtype), tokens)[1]) - ref)
+         / np.linalg.norm(ref) for p in ("baseline", "reversible", "pareprop")}
+  assert err["reversible"] <= 1.5 * err["baseline"] + 1e-3, err
+  assert err["pareprop"] <= 1.5 * err["baseline"] + 1e-3, err
+
+
 def test_causal_and_depth_independent_residuals(tokens):
   model = _model("reversible", 2)
   changed = tokens.at[:, 8:].set(7)
