@@ -21,13 +21,16 @@ class Family:
   """A model family. ``inputs``: "image" (``[B, H, W, C]`` floats -> class logits) or
   "tokens" (``[B, T]`` ids, with a padding mask -> per-sequence or per-token logits);
   ``tasks``: the train tasks it serves (``image``, ``text``: a class per sequence, ``lm``).
-  ``hf_model_types``: the HF ``config.json`` ``model_type`` values it loads."""
+  ``hf_model_types``: the HF ``config.json`` ``model_type`` values it loads;
+  ``reversible``: its blocks make a reversible stack (policies choose ``reversible=``, not
+  the blocks' norm, activation or attention)."""
   name: str
   module_name: str
   class_name: str
   inputs: str
   tasks: tuple[str, ...]  # what train's ``task`` may be: image, text (classes), lm
   hf_model_types: tuple[str, ...] = ()
+  reversible: bool = False
 
   @property
   def module(self) -> ModuleType:
@@ -58,9 +61,9 @@ class Family:
 
 FAMILIES = (
     Family("vit", "models.vit", "ViT", "image", ("image",), ("vit",)),
-    Family("revvit", "models.revvit", "RevViT", "image", ("image",)),
+    Family("revvit", "models.revvit", "RevViT", "image", ("image",), reversible=True),
     Family("llama", "models.llama", "Llama", "tokens", ("lm",), ("llama",)),
-    Family("revllama", "models.revllama", "RevLlama", "tokens", ("lm",)),
+    Family("revllama", "models.revllama", "RevLlama", "tokens", ("lm",), reversible=True),
     Family("bert", "models.bert", "Bert", "tokens", ("text",), ("bert", "roberta")),
 )
 

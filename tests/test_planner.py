@@ -409,3 +409,25 @@ def test_a_step_that_lowers_to_a_compiled_program_is_not_compiled_again(example,
   peaks = [planner.predict_peak(_cfg(f"policy={p}"), shapes)
            for p in ("lowmem", "lowmem+hidden=recompute", "lowmembp")]
   assert peaks[0] == peaks[1] != peaks[2] and len(compiles) == 2, (peaks, compiles)
+
+
+def test_a_reversible_model_plans_over_its_own_policies(example):
+  """revvit/revllama get the reversible policies (they refuse lowmem's and remat's blocks:
+  the planner compiled those for minutes, then failed on lowmem); a policy the model refuses
+  is dropped before any compile, and none left is one line."""
+  assert planner.policies_for(_cfg()) == planner.DEFAULT_POLICIES
+  rev = _cfg("model=revvit-digits")
+  assert planner.policies_for(rev) == planner.REVERSIBLE_POLICIES
+  assert planner.policies_for(rev, ("lowmem", "pareprop", "lowmembp+remat")) == ("pareprop",)
+  assert planner.policies_for(_cfg(), ("baseline", "reversible")) == ("baseline",)
+  with pytest.raises(ValueError, match=r"^planner: none of the policies lowmem, remat runs "
+                                       r"on RevViT$"):
+    planner.policies_for(rev, ("lowmem", "remat"))
+  seen = []
+
+  def predict(cfg, shapes):  # made up: only the reversible policies fit
+    seen.append(cfg.policy)
+    return 10 ** 6 if "reversible" in cfg.policy or "pareprop" in cfg.policy else 10 ** 9
+  plan = planner.plan(rev, example, 2 * 10 ** 6, table={}, predict=predict)
+  assert plan.chosen.policy == "reversible" and plan.chosen.grad_accum == 1
+  assert set(seen) <= set(planner.REVERSIBLE_POLICIES)

@@ -59,7 +59,7 @@ from lowmem_jax.memory import MiB, compiled_memory, format_table
 from lowmem_jax.policy import MemoryPolicy
 from train import sharding
 from train.config import TrainConfig, parse_budget
-from train.model import build_model
+from train.model import build_model, model_family
 from train.trainer import Trainer, no_bad_step
 
 # The policies the planner chooses from, in expected speed order (the speed table decides
@@ -77,6 +77,10 @@ DEFAULT_POLICIES = ("baseline", "lowmembp", "lowmembp+hidden=recompute",
                     "lowmembp+hidden=recompute+qkv=recompute", "lowmem",
                     "lowmem+hidden=recompute", "lowmem+qkv=recompute",
                     "lowmem+hidden=recompute+qkv=recompute", "lowmembp+remat")
+# a reversible model's (revvit-*, revllama-*): its blocks take no norm, activation or
+# attention choice, and keep no activations under reversible/pareprop
+REVERSIBLE_POLICIES = ("baseline", "reversible", "pareprop", "lowmembp+reversible",
+                       "lowmembp+pareprop")
 # "auto": the device's allocator limit less this fraction, for what the prediction leaves
 # out (the prefetched next batch, the eval step, fragmentation of the BFC allocator).
 AUTO_MARGIN = 0.10
@@ -381,12 +385,36 @@ def predict_peak(cfg: TrainConfig, batch_shapes: dict) -> int:
   return _PEAKS[key]
 
 
+def policies_for(cfg: TrainConfig, policies: Sequence[str] | None = None) -> tuple[str, ...]:
+  """The candidate policies for ``cfg``'s model: ``policies`` (default: its kind's,
+  :data:`DEFAULT_POLICIES` or :data:`REVERSIBLE_POLICIES`) less those its architecture
+  refuses (found by checking each against the model, before any compile); a ValueError
+  when none is left."""
+  family = model_family(cfg)
+  if policies is None:
+    policies = REVERSIBLE_POLICIES if family.reversible else DEFAULT_POLICIES
+
+  def runs(spec):
+    try:
+      MemoryPolicy.parse(spec).check_architecture(family.class_name,
+                                                  reversible=family.reversible)
+    except ValueError:
+      return False
+    return True
+  kept = tuple(spec for spec in policies if runs(spec))
+  if not kept:
+    raise ValueError(f"planner: none of the policies {', '.join(policies)} runs on "
+                     f"{family.class_name}")
+  return kept
+
+
 def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
-         policies: Sequence[str] = DEFAULT_POLICIES, table: dict | None = None,
+         policies: Sequence[str] | None = None, table: dict | None = None,
          predict: Callable[[TrainConfig, dict], int] = predict_peak,
          progress: Callable[[str], None] | None = None) -> Plan:
   """The fastest plan (policy, micro-batch) for ``cfg`` whose predicted peak fits
   ``budget_bytes``. ``batch_example``: one global batch (arrays or ShapeDtypeStructs);
+  ``policies``: the candidates' policies (default: the model's kind's, :func:`policies_for`);
   ``table``: the speed table (default: train/speed_table.json); ``predict(cfg, shapes)``:
   a plan's peak bytes (default: :func:`predict_peak`); ``progress``: told a line per
   candidate compiled (each can take minutes for a large model).
@@ -394,6 +422,7 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
   any compile, naming the budget and the least train state of ``policies`` when that alone
   exceeds the budget (:func:`state_bytes`)."""
   start = time.perf_counter()
+  policies = policies_for(cfg, policies)
   table = load_speed_table() if table is None else table
   family = device_family(table)
   shapes = {k: jax.ShapeDtypeStruct(np.shape(v), jax.dtypes.canonicalize_dtype(v.dtype))
