@@ -223,14 +223,18 @@ class _Rows:
     self._write(var, layer, row, make, var.set_value)
 
   def set_stored(self, module, name: str, layer: int | None, value, format: str,
-                 n_in: int, n_out: int) -> None:
+                 n_in: int, n_out: int, *, source: str) -> None:
     """Row ``layer`` of ``module``'s weight ``name`` (a kernel ``[in..., out...]``, or a
-    table ``[V, D]`` with ``n_out=0``) stored in ``format``."""
+    table ``[V, D]`` with ``n_out=0``) stored in ``format``; ``source`` (the checkpoint's
+    tensor) names it in an error."""
     var = getattr(module, name)
     shape = tuple(_value(var).shape)
-    row = quantized_weight.quantize(
-        np.asarray(value, np.float32).reshape(shape if layer is None else shape[1:]),
-        format, n_in=n_in, n_out=n_out)
+    try:
+      row = quantized_weight.quantize(
+          np.asarray(value, np.float32).reshape(shape if layer is None else shape[1:]),
+          format, n_in=n_in, n_out=n_out)
+    except ValueError as e:  # inf or NaN weights
+      raise CheckpointError(f"{source}: {e} (base_dtype)") from None
 
     def make():
       return jax.tree.map(lambda x: jnp.zeros(shape[:1] + x.shape, x.dtype), row)
@@ -400,7 +404,8 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
       if format == "float32":
         rows.set(var, e.layer, value)
       else:
-        rows.set_stored(module, name, e.layer, value, format, n_in=1, n_out=0)
+        rows.set_stored(module, name, e.layer, value, format, n_in=1, n_out=0,
+                        source=_named(reader, e.hf))
     elif isinstance(e, Linear):
       module = _resolve(model, e.path)
       shape, n_in = _kernel_dims(module, e.layer)
@@ -426,10 +431,15 @@ def read_state(model, entries: Sequence[Entry], reader: StateReader, *,
         rows.set(module.kernel, e.layer, kernel)
       else:
         rows.set_stored(module, "kernel", e.layer, kernel, format, n_in,
-                        len(shape) - n_in)
+                        len(shape) - n_in, source=_named(reader, f"{e.hf}.weight"))
       if has_bias:
         rows.set(module.bias, e.layer, bias)
   rows.assign()
+
+
+def _named(reader: StateReader, tensor: str) -> str:
+  """``tensor`` as an error names it: with the checkpoint it is read from."""
+  return f"{reader.source}: {tensor}" if reader.source else tensor
 
 
 def _set_norm_affine(rows: _Rows, module, layer: int | None, affine) -> None:

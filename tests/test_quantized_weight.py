@@ -5,6 +5,8 @@ head), a tiny LLaMA's logits against the fp32 model (untied and tied), resident 
 (nf4 with double quantization too), LoRA gradients."""
 
 import math
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +22,8 @@ from models.linear import FrozenKernel
 from models.lora import LoRAParam
 from train.config import TrainConfig
 from train.model import build_model, store_frozen_kernels
+
+HF_DATA = pathlib.Path(__file__).parent / "data" / "hf"
 
 # a stacked kernel [layers=2, in=100, out=(3, 5)]: 100 inputs are not a multiple of 64
 W = jax.random.normal(jax.random.key(0), (2, 100, 3, 5)) * jnp.linspace(0.1, 3.0, 15
@@ -416,3 +420,31 @@ def test_frozen_by_pattern_with_a_stored_base(base_dtype):
   with pytest.raises(ValueError, match="matches no parameter path"):
     split_trainable(cfg.replace(trainable="frozen:nomatch"),
                     nnx.eval_shape(lambda: build_model(cfg.replace(trainable="frozen:nomatch"))))
+
+
+@pytest.mark.parametrize("format", ["int8", "nf4", "nf4-dq"])
+def test_inf_or_nan_weights_are_refused_not_spread(format, tmp_path):
+  """absmax scaling has no place for inf or NaN: stored, one +inf became -inf and NaN'd its
+  block (nf4), its column (int8) or the whole kernel (nf4-dq's scale offset), silently.
+  Refused, naming the checkpoint's tensor; bf16 keeps them, as an fp32 load does."""
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  from models import hf
+  w = np.full((128, 2), 0.01, np.float32)
+  w[0, 0], w[5, 1] = np.inf, np.nan
+  with pytest.raises(ValueError, match=rf"^quantize: 2 of 256 weights are inf or NaN, "
+                                       rf"which {format} cannot store$"):
+    qw.quantize(w, format)
+  assert int(jnp.sum(~jnp.isfinite(qw.dequantize(qw.quantize(w, "bfloat16"))))) == 2
+
+  path = pathlib.Path(shutil.copytree(HF_DATA / "llama_untied", tmp_path / "ckpt"))
+  tensors = load_file(path / "model.safetensors")
+  name = "model.layers.1.mlp.up_proj.weight"
+  tensors[name] = tensors[name].copy()
+  tensors[name][3, 4] = -np.inf
+  save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+  cfg = TrainConfig(name="t", task="lm", pretrained=str(path), dtype="float32",
+                    trainable="lora", base_dtype=format)
+  with pytest.raises(hf.CheckpointError, match=rf"^{re.escape(str(path))}.*: {name}: "
+                                               rf"quantize: 1 of \d+ weights are inf or NaN"):
+    build_model(cfg)
