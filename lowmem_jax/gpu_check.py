@@ -235,7 +235,9 @@ def build_stages(out: Path, *, smoke: bool = False, peak: bool = False, workers:
   # rows are written as they finish, so a cut stage keeps the reversible ones (run first)
   reversible = _py("-m", "benchmarks.reversible_depth", "--json",
                    str(out / "reversible-depth.json"), "--no-compile-rows")
-  reversible += (["--smoke", "--variants", "lhs"] if smoke else
+  # smoke: --run, else a CPU makes no real-step row and, with --no-compile-rows, no row
+  reversible += (["--smoke", "--run", "--variants", "lhs", "--depths", "2", "--steps", "1",
+                  "--rounds", "1", "--warmup", "0"] if smoke else
                  ["--variants", "concurrent,vanilla-concurrent,stream,lhs", "--steps", "5",
                   "--rounds", "3", "--warmup", "1"])
   stages.append(Stage("reversible-depth", reversible, 200, 60,

@@ -151,6 +151,7 @@ def test_gpu_stages_run_the_asked_commands(tmp_path):
   assert rev[rev.index("--json") + 1] == str(tmp_path / "reversible-depth.json")
   smoke = {s.name: s for s in gpu_check.build_stages(tmp_path, smoke=True)}
   assert "--smoke" in smoke["reversible-depth"].cmd
+  assert "--run" in smoke["reversible-depth"].cmd  # a CPU makes no row without it
   remat = stages["bench-remat"].cmd
   assert "--peak" in remat and "--peers" not in remat and "--profile" not in remat
   assert parse_policies(remat[remat.index("--policies") + 1]) == list(gpu_check.REMAT_POLICIES)
