@@ -333,7 +333,7 @@ def test_the_grad_accum_a_plan_replaces_need_not_divide_the_batch(tmp_path, monk
   class Planned(Exception):
     pass
 
-  def plan(cfg, train_set, budget):
+  def plan(cfg, train_set, eval_set, budget):
     raise Planned(cfg.grad_accum)
   monkeypatch.setattr(loop, "_plan", plan)
   with pytest.raises(Planned):
@@ -362,6 +362,59 @@ def test_a_budget_added_at_a_resume_is_refused_before_any_work(tmp_path):
   ckpt.close()
   kept = _checkpoint_plan(cfg, tmp_path)
   assert (kept.policy, kept.grad_accum) == ("baseline", 2)
+  # a batch_size the kept grad_accum does not divide: one line (was a reshape traceback
+  # after the resume, with the batch_size already written to config.json)
+  with pytest.raises(ValueError, match=r"^batch_size 33 is not a multiple of grad_accum 2, "
+                     r"which the run's plan chose and a resume keeps"):
+    _checkpoint_plan(cfg.replace(batch_size=33), tmp_path)
+
+
+def test_a_new_run_naming_policy_or_grad_accum_beside_a_budget_is_refused(tmp_path):
+  """The plan chooses them: named on the command line they were silently replaced."""
+  from train.__main__ import main
+  with pytest.raises(ValueError, match=r"^grad_accum, policy: memory_budget=1GiB chooses "
+                     r"the policy and grad_accum; name them without memory_budget, or the "
+                     r"budget alone$"):
+    main(["--out-dir", str(tmp_path / "run"), "--set", "memory_budget=1GiB", "--policy",
+          "lowmembp+remat", "--set", "grad_accum=7"])
+  assert not (tmp_path / "run").exists()
+
+
+def test_the_eval_batch_is_halved_until_its_peak_fits(example):
+  """Eval runs beside the whole train state at eval_batch_size: a vocabulary's logits per
+  token made it 1.5-2.5x the budget the train step fitted. The plan halves the eval batch
+  until its predicted peak fits (metrics do not depend on it), or says one example does
+  not fit."""
+  cfg = _cfg("eval_batch_size=100")
+  seen = []
+
+  def predict_eval(cfg, shapes):  # made up: 10^5 bytes of state, 2 x 10^4 per example
+    size, = {s.shape[0] for s in shapes.values()}
+    seen.append(size)
+    return 10 ** 5 + 2 * 10 ** 4 * size
+  predict = lambda cfg, shapes: 10 ** 5
+  plan = planner.plan(cfg, example, 10 ** 6, policies=POLICIES, table=TABLE, predict=predict,
+                      predict_eval=predict_eval)
+  assert seen == [100, 50, 25] and (plan.eval_batch_size, plan.eval_peak) == (25, 600000)
+  assert plan.apply(cfg).eval_batch_size == 25
+  assert plan.summary().endswith("; eval_batch_size 25, predicted eval peak 0.6 MiB")
+  with pytest.raises(ValueError, match=r"^memory_budget 0.1 MiB \(110000 bytes\): the "
+                     r"plan chosen \(baseline, grad_accum 1\) trains within it, but its eval "
+                     r"step needs 0.1 MiB \(120000 bytes\) at eval_batch_size 1$"):
+    planner.plan(cfg, example, 110000, policies=POLICIES, table=TABLE, predict=predict,
+                 predict_eval=predict_eval)
+
+
+@pytest.mark.slow
+def test_the_eval_peak_is_the_state_and_the_eval_step(example):
+  """predict_eval_peak: the train state plus the compiled eval step less its weights
+  (the state's), growing with the eval batch."""
+  cfg = _cfg()
+  shapes = lambda n: {k: jax.ShapeDtypeStruct((n,) + v.shape[1:],
+                                              jax.dtypes.canonicalize_dtype(v.dtype))
+                      for k, v in example.items()}
+  small, large = (planner.predict_eval_peak(cfg, shapes(n)) for n in (8, 64))
+  assert planner.state_bytes(cfg) < small < large
 
 
 TABLE_LOWMEMBP_FIRST = {"step_time": {"lowmembp": 1.0, "baseline": 1.5},
@@ -431,3 +484,15 @@ def test_a_reversible_model_plans_over_its_own_policies(example):
   plan = planner.plan(rev, example, 2 * 10 ** 6, table={}, predict=predict)
   assert plan.chosen.policy == "reversible" and plan.chosen.grad_accum == 1
   assert set(seen) <= set(planner.REVERSIBLE_POLICIES)
+
+
+def test_a_measured_micro_batch_penalty_holds_only_where_measured():
+  """The cpu table's penalty was fitted on grad_accum 2-8: past it, the cost model's, and
+  the row says so (it read "1.000 (table)" at grad_accum 32, measured 0.71-0.75)."""
+  table = {"t": {"step_time": {"baseline": 1.0}, "micro_batch_penalty": 0.0,
+                 "micro_batch_penalty_up_to": 8}}
+  rows = {c.grad_accum: c for c in planner.candidates(_cfg(), ["baseline"], table, "t")}
+  assert (rows[8].step_time, rows[8].speed_from) == (1.0, "table")
+  assert rows[32].speed_from == "model"
+  assert rows[32].step_time == pytest.approx(1 + planner.MICRO_BATCH_PENALTY * 31)
+  assert planner.load_speed_table()["cpu"]["micro_batch_penalty_up_to"] == 8

@@ -59,10 +59,12 @@ def main(argv=None) -> dict:
     cfg = resumed_config(where, [o for o in overrides if o != "resume=true"])
   else:
     cfg = load_config(args.config_name, args.config, overrides)
+    from train.config import named_keys
+    from train.runs import refuse_named_plan, refuse_named_with_budget, resumed_folder
     if cfg.resume:  # a planned run keeps its plan: a policy named here would be dropped
-      from train.config import named_keys
-      from train.runs import refuse_named_plan, resumed_folder
       refuse_named_plan(resumed_folder(cfg), named_keys(overrides), cfg.memory_budget)
+    else:  # a new one takes its plan's
+      refuse_named_with_budget(named_keys(overrides), cfg.memory_budget)
 
   from train.loop import train  # imports jax: after argument errors are reported
   result = train(cfg)

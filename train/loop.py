@@ -93,7 +93,8 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
     kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
     train_set, eval_set = make_datasets(
         cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
-    cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, budget)
+    cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, eval_set,
+                                                            budget)
     model = build_model(cfg)
   ctrl_c.check()
   batches = Batches(train_set, cfg.batch_size, seed=cfg.seed, example_ids=cfg.grad_norm_cache)
@@ -144,7 +145,9 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
     if plan is not None:
       log.write({"event": "plan", "step": start, "memory_budget": plan.budget,
                  "policy": plan.chosen.policy, "grad_accum": plan.chosen.grad_accum,
-                 "predicted_peak": plan.chosen.peak, "planning_s": plan.seconds})
+                 "predicted_peak": plan.chosen.peak, "planning_s": plan.seconds,
+                 "eval_batch_size": plan.eval_batch_size,
+                 "predicted_eval_peak": plan.eval_peak})
     metrics, final, schedule = {}, {}, make_schedule(cfg)
     # the data position after each step since the last boundary: a save of that step's state
     # resumes there
@@ -468,11 +471,15 @@ def use_compile_cache(path: str) -> str:
   return jax.config.jax_compilation_cache_dir or ""
 
 
-def _plan(cfg: TrainConfig, train_set, budget: int) -> tuple[TrainConfig, "planner.Plan"]:
-  """Runs the planner for ``budget`` bytes on the first batch's shapes, prints its table;
-  ``cfg`` with the chosen policy and grad_accum, and the plan."""
+def _plan(cfg: TrainConfig, train_set, eval_set,
+          budget: int) -> tuple[TrainConfig, "planner.Plan"]:
+  """Runs the planner for ``budget`` bytes on the first batch's shapes (and, when the run
+  evaluates, the eval batch that fits), prints its table; ``cfg`` with the chosen policy,
+  grad_accum and eval batch, and the plan."""
   example = Batches(train_set, cfg.batch_size, seed=cfg.seed).peek()
-  result = planner.plan(cfg, example, budget, progress=lambda line: print(line, flush=True))
+  result = planner.plan(cfg, example, budget, progress=lambda line: print(line, flush=True),
+                        predict_eval=(planner.predict_eval_peak
+                                      if eval_set is not None and cfg.eval_every else None))
   print(result.table(), result.summary(), sep="\n", flush=True)
   return result.apply(cfg), result
 
@@ -493,6 +500,10 @@ def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig:
       print(f"planner: resuming the plan the run chose (policy {saved['policy']}, grad_accum "
             f"{saved['grad_accum']}, checkpoint step {step}); memory_budget is not planned "
             "again (a new run plans afresh)", flush=True)
+      if cfg.batch_size % saved["grad_accum"]:
+        raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
+                         f"{saved['grad_accum']}, which the run's plan chose and a resume "
+                         "keeps; resume with a batch_size it divides, or plan a new run")
       return cfg.replace(policy=saved["policy"], grad_accum=saved["grad_accum"])
   saved = metas[0][1].get("config", {}) if metas else {}
   raise ValueError(

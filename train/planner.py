@@ -212,14 +212,22 @@ class Plan:
   candidates: tuple[Candidate, ...]
   chosen: Candidate | None  # None: nothing fits (a table of what was compiled, then an error)
   seconds: float
+  # the eval batch that fits the budget beside the state, and that eval's predicted peak
+  # (None: eval not planned)
+  eval_batch_size: int | None = None
+  eval_peak: int | None = None
 
   @property
   def compiled(self) -> int:
     return sum(c.peak is not None for c in self.candidates)
 
   def apply(self, cfg: TrainConfig) -> TrainConfig:
-    """``cfg`` with the chosen policy and grad_accum (the batch size unchanged)."""
-    return cfg.with_policy(self.chosen.policy, grad_accum=self.chosen.grad_accum)
+    """``cfg`` with the chosen policy and grad_accum (the batch size unchanged), and the
+    eval batch that fits."""
+    eval_batch = {} if self.eval_batch_size is None else {
+        "eval_batch_size": self.eval_batch_size}
+    return cfg.with_policy(self.chosen.policy, grad_accum=self.chosen.grad_accum,
+                           **eval_batch)
 
   def table(self) -> str:
     def note(c):
@@ -239,7 +247,9 @@ class Plan:
             f"{len(self.candidates)} candidates compiled in {self.seconds:.1f} s; {speeds}; "
             f"chosen {self.chosen.policy}, micro-batch {self.chosen.micro_batch} x "
             f"grad_accum {self.chosen.grad_accum}, predicted peak "
-            f"{fmt_bytes(self.chosen.peak)}")
+            f"{fmt_bytes(self.chosen.peak)}" + ("" if self.eval_peak is None else
+            f"; eval_batch_size {self.eval_batch_size}, predicted eval peak "
+            f"{fmt_bytes(self.eval_peak)}"))
 
 
 def _step_time(policy: MemoryPolicy, measured: dict) -> tuple[float, str]:
@@ -264,14 +274,17 @@ def candidates(cfg: TrainConfig, policies: Sequence[str], table: dict,
   entry = table.get(family, {}) if family else {}
   measured = {MemoryPolicy.parse(k): v for k, v in entry.get("step_time", {}).items()}
   penalty = entry.get("micro_batch_penalty")
+  # the measured penalty holds up to the largest grad_accum measured; past it, the model's
+  measured_up_to = entry.get("micro_batch_penalty_up_to")
   out = []
   for policy in dict.fromkeys(MemoryPolicy.parse(spec) for spec in policies):
     t, t_source = _step_time(policy, measured)
-    p = MICRO_BATCH_PENALTY if penalty is None else penalty
     for micro in sorted((m for m in range(1, cfg.batch_size + 1) if cfg.batch_size % m == 0),
                         reverse=True):
       accum = cfg.batch_size // micro
-      source = t_source if accum == 1 or penalty is not None else "model"
+      known = penalty is not None and (measured_up_to is None or accum <= measured_up_to)
+      p = penalty if known else MICRO_BATCH_PENALTY
+      source = t_source if accum == 1 or known else "model"
       out.append(Candidate(policy.spec, micro, accum, t * (1 + p * (accum - 1)), source))
   return sorted(out, key=lambda c: c.step_time)  # stable: the ties keep their order
 
@@ -355,8 +368,13 @@ def state_bytes(cfg: TrainConfig) -> int:
   value an output, whatever the micro-batch. The batch is left out (``jax.jit`` drops
   arguments the step does not read)."""
   trainer = abstract_trainer(cfg)
+  return _bytes((trainer.state, trainer.first_bad))
+
+
+def _bytes(tree) -> int:
+  """Bytes per device of the ShapeDtypeStructs in ``tree``."""
   total = 0
-  for leaf in jax.tree.leaves((trainer.state, trainer.first_bad)):
+  for leaf in jax.tree.leaves(tree):
     sharding = getattr(leaf, "sharding", None)
     shape = leaf.shape if sharding is None else sharding.shard_shape(leaf.shape)
     total += -(-math.prod(shape) * jax.dtypes.itemsize_bits(leaf.dtype) // 8)
@@ -411,12 +429,15 @@ def policies_for(cfg: TrainConfig, policies: Sequence[str] | None = None) -> tup
 def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
          policies: Sequence[str] | None = None, table: dict | None = None,
          predict: Callable[[TrainConfig, dict], int] = predict_peak,
+         predict_eval: Callable[[TrainConfig, dict], int] | None = None,
          progress: Callable[[str], None] | None = None) -> Plan:
   """The fastest plan (policy, micro-batch) for ``cfg`` whose predicted peak fits
   ``budget_bytes``. ``batch_example``: one global batch (arrays or ShapeDtypeStructs);
   ``policies``: the candidates' policies (default: the model's kind's, :func:`policies_for`);
   ``table``: the speed table (default: train/speed_table.json); ``predict(cfg, shapes)``:
-  a plan's peak bytes (default: :func:`predict_peak`); ``progress``: told a line per
+  a plan's peak bytes (default: :func:`predict_peak`); ``predict_eval(cfg, shapes)``: the
+  eval step's (:func:`predict_eval_peak`; None: eval not planned), for the chosen plan's
+  eval batch (:func:`fit_eval_batch`); ``progress``: told a line per
   candidate compiled (each can take minutes for a large model).
   ValueError naming the budget and the smallest predicted peak when nothing fits; before
   any compile, naming the budget and the least train state of ``policies`` when that alone
@@ -468,7 +489,50 @@ def plan(cfg: TrainConfig, batch_example: dict, budget_bytes: int, *,
                      f"plan fits; the smallest predicted peak is {fmt_bytes(least.peak)} "
                      f"({least.peak} bytes: {least.policy}, micro-batch {least.micro_batch} "
                      f"x grad_accum {least.grad_accum})")
-  return Plan(budget_bytes, family, tuple(rows), chosen, time.perf_counter() - start)
+  eval_batch = eval_peak = None
+  if predict_eval is not None:
+    eval_batch, eval_peak = fit_eval_batch(
+        cfg.with_policy(chosen.policy, grad_accum=chosen.grad_accum), shapes, budget_bytes,
+        predict_eval, progress)
+  return Plan(budget_bytes, family, tuple(rows), chosen, time.perf_counter() - start,
+              eval_batch, eval_peak)
+
+
+def predict_eval_peak(cfg: TrainConfig, batch_shapes: dict) -> int:
+  """Predicted peak bytes while ``cfg``'s eval step runs on ``batch_shapes``: the whole
+  train state (live throughout the run) plus the eval step's batch, temporaries and outputs
+  (its parameters are the state's); compiled ahead of time, nothing run."""
+  trainer = abstract_trainer(cfg)
+  weights = (trainer.state["params"], trainer.state["rest"])
+  lowered = trainer.eval_step.lower(*gpu_target.place((*weights, batch_shapes)))
+  options = PLAN_COMPILER_OPTIONS.get(gpu_target.backend(), {})
+  memory = compiled_memory(lowered.compile(compiler_options=options))
+  return state_bytes(cfg) + memory.total - _bytes(weights)
+
+
+def fit_eval_batch(cfg: TrainConfig, shapes: dict, budget: int,
+                   predict_eval: Callable[[TrainConfig, dict], int],
+                   progress: Callable[[str], None] | None = None) -> tuple[int, int]:
+  """``(eval batch, its predicted peak)``: ``cfg.eval_batch_size``, halved (rounded up)
+  until ``predict_eval(cfg, shapes)`` fits ``budget`` (the eval batch changes no metric,
+  only how many examples run at once; at the full size eval could need several times a
+  train step's peak: a vocabulary's logits for every token); a ValueError when one example
+  does not fit. ``shapes``: a train batch's (its leading size replaced)."""
+  size = cfg.eval_batch_size
+  while True:
+    eval_shapes = {k: jax.ShapeDtypeStruct((size,) + s.shape[1:], s.dtype)
+                   for k, s in shapes.items() if k != "example_id"}
+    peak = predict_eval(cfg, eval_shapes)
+    if progress:
+      progress(f"planner: eval batch {size} under {cfg.policy}: predicted peak "
+               f"{fmt_bytes(peak)}, {'fits' if peak <= budget else 'over budget'}")
+    if peak <= budget:
+      return size, peak
+    if size == 1:
+      raise ValueError(f"memory_budget {_exact(budget)}: the plan chosen ({cfg.policy}, "
+                       f"grad_accum {cfg.grad_accum}) trains within it, but its eval step "
+                       f"needs {fmt_bytes(peak)} ({peak} bytes) at eval_batch_size 1")
+    size = (size + 1) // 2
 
 
 def real_peak_report(plan_: Plan) -> dict:

@@ -163,6 +163,16 @@ def resumed_folder(cfg: TrainConfig) -> Path | None:
   return Path(cfg.out_dir) if cfg.out_dir is not None else newest_run(RUNS_DIR / cfg.name)
 
 
+def refuse_named_with_budget(named: set[str], budget) -> None:
+  """A new run under ``memory_budget`` takes the policy and grad_accum its plan chooses: a
+  command that also names either is a ValueError before any work, where it would be
+  silently replaced."""
+  changed = sorted(named & {"policy", "grad_accum"})
+  if budget is not None and changed:
+    raise ValueError(f"{', '.join(changed)}: memory_budget={budget} chooses the policy and "
+                     "grad_accum; name them without memory_budget, or the budget alone")
+
+
 def refuse_named_plan(folder: Path | None, named: set[str], budget) -> None:
   """A resume of a run planned by ``memory_budget`` keeps the policy and grad_accum the
   plan chose (``train.loop``): a command that also names either, with a ``budget`` in
