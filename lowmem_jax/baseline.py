@@ -283,6 +283,14 @@ def _check_block(value, extra):
   return block
 
 
+def _check_attention_block(policy):
+  if (policy.attention_block != policy.default("attention_block")
+      and policy.attention not in ("auto", "flash")):
+    raise ValueError(f"MemoryPolicy: attention_block={policy.attention_block} sizes flash "
+                     f"attention's key blocks, but attention={policy.attention!r} runs none; "
+                     "drop one of them")
+
+
 METHOD = Method(
     name="baseline",
     fields=(
@@ -298,6 +306,7 @@ METHOD = Method(
               "plain (plain JAX autodiff of the same functions)", choices=AUTODIFF),
     ),
     presets={"baseline": {}, "plain": {"autodiff": "plain", "attention": "xla"}},
+    check=_check_attention_block,
     strategies={"shared": _shared, "linear": _linear, "activation": _activation,
                 "norm": _norm, "attention": _attention, "qkv": _qkv, "hidden": _hidden,
                 "block": _block},

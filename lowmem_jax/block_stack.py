@@ -121,7 +121,7 @@ def block(p, x, cfg: StackConfig, policy: MemoryPolicy):
   act, gated = ("silu", True) if cfg.kind == "llama" else ("gelu", False)
   hidden = policy.hidden_strategy(act, gated=gated)
   out = hidden(lambda a, w, _: _activate_out(a, w, cfg, policy), inputs, weights, None)
-  return x + checkpoint_name(out, "mlp_out")
+  return x + out
 
 
 def _activate_out(inputs, p, cfg: StackConfig, policy: MemoryPolicy):

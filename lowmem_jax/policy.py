@@ -7,7 +7,7 @@ method's name. Presets are named field settings, combined with ``+``::
     MemoryPolicy.parse("lowmembp")                 # approx2 activations + MS norms
     MemoryPolicy.parse("lowmembp+remat")           # ... and full remat of each block
     MemoryPolicy.parse("remat:dots_saveable")      # any jax.checkpoint_policies name
-    MemoryPolicy.parse("remat:save=qkv_proj,mlp_out")  # save only these tagged tensors
+    MemoryPolicy.parse("remat:save=qkv_proj,attn_out")  # save only these tagged tensors
     MemoryPolicy.parse("lowmembp+attention=xla")   # any field as field=value
 
 The fields, presets and strategies come from the methods (:mod:`lowmem_jax.methods`),

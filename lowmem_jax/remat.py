@@ -22,8 +22,7 @@ CHECKPOINT_NAMES = (
     "attn_proj",   # out-projection output
     "mlp_hidden",  # first MLP linear(s) output, before the activation
     "mlp_act",     # activation output (input of the last MLP linear)
-    "mlp_out",     # last MLP linear output
-)
+)  # (not the last MLP linear's output: no backward reads it, so saving it keeps nothing)
 
 # jax.checkpoint_policies entries that are policies themselves (not policy factories).
 REMAT_POLICY_NAMES = tuple(n for n in (
@@ -40,10 +39,17 @@ def _check(value, extra):
       raise ValueError("MemoryPolicy: remat=() saves nothing; use remat='full'")
     for name in value:
       check_choice("checkpoint name in remat", name, CHECKPOINT_NAMES)
-    return value
+    return tuple(n for n in CHECKPOINT_NAMES if n in value)  # one spec for one set of names
   if value is not None:
     check_choice("remat", value, ("full",) + REMAT_POLICY_NAMES + extra)
   return value
+
+
+def _check_saved_names(policy):
+  if isinstance(policy.remat, tuple) and "norm_out" in policy.remat and policy.quant != "none":
+    raise ValueError(f"MemoryPolicy: remat:save=norm_out under quant={policy.quant!r}: the "
+                     "norm's output is kept as its 8-bit code, which no name saves; drop "
+                     "norm_out")
 
 
 def _block(policy, inner):
@@ -64,4 +70,5 @@ METHOD = Method(
                   check=_check),),
     presets={"remat": {"remat": "full"}},
     strategies={"block": _block},
+    check=_check_saved_names,
 )

@@ -16,7 +16,7 @@ REVERSIBLES = ("none", "vanilla", "pareprop", "pareprop-stream")
 
 
 # Fields that act on what blocks keep: a reversible stack's blocks keep nothing.
-BLOCK_FIELDS = ("quant", "sampled_linear", "remat")
+BLOCK_FIELDS = ("quant", "sampled_linear", "remat", "qkv")
 
 
 def _set_block_fields(policy) -> list[str]:

@@ -305,7 +305,7 @@ def _check_targets(value, extra):
                      f"{', '.join(LINEAR_NAMES)}")
   for name in targets:
     check_choice("linear in sample_targets", name, LINEAR_NAMES)
-  return targets
+  return tuple(n for n in LINEAR_NAMES if n in targets)  # one spec for one set of linears
 
 
 def check_not_recomputed(policy, field: str, linears) -> None:

@@ -37,8 +37,7 @@ class Mlp(nnx.Module):
 
   def __call__(self, x):
     h = checkpoint_name(self.fc1(self.shared_input(x)), "mlp_hidden")
-    return checkpoint_name(_last(self.hidden, self.act, self.shared_hidden, self.fc2, (h,)),
-                           "mlp_out")
+    return _last(self.hidden, self.act, self.shared_hidden, self.fc2, (h,))
 
 
 class GatedMlp(nnx.Module):
@@ -61,8 +60,7 @@ class GatedMlp(nnx.Module):
     x = self.shared_input(x)
     g = checkpoint_name(self.gate(x), "mlp_hidden")
     u = checkpoint_name(self.up(x), "mlp_hidden")
-    return checkpoint_name(_last(self.hidden, self.act, self.shared_hidden, self.down, (g, u)),
-                           "mlp_out")
+    return _last(self.hidden, self.act, self.shared_hidden, self.down, (g, u))
 
 
 def _run(graphdef, arithmetic, inputs, params, rest):

@@ -278,3 +278,30 @@ def test_linear_fn_is_the_linear_with_its_gradients(spec):
                   jax.grad(ref, (0, 1, 2))(x, kernel, bias)):
     assert jnp.allclose(a, b, rtol=1e-6, atol=1e-5)
   assert jnp.allclose(ours(x, kernel, bias), ref(x, kernel, bias), rtol=1e-6)
+
+
+def test_one_spec_for_one_set_of_names():
+  """Names given in another order or twice are the same policy with one spec (a resume
+  reported "remat:save=qkv_proj,attn_out -> remat:save=attn_out,qkv_proj" as a change)."""
+  for a, b in (("remat:save=qkv_proj,attn_out", "remat:save=attn_out,qkv_proj,attn_out"),
+               ("wta-crs+sample_targets=fc1,fc2", "wta-crs+sample_targets=fc2,fc1,fc1")):
+    assert MemoryPolicy.parse(a) == MemoryPolicy.parse(b)
+    assert MemoryPolicy.parse(b).spec == a
+
+
+@pytest.mark.parametrize("spec, message", [
+    # each changed nothing, silently (the compiled step the same program, or only dearer)
+    ("mesa8+remat:save=norm_out", r"remat:save=norm_out under quant='mesa': the norm's "
+     r"output is kept as its 8-bit code, which no name saves; drop norm_out"),
+    ("remat:save=mlp_out", r"unknown checkpoint name in remat 'mlp_out'"),
+    ("reversible+qkv=recompute", r"reversible='vanilla' keeps no block activations, so "
+     r"qkv='recompute' would change nothing"),
+    ("attention=xla+attention_block=4", r"attention_block=4 sizes flash attention's key "
+     r"blocks, but attention='xla' runs none; drop one of them"),
+    ("plain+attention_block=4", r"attention_block=4 sizes flash"),
+])
+def test_fields_that_would_change_nothing_are_refused(spec, message):
+  with pytest.raises(ValueError, match=message):
+    MemoryPolicy.parse(spec)
+  assert MemoryPolicy.parse("attention=flash+attention_block=4").attention_block == 4
+  assert MemoryPolicy.parse("lowmembp+remat:save=norm_out").remat == ("norm_out",)
