@@ -468,3 +468,21 @@ def test_lowmembp_saves_fewer_residual_bytes():
   sizes = {spec: residual_bytes(spec) for spec in ("baseline", "ms-bp", "approx-bp", "lowmembp")}
   assert sizes["lowmembp"] < sizes["ms-bp"] < sizes["baseline"], sizes
   assert sizes["lowmembp"] < sizes["approx-bp"] < sizes["baseline"], sizes
+
+
+def test_the_text_loss_reads_a_pairs_segment_ids():
+  """A text pair's batch carries segment ids (train.text: the second text is segment 1):
+  the train and eval loss embed them, as HF does (before, every token was segment 0)."""
+  from lowmem_jax.lm_loss import logits_cross_entropy
+  from models import bert
+  from train.loss import loss_and_metrics
+  model = bert.Bert("bert-tiny", "baseline", dtype=jnp.float32, rngs=nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (2, 10), 1, 512)
+  batch = {"tokens": tokens, "mask": jnp.ones((2, 10), bool), "label": jnp.array([0, 1]),
+           "types": (jnp.arange(10) >= 6).astype(jnp.int32)[None].repeat(2, 0)}
+  want = logits_cross_entropy(model(batch["tokens"], batch["mask"], batch["types"]),
+                              batch["label"])[0].mean()
+  without = logits_cross_entropy(model(batch["tokens"], batch["mask"]), batch["label"])[0]
+  assert abs(float(without.mean()) - float(want)) > 1e-6  # the ids change the logits
+  np.testing.assert_allclose(float(loss_and_metrics(model, batch, "text")[0]), float(want),
+                             rtol=1e-6)

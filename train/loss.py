@@ -21,8 +21,9 @@ def loss_and_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT
     losses, correct = logits_cross_entropy(model(batch["image"]), batch["label"])
     weights = jnp.ones(losses.shape, jnp.float32)
   elif task == "text":
-    losses, correct = logits_cross_entropy(model(batch["tokens"], batch["mask"]),
-                                           batch["label"])
+    # text pairs carry segment ids (types): the second text is segment 1, as HF embeds it
+    logits = model(batch["tokens"], batch["mask"], batch.get("types"))
+    losses, correct = logits_cross_entropy(logits, batch["label"])
     weights = jnp.ones(losses.shape, jnp.float32)
   else:
     tokens, targets = batch["tokens"], batch["targets"]
