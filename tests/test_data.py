@@ -309,6 +309,10 @@ def test_text_classification_errors(tmp_path, tokenizer):
   missing = write_jsonl(tmp_path / "missing.jsonl", [{"text": "a", "label": 0}, {"text": "b"}])
   with pytest.raises(ValueError, match=r"missing.jsonl:2: missing key 'label'"):
     text_classification(missing, tokenizer, max_len=8)
+  null = write_jsonl(tmp_path / "null.jsonl", [{"text": "a", "label": 0},
+                                               {"text": None, "label": 1}])
+  with pytest.raises(ValueError, match=r"null.jsonl:2: 'text' is null$"):  # not "missing"
+    text_classification(null, tokenizer, max_len=8)
   empty = tmp_path / "empty.jsonl"
   empty.write_text("\n  \n")
   with pytest.raises(ValueError, match="empty dataset"):
@@ -769,8 +773,9 @@ def test_token_ids_and_max_len_checked_against_the_model(tmp_path, tokenizer_pat
   assert int(datasets(vocab_size=30522)[0].arrays["tokens"].max()) >= 1000
   with pytest.raises(ValueError, match=rf"train.jsonl: token id \d+ \(tokenizer .*tokenizer"
                                        rf".json\) is outside the model's vocab_size=1000; "
-                                       rf"use the model's tokenizer or set model.vocab_size "
-                                       rf">= \d+$"):
+                                       rf"use the model's tokenizer or set model.vocab_size="
+                                       rf"30522 \(the tokenizer's vocabulary: every id it "
+                                       rf"can give\)$"):
     datasets(vocab_size=1000)
   # a pretrained model's table is its checkpoint's: model.vocab_size is no way out
   with pytest.raises(ValueError, match=r"vocab_size=1000; use the tokenizer /x/model was "

@@ -119,5 +119,16 @@ def _in_vocab(dataset, *, model_cfg, path, tokenizer, pretrained):
                          f"use the tokenizer {pretrained} was trained with (its "
                          "tokenizer.json; the embedding table is the checkpoint's)"
                          if pretrained else "use the model's tokenizer or set "
-                         f"model.vocab_size >= {top + 1}"))
+                         f"model.vocab_size={_vocab_size(tokenizer, top + 1)} (the "
+                         "tokenizer's vocabulary: every id it can give)"))
   return dataset
+
+
+def _vocab_size(tokenizer, at_least: int) -> int:
+  """The vocabulary size of the tokenizer file ``tokenizer`` (at least ``at_least``): an
+  id seen in one file is not the largest the tokenizer gives in another."""
+  from train.tokenize import load_tokenizer
+  try:
+    return max(at_least, load_tokenizer(tokenizer)[0].get_vocab_size())
+  except Exception:  # not a file this can read: the id seen is what is known
+    return at_least

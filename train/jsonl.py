@@ -58,6 +58,8 @@ def field(where: str, obj: dict, key: str, *, kind=str, optional: bool = False):
   if key not in obj or obj[key] is None:
     if optional:
       return None
+    if key in obj:
+      raise ValueError(f"{where}: {key!r} is null")
     raise ValueError(f"{where}: missing key {key!r} (has {sorted(obj)})")
   value = obj[key]
   if not isinstance(value, kind) or isinstance(value, bool):
