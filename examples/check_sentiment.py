@@ -26,8 +26,13 @@ def words(text: str) -> list[str]:
 def read(path: Path) -> list[dict]:
   rows = []
   for number, line in enumerate(path.read_text().splitlines(), 1):
-    row = json.loads(line)
-    if set(row) != {"text", "label"} or row["label"] not in (0, 1) or not isinstance(row["text"], str):
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:  # a blank line too: each line is one example
+      raise ValueError(f"{path.name}:{number}: not a JSON object ({e.msg})") from None
+    if (not isinstance(row, dict) or set(row) != {"text", "label"}
+        or type(row["label"]) is not int or row["label"] not in (0, 1)
+        or not isinstance(row["text"], str)):  # type: true and 1.0 are not labels
       raise ValueError(f"{path.name}:{number}: want {{'text': str, 'label': 0|1}}, got {row!r}")
     rows.append(dict(row, where=f"{path.name}:{number}", original=number <= ORIGINAL[path.name]))
   return rows
@@ -59,6 +64,9 @@ def problems(folder: Path = HERE) -> list[str]:
 
 
 if __name__ == "__main__":
-  found = problems()
+  try:
+    found = problems()
+  except ValueError as e:  # a line that is no example: the checks below cannot run
+    found = [str(e)]
   print("\n".join(found) or "ok: " + ", ".join(f"{n} {c} lines" for n, c in FILES.items()))
   sys.exit(1 if found else 0)

@@ -786,3 +786,25 @@ def test_token_ids_and_max_len_checked_against_the_model(tmp_path, tokenizer_pat
                                        rf"positions of model {preset}; set max_len <= "
                                        rf"{positions}"):
     datasets(f"max_len={positions + 1}", vocab_size=30522)
+
+
+def test_check_sentiment_reports_bad_lines_as_problems(tmp_path):
+  """examples/check_sentiment.py: a bool label (which the trainer refuses) and a blank
+  line are problem lines with exit status 1 (True passed as 1; a blank line was a
+  JSONDecodeError traceback)."""
+  import shutil
+  import subprocess
+  import sys
+  examples = pathlib.Path(__file__).resolve().parents[1] / "examples"
+  for name in ("check_sentiment.py", "sentiment_train.jsonl", "sentiment_test.jsonl"):
+    shutil.copy(examples / name, tmp_path / name)
+  train = tmp_path / "sentiment_train.jsonl"
+  lines = train.read_text().splitlines()
+  for index, change, want in ((2, lambda l: l.replace('"label": 1', '"label": true')
+                               .replace('"label": 0', '"label": false'),
+                               "sentiment_train.jsonl:3: want {'text': str, 'label': 0|1}"),
+                              (4, lambda l: "", "sentiment_train.jsonl:5: not a JSON object")):
+    train.write_text("\n".join(lines[:index] + [change(lines[index])] + lines[index + 1:]))
+    proc = subprocess.run([sys.executable, str(tmp_path / "check_sentiment.py")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stdout.startswith(want), proc.stdout + proc.stderr
