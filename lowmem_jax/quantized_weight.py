@@ -139,16 +139,16 @@ def quantize(w, format: str, *, n_in: int = 1, n_out: int = 1) -> QuantizedKerne
   float32). Jitted: one compile per shape."""
   if format not in FORMATS[1:]:
     raise ValueError(f"quantize: format={format!r} is not one of {', '.join(FORMATS[1:])}")
+  w = jnp.asarray(w, jnp.float32)
   if format != "bfloat16" and not isinstance(w, jax.core.Tracer):
     # absmax scaling has no place for inf or NaN: it would spread to the weight's whole
     # block (nf4), column (int8) or kernel (nf4-dq's scale offset), and flip +inf's sign
-    w = jnp.asarray(w, jnp.float32)
     bad = int(w.size - jnp.count_nonzero(jnp.isfinite(w)))
     if bad:
       raise ValueError(f"quantize: {bad} of {w.size} weights are inf or NaN, which "
                        f"{format} cannot store")
   double_quant = format == "nf4-dq"
-  return _quantize(jnp.asarray(w, jnp.float32), "nf4" if double_quant else format, n_in,
+  return _quantize(w, "nf4" if double_quant else format, n_in,
                    n_out, double_quant)
 
 

@@ -130,5 +130,5 @@ def _vocab_size(tokenizer, at_least: int) -> int:
   from train.tokenize import load_tokenizer
   try:
     return max(at_least, load_tokenizer(tokenizer)[0].get_vocab_size())
-  except Exception:  # not a file this can read: the id seen is what is known
+  except (OSError, ValueError):  # no tokenizer file to read: the id seen is what is known
     return at_least

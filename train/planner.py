@@ -355,8 +355,7 @@ def abstract_trainer(cfg: TrainConfig) -> Trainer:
     placed = lambda x, where: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
     shapes = jax.tree.map(placed, shapes, sharding.state_shardings(shapes, trainer.mesh))
     replicated = jax.sharding.NamedSharding(trainer.mesh, jax.P())
-    first_bad = jax.tree.map(lambda x: placed(jax.ShapeDtypeStruct(x.shape, x.dtype),
-                                              replicated), first_bad)
+    first_bad = jax.tree.map(lambda x: placed(x, replicated), first_bad)
   return dataclasses.replace(trainer, state=shapes, first_bad=first_bad)
 
 
@@ -507,7 +506,8 @@ def predict_eval_peak(cfg: TrainConfig, batch_shapes: dict) -> int:
   lowered = trainer.eval_step.lower(*gpu_target.place((*weights, batch_shapes)))
   options = PLAN_COMPILER_OPTIONS.get(gpu_target.backend(), {})
   memory = compiled_memory(lowered.compile(compiler_options=options))
-  return state_bytes(cfg) + memory.total - _bytes(weights)
+  state = _bytes((trainer.state, trainer.first_bad))  # state_bytes(cfg), not built again
+  return state + memory.total - _bytes(weights)
 
 
 def fit_eval_batch(cfg: TrainConfig, shapes: dict, budget: int,
