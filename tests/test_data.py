@@ -299,6 +299,12 @@ def test_text_classification_pairs_and_int_labels(tmp_path, tokenizer):
   with pytest.raises(ValueError, match=r"negative.jsonl:2: label -1 is negative; int labels "
                      r"are class ids 0, 1, ...$"):
     text_classification(negative, tokenizer, max_len=8)
+  mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "label": "pos"},
+                                                 {"text": "b", "label": "neg"},
+                                                 {"text": "c", "label": 1}])
+  with pytest.raises(ValueError, match=r"mixed.jsonl:3: label 1 is an int but "
+                     r".*mixed.jsonl:1 has 'pos'; labels mix ints and strings, use one kind$"):
+    text_classification(mixed, tokenizer, max_len=8)
 
 
 def test_text_classification_errors(tmp_path, tokenizer):

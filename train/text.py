@@ -73,7 +73,9 @@ def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
   """int32 label ids and the class names (None for int labels without names)."""
   kinds = {type(v) for _, v in raw}
   if len(kinds) > 1:
-    raise ValueError(f"{path}: labels mix ints and strings; use one kind")
+    (first, v0), (where, v) = raw[0], next(r for r in raw if type(r[1]) is not type(raw[0][1]))
+    raise ValueError(f"{where}: label {v!r} is {'a string' if isinstance(v, str) else 'an int'} "
+                     f"but {first} has {v0!r}; labels mix ints and strings, use one kind")
   if int_labels is not None and (kinds == {int}) != int_labels:
     where, v = raw[0]
     raise ValueError(f"{where}: label {v!r} is {'a string' if int_labels else 'an int'} but "
