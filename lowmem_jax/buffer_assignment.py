@@ -320,6 +320,8 @@ class _Instr:
   root_opcode: str = ""
   stream: int | None = None  # the GPU stream it is put on (JAX's stream annotation or
                              # XLA:GPU's operation queue); None: not said (the main one)
+  runs: tuple[str, ...] = ()  # computations it runs as they are, not fused or applied per
+                              # element: a call's (``to_apply``), a conditional's branches
 
 
 class HloText:
@@ -412,6 +414,13 @@ class HloText:
     condition = re.search(r"condition=%?([\w.\-]+)", rest)
     index = re.search(r"index=(\d+)", rest)
     trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', rest)
+    runs = ()
+    if opcode in ("call", "call-start"):
+      runs = tuple(re.findall(r"to_apply=%?([\w.\-]+)", rest))
+    elif opcode == "conditional":
+      branches = re.search(r"branch_computations=\{([^}]*)\}", rest)
+      runs = tuple(re.findall(r"%?([\w.\-]+)", branches.group(1))) if branches else tuple(
+          m.group(1) for m in re.finditer(r"(?:true|false)_computation=%?([\w.\-]+)", rest))
     stream = (re.search(r'_xla_stream_annotation="(\d+)"', rest)
               or re.search(r'"operation_queue_id":"(\d+)"', rest))
     op_name = _quoted("op_name", rest)
@@ -429,7 +438,7 @@ class HloText:
                   source_line=int(src_line.group(1)) if src_line else None,
                   computation=computation, type_text=type_text,
                   trip_count=int(trips.group(1)) if trips else None,
-                  stream=int(stream.group(1)) if stream else None)
+                  stream=int(stream.group(1)) if stream else None, runs=runs)
 
   def _root(self, instr: _Instr) -> _Instr:
     """A fusion's root instruction, an async op's (XLA:GPU wraps fusions in async-start /

@@ -39,28 +39,42 @@ class Kernels:
 
 def count_kernels(hlo_text: str) -> Kernels:
   """:class:`Kernels` of an optimized HLO module's text (``compiled.as_text()``): the
-  entry computation, the bodies of its while loops (each counted once per trip) and the
-  computations that async pairs run (XLA:GPU wraps fusions in them)."""
+  entry computation, the bodies of its while loops (each counted once per trip), the
+  computations that calls and async pairs run (XLA:GPU wraps fusions in them; a call on
+  another stream is ``call-start``) and, of a conditional's branches, the one that
+  launches most."""
   hlo = HloText(hlo_text)
   if not hlo.entry:
     raise ValueError("count_kernels: no ENTRY computation in the HLO text")
   by_computation: dict[str, list] = {}  # computation -> its instructions, in order
   for instr in hlo.instrs.values():
     by_computation.setdefault(instr.computation, []).append(instr)
-  launches = copies = copy_bytes = 0
-  trips: list[int] = []
-  stack = [(hlo.entry, 1)]
-  while stack:
-    computation, times = stack.pop()
+
+  def count(computation: str) -> tuple[int, int, int, list[int]]:
+    """(launches, stack copies, their bytes, loop trips) of one run of a computation."""
+    launches = copies = copy_bytes = 0
+    trips: list[int] = []
+
+    def add(part, times):
+      nonlocal launches, copies, copy_bytes
+      launches, copies = launches + times * part[0], copies + times * part[1]
+      copy_bytes += times * part[2]
+      trips.extend(part[3])
+
     for instr in by_computation.get(computation, ()):
       if instr.opcode == "while":
         trips.append(instr.trip_count or 1)
-        stack.append((instr.body, times * trips[-1]))
+        add(count(instr.body), trips[-1])
       elif instr.opcode == "async-start" and instr.calls:
-        stack.append((instr.calls, times))
+        add(count(instr.calls), 1)
+      elif instr.opcode == "conditional" and instr.runs:
+        add(max((count(c) for c in instr.runs), key=lambda part: part[0]), 1)
+      elif instr.runs:
+        for called in instr.runs:
+          add(count(called), 1)
       if instr.opcode not in LAUNCHES:
         continue
-      launches += times
+      launches += 1
       kind = _stack_copy(by_computation.get(instr.calls, ())) if instr.opcode == "fusion" \
           else None
       if kind:
@@ -68,7 +82,10 @@ def count_kernels(hlo_text: str) -> Kernels:
         nbytes = math.prod(shape) * jnp.dtype(dtype).itemsize
         # a dynamic-update-slice fusion's output is the whole stack: one layer's slice moved
         moved = nbytes // shape[0] if kind == "dynamic-update-slice" else nbytes
-        copies, copy_bytes = copies + times, copy_bytes + times * 2 * moved
+        copies, copy_bytes = copies + 1, copy_bytes + 2 * moved
+    return launches, copies, copy_bytes, trips
+
+  launches, copies, copy_bytes, trips = count(hlo.entry)
   return Kernels(launches, copies, copy_bytes, tuple(sorted(trips)))
 
 

@@ -93,6 +93,54 @@ def test_counts_the_fusion_an_async_pair_runs():
   assert (k.launches, k.stack_copies, k.stack_copy_bytes, k.loop_trips) == (3, 1, 2 * 8 * 4, ())
 
 
+_CALL_ON_STREAM_HLO = """HloModule m, is_scheduled=true
+
+%fused (q: f32[8]) -> f32[8] {
+  %q = f32[8]{0} parameter(0)
+  ROOT %e = f32[8]{0} exponential(%q)
+}
+
+%body (p: f32[8]) -> f32[8] {
+  %p = f32[8]{0} parameter(0)
+  %fusion.a = f32[8]{0} fusion(%p), kind=kLoop, calls=%fused
+  ROOT %fusion.b = f32[8]{0} fusion(%fusion.a), kind=kLoop, calls=%fused
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %call-start = ((f32[8]{0}), f32[8]{0}) call-start(%x), async_execution_thread="main", to_apply=%body, frontend_attributes={_xla_stream_annotation="1",inlineable="false"}
+  %fusion.1 = f32[8]{0} fusion(%x), kind=kLoop, calls=%fused
+  %call-done = f32[8]{0} call-done(%call-start)
+  ROOT %fusion.2 = f32[8]{0} fusion(%call-done), kind=kLoop, calls=%fused
+}
+"""
+
+
+def test_counts_what_a_call_on_another_stream_runs():
+  """``compute_on("gpu_stream:1")`` (reversible=pareprop-stream) compiles to call-start
+  with ``to_apply``: its two fusions launch beside the entry's two (they were not
+  counted: 2)."""
+  assert count_kernels(_CALL_ON_STREAM_HLO).launches == 4
+
+
+def test_counts_the_branch_of_a_conditional_that_launches_most():
+  """lax.cond: one branch runs a step; the launches of the larger one count, not none
+  (they were not counted) and not both's. The entry's conversion is the other launch."""
+  hlo = _CALL_ON_STREAM_HLO.split("ENTRY")[0] + """%one (p: f32[8]) -> f32[8] {
+  %p.1 = f32[8]{0} parameter(0)
+  ROOT %fusion.c = f32[8]{0} fusion(%p.1), kind=kLoop, calls=%fused
+}
+
+ENTRY %main (k: s32[], x: f32[8]) -> f32[8] {
+  %k = s32[] parameter(0)
+  %x = f32[8]{0} parameter(1)
+  %fusion.k = s32[] fusion(%k), kind=kLoop, calls=%fused
+  ROOT %cond = f32[8]{0} conditional(%fusion.k, %x, %x), branch_computations={%one, %body}
+}
+"""
+  assert count_kernels(hlo).launches == 3
+
+
 def test_a_module_without_entry_is_an_error():
   with pytest.raises(ValueError, match="no ENTRY"):
     count_kernels("HloModule m\n")
