@@ -33,7 +33,9 @@ import glob
 import math
 import os
 import re
+import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 
 import jax
@@ -135,10 +137,11 @@ def peak_buffers(fn: Callable, *args, top: int = 20, keep_dump: str | None = Non
   jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
   lowered = jitted.lower(*gpu_target.place(args), **gpu_target.place(kwargs))
   with tempfile.TemporaryDirectory(prefix="lowmem-xla-dump-") as tmp:
-    where = keep_dump or tmp
-    with no_persistent_cache():
-      lowered.compile(compiler_options={"xla_dump_to": where})
-    result = read_dump(where)
+    with no_persistent_cache():  # an empty folder: nothing older in it is read
+      lowered.compile(compiler_options={"xla_dump_to": tmp})
+    result = read_dump(tmp)
+    if keep_dump:
+      shutil.copytree(tmp, keep_dump, dirs_exist_ok=True)
   return dataclasses.replace(result, dump_dir=keep_dump, top=top)
 
 
@@ -148,20 +151,33 @@ def no_persistent_cache():
   ``xla_dump_to``: a cache hit would write nothing). JAX decides once per process whether
   the cache is used; ``reset_cache`` makes it decide again, before and after."""
   from jax.experimental.compilation_cache import compilation_cache
-  enabled = jax.config.jax_enable_compilation_cache
-  jax.config.update("jax_enable_compilation_cache", False)
-  compilation_cache.reset_cache()
+  global _cache_users, _cache_enabled
+  with _cache_lock:  # threads: the first in turns it off, the last out back on
+    if _cache_users == 0:
+      _cache_enabled = jax.config.jax_enable_compilation_cache
+      jax.config.update("jax_enable_compilation_cache", False)
+      compilation_cache.reset_cache()
+    _cache_users += 1
   try:
     yield
   finally:
-    jax.config.update("jax_enable_compilation_cache", enabled)
-    compilation_cache.reset_cache()
+    with _cache_lock:
+      _cache_users -= 1
+      if _cache_users == 0:
+        jax.config.update("jax_enable_compilation_cache", _cache_enabled)
+        compilation_cache.reset_cache()
+
+
+_cache_lock = threading.Lock()
+_cache_users, _cache_enabled = 0, False
 
 
 # ----------------------------------------------------------------------------- the dump
 def read_dump(folder: str) -> PeakBuffers:
-  """:class:`PeakBuffers` from an XLA dump folder (the last module compiled into it)."""
-  found = sorted(glob.glob(os.path.join(folder, "*after_optimizations-buffer-assignment.txt")))
+  """:class:`PeakBuffers` from an XLA dump folder (the last module written into it: module
+  ids restart in each process, so not the last name)."""
+  found = sorted(glob.glob(os.path.join(folder, "*after_optimizations-buffer-assignment.txt")),
+                 key=lambda path: (os.path.getmtime(path), path))
   if not found:
     raise FileNotFoundError(f"{folder}: no *after_optimizations-buffer-assignment.txt (was "
                             "the executable compiled with xla_dump_to, not loaded from a cache?)")
@@ -243,8 +259,8 @@ def _allocation_kind(attrs: str) -> str:
     return "host"
   if any(re.match(r"parameter \d+$", f) for f in fields):
     return "argument"  # a donated argument is also the output: its bytes are the argument's
-  if any(f.startswith("output shape is") for f in fields):
-    return "output"
+  if any(f.startswith("output shape is") or f == "maybe-live-out" for f in fields):
+    return "output"  # a tuple output's elements: "maybe-live-out" alone (XLA:CPU 0.10)
   return "constant" if "constant" in fields else "temp"
 
 

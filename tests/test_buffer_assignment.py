@@ -170,6 +170,7 @@ def test_allocation_kinds_read_off_cpu_and_gpu_headers():
               "maybe-live-out") == "argument"
   assert kind(", page 0, output shape is |f32[6,32,32]|, maybe-live-out") == "output"
   assert kind(", output shape is |(f32[2], f32[3])|, maybe-live-out") == "output"
+  assert kind(", maybe-live-out") == "output"  # a tuple output's element (XLA:CPU)
   assert kind(", page 0, constant") == "constant"
   assert kind(", page 0, preallocated-temp") == "temp"
   assert kind(", color 5, preallocated-temp") == "host"
@@ -311,3 +312,63 @@ def test_argument_sources_read_as_python():
 def test_a_folder_without_a_dump_is_a_clear_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="no \\*after_optimizations-buffer-assignment"):
     buffer_assignment.read_dump(str(tmp_path))
+
+
+def test_a_tuple_output_s_elements_are_output_as_memory_analysis_counts_them():
+  """XLA:CPU writes a tuple output's element allocations as "maybe-live-out" without
+  "output shape is"; they were read as temp (a train step's new parameters among them)."""
+  from lowmem_jax.memory import compiled_memory
+  x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+  pair = lambda a, b: (a @ b, a - b)
+  totals = compiled_memory(jax.jit(pair).lower(x, x).compile())
+  peak = peak_buffers(pair, x, x)
+  assert peak.bytes_of("temp") == totals.temp == 0, peak.table()
+  assert peak.bytes_of("output") == totals.output, peak.table()
+
+
+def test_a_kept_dump_is_this_compile_s_not_an_older_one_in_the_folder(tmp_path):
+  """``keep_dump`` named a folder that held another process's dump (module ids restart in
+  each process): the module whose name sorted last was read, not the one compiled."""
+  big = peak_buffers(lambda x: jnp.tanh(x @ x.T), jax.ShapeDtypeStruct((256, 64), jnp.float32),
+                     keep_dump=str(tmp_path))
+  for path in tmp_path.iterdir():  # as if an earlier process had compiled module 9999
+    path.rename(tmp_path / path.name.replace("module_", "module_9", 1))
+  small = peak_buffers(lambda x: x * 2, jax.ShapeDtypeStruct((8,), jnp.float32),
+                       keep_dump=str(tmp_path))
+  assert small.peak_bytes < 1024 < big.peak_bytes, small.table()
+  again = buffer_assignment.read_dump(str(tmp_path))  # the folder's newest module
+  assert again.peak_bytes == small.peak_bytes
+
+
+def test_threads_leave_the_persistent_cache_as_they_found_it():
+  """Two threads inside :func:`no_persistent_cache`, the first in leaving first: the
+  second had saved the first's "off" and put it back last, leaving the cache off."""
+  import threading
+  before = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", True)
+  try:
+    both_in, first_out = threading.Barrier(3), threading.Event()
+
+    def first():
+      with buffer_assignment.no_persistent_cache():
+        both_in.wait()
+      first_out.set()
+
+    def second():
+      with buffer_assignment.no_persistent_cache():
+        both_in.wait()
+        first_out.wait()
+
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    while not both_in.n_waiting:  # the first is inside
+      pass
+    threads.append(threading.Thread(target=second))
+    threads[1].start()
+    both_in.wait()
+    assert not jax.config.jax_enable_compilation_cache
+    for t in threads:
+      t.join(timeout=30)
+    assert jax.config.jax_enable_compilation_cache
+  finally:
+    jax.config.update("jax_enable_compilation_cache", before)
