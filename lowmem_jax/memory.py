@@ -263,7 +263,8 @@ def _trace_stack(cfg, spec: str, seq: int, dtype) -> None:
                  jax.ShapeDtypeStruct((1, seq, cfg.dim), dtype))
 
 
-def _ratio(a, b):
+def format_ratio(a, b) -> str:
+  """``a / b`` to 3 decimals; "-" where either is missing or b is 0."""
   return "-" if a is None or not b else f"{a / b:.3f}"
 
 
@@ -315,13 +316,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     table.append((
         r["policy"],
         f"{r['residual_bytes_per_token_layer']:.0f}",
-        _ratio(r["residual_bytes_per_token_layer"], base["residual_bytes_per_token_layer"]),
+        format_ratio(r["residual_bytes_per_token_layer"], base["residual_bytes_per_token_layer"]),
         "-" if r["theory_bytes_per_token_layer"] is None else r["theory_bytes_per_token_layer"],
-        _ratio(r["theory_bytes_per_token_layer"], base["theory_bytes_per_token_layer"]),
+        format_ratio(r["theory_bytes_per_token_layer"], base["theory_bytes_per_token_layer"]),
         f"{r['compiled_bytes_per_token_layer']:.0f}",
-        _ratio(r["compiled_bytes_per_token_layer"], base["compiled_bytes_per_token_layer"]),
+        format_ratio(r["compiled_bytes_per_token_layer"], base["compiled_bytes_per_token_layer"]),
         f"{r['compiled']['temp'] / MiB:.1f}",
-        _ratio(r["compiled"]["temp"], base["compiled"]["temp"]),
+        format_ratio(r["compiled"]["temp"], base["compiled"]["temp"]),
     ))
   print(f"{args.kind} block stack: {args.layers} layers, D={args.dim}, heads={args.heads}, "
         f"MLP={args.mlp_dim}, batch={args.batch}, seq={args.seq}, {args.dtype}, "

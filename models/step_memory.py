@@ -3,8 +3,9 @@
 ``python -m models.step_memory --model vit-b16 --batch 64`` (or ``--model llama-7b
 --set num_layers=2 --seq 512``) builds the model under each policy, jits a full step
 (cross-entropy loss, gradients of every parameter, an SGD update) and prints
-``memory_analysis()`` figures side by side as ratios to ``baseline``, plus the bytes
-that backward saves (``saved_residuals``). Nothing is executed: it compiles only.
+``memory_analysis()`` figures side by side as ratios to ``baseline`` (to the first
+policy when it is not listed), plus the bytes that backward saves (``saved_residuals``).
+Nothing is executed: it compiles only.
 
 ``--explain`` also prints, for each policy, the buffers live at the compiled step's
 peak and the Python source line that made each (:func:`lowmem_jax.memory.peak_buffers`):
@@ -24,8 +25,8 @@ import optax
 from flax import nnx
 
 from lowmem_jax import cli_checks
-from lowmem_jax.memory import (MiB, format_table, peak_buffers, policy_list, saved_residuals,
-                               step_memory, write_json)
+from lowmem_jax.memory import (MiB, format_ratio, format_table, peak_buffers, policy_list,
+                               saved_residuals, step_memory, write_json)
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
 
@@ -142,22 +143,29 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.error(f"--seq {args.seq} exceeds the {max_tokens} positions of {args.model}")
   try:
     policies = policy_list(args.policies)
+    for spec in policies:  # one the model refuses: before anything compiles
+      try:
+        nnx.eval_shape(lambda: build(args.model, MemoryPolicy.parse(spec),
+                                     jnp.dtype(args.dtype), overrides))
+      except ValueError as e:
+        raise ValueError(f"{spec}: {e}") from None
   except ValueError as e:
     ap.error(f"--policies: {e}")
   rows = measure(args.model, policies, args.batch, args.seq,
                  jnp.dtype(args.dtype), overrides)
-  base = rows[0]
+  base = next((r for r in rows if r["policy"] == "baseline"), rows[0])
   print(f"{args.model} {overrides or ''} batch {args.batch}"
         + ("" if registry.family(args.model).inputs == "image" else f" seq {args.seq}")
-        + f", {args.dtype}, full train step (loss, grads, SGD), backend {jax.default_backend()}")
+        + f", {args.dtype}, full train step (loss, grads, SGD), backend {jax.default_backend()}"
+        + f"; ratios to {base['policy']}")
   print(format_table(
       ("policy", "temp MiB", "ratio", "total MiB", "ratio", "saved residuals MiB", "ratio"),
       [(r["policy"], f"{r['compiled']['temp'] / MiB:.1f}",
-        f"{r['compiled']['temp'] / base['compiled']['temp']:.3f}",
+        format_ratio(r["compiled"]["temp"], base["compiled"]["temp"]),
         f"{r['compiled']['total'] / MiB:.1f}",
-        f"{r['compiled']['total'] / base['compiled']['total']:.3f}",
+        format_ratio(r["compiled"]["total"], base["compiled"]["total"]),
         f"{r['saved_residual_bytes'] / MiB:.1f}",
-        f"{r['saved_residual_bytes'] / base['saved_residual_bytes']:.3f}") for r in rows]))
+        format_ratio(r["saved_residual_bytes"], base["saved_residual_bytes"])) for r in rows]))
   result = {"model": args.model, "overrides": overrides, "batch": args.batch,
             "seq": args.seq, "dtype": args.dtype, "backend": jax.default_backend(),
             "jax_version": jax.__version__, "rows": rows}

@@ -99,6 +99,9 @@ BAD_ARGS = [
     (["--model", "llama-tiny", "--seq", "300"], "--seq 300 exceeds the 256 positions of "
      "llama-tiny"),
     (["--policies", ","], "--policies: names no policy, got ','"),
+    (["--model", "llama-tiny", "--seq", "8", "--policies", "baseline,reversible=pareprop"],
+     "--policies: reversible=pareprop: Llama: policy 'pareprop' needs a reversible "
+     "architecture"),
     (["--json", "{tmp}"], "--json {tmp} is a directory; give a file name"),
     (["--json", "{tmp}/no/m.json"], "--json {tmp}/no/m.json: the directory {tmp}/no does not "
      "exist"),
@@ -113,3 +116,15 @@ def test_bad_arguments_are_one_line_errors_before_any_compile(argv, message, tmp
       a.format(tmp=tmp_path) for a in argv]
   assert cli_error(step_memory.main, argv, capsys).startswith(message.format(tmp=tmp_path))
   assert list(tmp_path.iterdir()) == []
+
+
+def test_ratios_are_to_baseline_wherever_it_is_listed(capsys):
+  """The ratios divided by the first policy listed, under a header that said baseline."""
+  rows = step_memory.main(["--model", "vit-tiny", "--batch", "2",
+                           "--policies", "remat,baseline"])["rows"]
+  out = capsys.readouterr().out
+  assert "ratios to baseline" in out
+  lines = {line.split()[0]: line.split() for line in out.splitlines() if line.split()}
+  assert lines["baseline"][2] == "1.000"
+  remat, base = (r["compiled"]["temp"] for r in rows)
+  assert lines["remat"][2] == f"{remat / base:.3f}" != "1.000"
