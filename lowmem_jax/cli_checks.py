@@ -53,19 +53,26 @@ def output_file(ap: argparse.ArgumentParser, args: argparse.Namespace, *flags: s
       ap.error(f"{flag} {path}: the directory {parent} is not writable")
 
 
+def folder_problem(path: str | os.PathLike) -> str | None:
+  """Why ``path`` cannot be a folder written into (it is a file, a file is on its path,
+  its nearest existing ancestor is not writable), or None."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    return "is a file, not a directory"
+  existing = Path(path)
+  while not existing.exists():
+    existing = existing.parent
+  if not existing.is_dir():
+    return f"cannot be made: {existing} is a file, not a directory"
+  if not os.access(existing, os.W_OK | os.X_OK):
+    return f"cannot be written: the directory {existing} is not writable"
+  return None
+
+
 def output_dir(ap: argparse.ArgumentParser, args: argparse.Namespace, *flags: str) -> None:
-  """Each of ``flags`` names a directory that exists or can be made: no file on its path,
-  its nearest existing ancestor writable."""
+  """Each of ``flags`` names a directory that exists or can be made
+  (:func:`folder_problem`)."""
   for flag in flags:
     path = _value(args, flag)
-    if not path:
-      continue
-    if os.path.exists(path) and not os.path.isdir(path):
-      ap.error(f"{flag} {path} is a file, not a directory")
-    existing = Path(path)
-    while not existing.exists():
-      existing = existing.parent
-    if not existing.is_dir():
-      ap.error(f"{flag} {path}: {existing} is a file, not a directory")
-    if not os.access(existing, os.W_OK):
-      ap.error(f"{flag} {path}: the directory {existing} is not writable")
+    problem = folder_problem(path) if path else None
+    if problem:
+      ap.error(f"{flag} {path} {problem}")

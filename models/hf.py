@@ -386,7 +386,7 @@ def _read(model, state, entries, store, source: str = "", ignore=()) -> None:
   reader.finish()
 
 
-def _export_family(model) -> registry.Family:
+def _export_family(model, caller: str = "save_pretrained") -> registry.Family:
   """``model``'s family, if it has a HF format and holds plain fp32 weights (no adapters,
   none stored in a base dtype); else a ValueError saying what to do."""
   from models.linear import FrozenKernel
@@ -394,7 +394,7 @@ def _export_family(model) -> registry.Family:
   family = registry.family_of(model)
   if not family.hf_model_types:
     formats = ", ".join(f.class_name for f in registry.FAMILIES if f.hf_model_types)
-    raise ValueError(f"save_pretrained: {family.class_name} has no Hugging Face format "
+    raise ValueError(f"{caller}: {family.class_name} has no Hugging Face format "
                      f"(those with one: {formats})")
   adapted = sorted({p[-1] for p, n in nnx.iter_graph(model) if isinstance(n, LoRALinear)})
   if adapted:
@@ -499,11 +499,33 @@ def _write_model_dir(path: Path, config: dict, tensors: Sequence[OutTensor],
   write_json(str(path / "config.json"), _with_dtype(config, tensors), announce=False)
 
 
-def _export_dir(path: str | os.PathLike) -> Path:
-  """``path`` as a Path, or a ValueError where it is a file."""
+# files a HF loader reads beside or instead of an export's model.safetensors: left in the
+# folder by something else, transformers would load another model from it
+FOREIGN_WEIGHTS = re.compile(r"adapter_config\.json|adapter_model\.\w+|.*\.bin|"
+                             r".*\.bin\.index\.json|tf_model\.h5|flax_model\.msgpack|.*\.gguf")
+
+
+def check_export_dir(path: str | os.PathLike, subject: str | None = None,
+                     base: str | os.PathLike | None = None) -> Path:
+  """``path`` as a Path, or a ValueError saying why an export cannot go there: a file, a
+  folder that cannot be made or written (:func:`~lowmem_jax.cli_checks.folder_problem`),
+  ``base`` itself (the checkpoint the model was loaded from: the export would overwrite
+  it), or holding another model's weight or adapter files (:data:`FOREIGN_WEIGHTS`).
+  ``subject`` begins the message (default ``save_pretrained: <path>``)."""
+  from lowmem_jax.cli_checks import folder_problem
   path = Path(path)
-  if path.exists() and not path.is_dir():
-    raise ValueError(f"save_pretrained: {path} is a file; name a directory")
+  subject = subject or f"save_pretrained: {path}"
+  problem = folder_problem(path)
+  if problem:
+    raise ValueError(f"{subject} {problem}")
+  if base is not None and path.is_dir() and os.path.samefile(path, base):
+    raise ValueError(f"{subject} is the checkpoint the model was loaded from; the export "
+                     "would overwrite it: name another folder")
+  foreign = sorted(p.name for p in path.iterdir() if FOREIGN_WEIGHTS.fullmatch(p.name)) \
+      if path.is_dir() else []
+  if foreign:
+    raise ValueError(f"{subject} holds {', '.join(foreign)}, which transformers would load "
+                     "beside or instead of the export; remove them or name another folder")
   return path
 
 
@@ -544,7 +566,7 @@ def save_pretrained(model, path: str | os.PathLike, *,
   ``max_shard_bytes``, default :data:`MAX_SHARD_BYTES`), each file atomically; a
   classifier's ``labels`` name its classes in the config (:func:`with_labels`)."""
   module = _export_family(model).module
-  path = _export_dir(path)
+  path = check_export_dir(path)
   tensors = [OutTensor(k, tuple(v.shape), v.dtype, lambda v=v: v)
              for k, v in hf_state(model).items()]
   _write_model_dir(path, with_labels(module.config_to_hf(model.cfg), labels), tensors,
@@ -568,11 +590,13 @@ def save_lora_merged(model, path: str | os.PathLike, base: str | os.PathLike | M
   from models.lora import LoRALinear, LoRAParam
   family = registry.family_of(model)
   if not family.hf_model_types:
-    _export_family(model)  # the error naming the families that have a format
+    _export_family(model, "save_lora_merged")  # the error naming the families with a format
   if not any(isinstance(n, LoRALinear) for _, n in nnx.iter_graph(model)):
     raise ValueError("save_lora_merged: the model has no LoRA adapters (never applied, or "
                      "merged by strip_lora): export it with save_pretrained")
-  module, path = family.module, _export_dir(path)
+  module = family.module
+  path = check_export_dir(path, f"save_lora_merged: {path}",
+                          None if isinstance(base, Mapping) else base)
   state, _ = _pretrained_state(base, registry.hf_family(model.cfg.model_type), new_head)
   tensors = merged_tensors(model, module.hf_map(model.cfg), state,
                            module.hf_map(model.cfg, frozenset(state)),

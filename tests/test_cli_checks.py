@@ -52,7 +52,7 @@ def test_output_dir(tmp_path, capsys, monkeypatch):
   monkeypatch.chdir(tmp_path)
   assert cli_error(main, ["--out-dir", "f"], capsys) == "--out-dir f is a file, not a directory"
   assert cli_error(main, ["--out-dir", "f/a/b"], capsys) == (
-      "--out-dir f/a/b: f is a file, not a directory")
+      "--out-dir f/a/b cannot be made: f is a file, not a directory")
   assert list(tmp_path.iterdir()) == [tmp_path / "f"]
 
 
@@ -63,4 +63,5 @@ def test_a_directory_not_writable(tmp_path, capsys, monkeypatch):
       f"--out-file {tmp_path / 'a.json'}: the directory {tmp_path} is not writable")
   main = _main(cli_checks.output_dir, "--out-dir")
   assert cli_error(main, ["--out-dir", str(tmp_path / "new")], capsys) == (
-      f"--out-dir {tmp_path / 'new'}: the directory {tmp_path} is not writable")
+      f"--out-dir {tmp_path / 'new'} cannot be written: the directory {tmp_path} is not "
+      "writable")

@@ -273,7 +273,8 @@ BAD_ARGS = [
     (["--budget", "0"], "--budget must be > 0, got 0.0"),
     (["--workers", "-1"], "--workers must be >= 0, got -1"),
     (["--out", "a-file"], "--out a-file is a file, not a directory"),
-    (["--out", "a-file/sub"], "--out a-file/sub: a-file is a file, not a directory"),
+    (["--out", "a-file/sub"], "--out a-file/sub cannot be made: a-file is a file, not a "
+     "directory"),
     (["--docs", "a-file"], "--docs a-file is a file, not a directory"),
     (["--tests", "tests/x.py -k 'a"], "--tests tests/x.py -k 'a: No closing quotation"),
     (["--shard", "3/2"], "--shard expects K/N with 1 <= K <= N, got '3/2'"),

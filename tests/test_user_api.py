@@ -296,7 +296,7 @@ def test_model_dtype_and_export_misuse_name_the_problem(tmp_path):
       (registry.build("revvit-tiny"), tmp_path / "out",
        "save_pretrained: RevViT has no Hugging Face format (those with one: ViT, Llama, "
        "Bert)"),
-      (vit.ViT("vit-tiny"), README, f"save_pretrained: {README} is a file; name a directory"),
+      (vit.ViT("vit-tiny"), README, f"save_pretrained: {README} is a file, not a directory"),
       (_stored(vit.ViT("vit-tiny")), tmp_path / "out",
        "save_pretrained: 1 frozen weight(s) are stored in a base dtype (e.g. stack.blocks.mlp."
        "fc1.kernel as nf4); the export would hold their dequantized values, not the "

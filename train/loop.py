@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowmem_jax import cli_checks
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
 from train import interrupt, kernel_time, planner, pretrained_record, runs, sharding
@@ -372,10 +373,15 @@ def check_inputs(cfg: TrainConfig) -> None:
       raise ValueError(f"{field}={e}") from None
     if not os.path.exists(path):
       raise ValueError(f"{field}={value!r}: no such file or folder")
-  for field in ("export_dir", "profile_dir"):  # folders made when written
-    value = getattr(cfg, field)
-    if value and os.path.exists(value) and not os.path.isdir(value):
-      raise ValueError(f"{field}={value!r} is a file; name a folder")
+  if cfg.profile_dir:  # a folder made when written
+    problem = cli_checks.folder_problem(cfg.profile_dir)
+    if problem:
+      raise ValueError(f"profile_dir={cfg.profile_dir!r} {problem}")
+  if cfg.export_dir:  # written after the last step: found out now, not then
+    from models import hf
+    base = resolve_path(cfg.pretrained) if cfg.pretrained else None
+    hf.check_export_dir(cfg.export_dir, f"export_dir={cfg.export_dir!r}",
+                        base if base and os.path.isdir(base) else None)
   if cfg.memory_profile:  # a file, written after step 1
     parent = os.path.dirname(os.path.abspath(cfg.memory_profile))
     if os.path.isdir(cfg.memory_profile):
