@@ -23,8 +23,8 @@ from models import lora, registry
 from models.linear import Linear
 from models.sites import (GradNormCache, Site, SiteState, attach_grad_norm_caches,
                           seed_sites, set_example_ids)
-from test_sampling import max_z, rand, skewed_rows
 from jax_versions import skip_unless_cpu_bounds_hold
+from test_sampling import max_z, rand, skewed_rows
 
 WTA = "wta-crs+sample_targets=fc1"
 LEAD, D_IN, D_OUT, RANK, ALPHA = (2, 50), 64, 48, 4, 8.0
