@@ -595,6 +595,10 @@ def test_class_names_go_to_the_export_and_a_resume_checks_them(tmp_path, capsys)
   with pytest.raises(ValueError, match=r"the data's classes \['0', .* are not the ones the "
                                        r"run in .* trained with \['9', "):
     train(cfg.replace(resume=True, steps=2))
+  (tmp_path / "run" / "labels.json").write_text("")
+  with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'run' / 'labels.json'}: "
+                                                 "unreadable (Expecting value")):
+    train(cfg.replace(resume=True, steps=2))  # was the JSON error alone, naming no file
   assert hf.with_labels({"id2label": {"0": "LABEL_0", "1": "LABEL_1", "2": "LABEL_2"}},
                         ["cat", "dog"])["id2label"] == {"0": "cat", "1": "dog", "2": "LABEL_2"}
   assert hf.with_labels({"vocab_size": 3}, ["cat"]) == {"vocab_size": 3}  # an LM: no map
@@ -913,10 +917,13 @@ def _corrupt(step_dir: Path, how: str) -> None:
     b = bytearray(data.read_bytes())
     b[len(b) // 2] ^= 1
     data.write_bytes(bytes(b))
+  elif how == "data_position_changed":  # parses: the resume went on from another batch
+    meta = step_dir / "meta" / "metadata"
+    meta.write_text(meta.read_text().replace('"position": ', '"position": 1', 1))
 
 
 @pytest.mark.parametrize("how", ["truncated", "array_file_deleted", "garbage_array_metadata",
-                                 "garbage_json_meta", "bit_flip"])
+                                 "garbage_json_meta", "bit_flip", "data_position_changed"])
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous(finished_run, tmp_path, capsys,
                                                              how):
   from train.checkpoint import Checkpoints
@@ -928,6 +935,41 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous(finished_run, tmp_
   err = capsys.readouterr().err
   assert "checkpoint step 4" in err and "corrupt" in err and "resumed from step 2" in err
   assert (ckpts / "4.corrupt").is_dir() and Checkpoints(ckpts).latest_step() == 2
+
+
+def test_a_save_that_fails_is_one_error_and_the_log_s_failure_a_warning(tmp_path, capsys,
+                                                                         monkeypatch):
+  """A full disk: orbax's failure came with ~200 lines of tracebacks, and the error line
+  was the metrics log's flush failing after it ("[Errno 28] No space left on device"),
+  naming no file or step."""
+  from train import metrics
+  from train.checkpoint import Checkpoints
+  ckpt = Checkpoints(tmp_path / "checkpoints")
+  ckpt.save(1, {"w": jnp.ones(3)}, {"step": 1})
+
+  def full_disk(*args, **kwargs):
+    raise ValueError('RESOURCE_EXHAUSTED: Error writing "leaves.0/0.0.0" in OCDBT database')
+
+  monkeypatch.setattr(ckpt.manager, "save", full_disk)
+  with pytest.raises(OSError, match=re.escape(
+      f"could not save checkpoint step 2 in {tmp_path / 'checkpoints'} (ValueError: "
+      'RESOURCE_EXHAUSTED: Error writing "leaves.0/0.0.0" in OCDBT database); the '
+      "checkpoints before it are intact")):
+    ckpt.save(2, {"w": jnp.ones(3)}, {"step": 2})
+  ckpt.close()
+  log = metrics.Log(tmp_path / "metrics.jsonl", 2, "examples")
+
+  class FullDisk:
+    closed = False
+
+    def close(self):
+      raise OSError(28, "No space left on device")
+
+  log.file.close()
+  log.file = FullDisk()
+  log.close()  # a warning, not an error that would replace the run's own
+  assert (f"warning: could not finish writing metrics.jsonl in {tmp_path}: [Errno 28] No "
+          "space left on device") in capsys.readouterr().err
 
 
 def test_resume_after_corruption_finishes_and_all_corrupt_is_one_line(finished_run, tmp_path):
@@ -1016,21 +1058,24 @@ def test_a_resume_with_new_steps_says_where_the_learning_rate_jumps():
   assert change({**saved, "steps": 8}, cfg) is None  # unchanged
 
 
-def test_ctrl_c_in_the_steps_saves_the_step_then_says_how_to_continue(tmp_path, monkeypatch,
-                                                                      capsys):
-  """A Ctrl-C in the steps lets the step in flight finish, saves it and stops (exit 130,
-  the command that continues); the resume trains the rest, each step once. Before, the
-  KeyboardInterrupt landed wherever Python was: the steps since the last periodic save
-  were lost (here all: save_every=0), and one landing in a gc callback was swallowed."""
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_in_the_steps_saves_the_step_then_says_how_to_continue(signame, tmp_path,
+                                                                      monkeypatch, capsys):
+  """A Ctrl-C (or SIGTERM: kill, docker, SLURM) in the steps lets the step in flight
+  finish, saves it and stops (exit 130, the command that continues); the resume trains the
+  rest, each step once. Before, the KeyboardInterrupt landed wherever Python was: the
+  steps since the last periodic save were lost (here all: save_every=0), and one landing
+  in a gc callback was swallowed; a SIGTERM killed the process, nothing saved."""
   import signal
 
   from train import __main__ as cli
   step = Trainer.step
+  signum = getattr(signal, signame)
 
   def step_then_ctrl_c(self, batch):
     out = step(self, batch)
     if int(self.state["step"]) == 4:
-      signal.raise_signal(signal.SIGINT)  # arrives in the step: handled after it
+      signal.raise_signal(signum)  # arrives in the step: handled after it
     return out
 
   monkeypatch.setattr(Trainer, "step", step_then_ctrl_c)
@@ -1038,15 +1083,18 @@ def test_ctrl_c_in_the_steps_saves_the_step_then_says_how_to_continue(tmp_path, 
   monkeypatch.setattr(sys, "argv", ["train", "--out-dir", str(out), "--set", "steps=6",
                                     "--set", "save_every=0",
                                     *(a for o in TINY_TRAIN for a in ("--set", o))])
-  previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # an xdist worker's
+  default = {"SIGINT": signal.default_int_handler, "SIGTERM": signal.SIG_DFL}[signame]
+  previous = signal.signal(signum, default)  # an xdist worker's
   try:
     with pytest.raises(SystemExit) as e:
       cli.cli()
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signum) is default  # put back
   finally:
-    signal.signal(signal.SIGINT, previous)
+    signal.signal(signum, previous)
   assert e.value.code == 130
   captured = capsys.readouterr()
+  name = "Ctrl-C" if signame == "SIGINT" else signame
+  assert f"interrupt ({name}): saving after this step, then stopping" in captured.err
   assert f"interrupted: step 4 is saved in {out / 'checkpoints'}" in captured.out
   assert captured.err.endswith(
       f"interrupted; continue from the last checkpoint with: python -m train --out-dir "

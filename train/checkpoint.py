@@ -2,8 +2,9 @@
 
 Each save is atomic (orbax writes a temporary directory and renames it when complete),
 so a run killed mid-save keeps its last complete checkpoint. A checkpoint holds the
-state pytree and JSON metadata (step, data iterator position, config, and a checksum of
-the state), which is all a resumed run needs to continue bit for bit.
+state pytree and JSON metadata (step, data iterator position, config, a checksum of the
+state and one of the metadata), which is all a resumed run needs to continue bit for bit.
+A save that fails (a full disk) is one ``OSError`` naming the step and folder.
 
 Restore checks what it reads: a newest checkpoint that cannot be read (truncated or
 missing array files, garbage metadata) or whose arrays fail the checksum is renamed
@@ -27,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import sys
@@ -36,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+
+from train import interrupt
 
 
 class StateMismatchError(ValueError):
@@ -76,6 +81,13 @@ def state_checksum(state) -> int:
   """The checksum a checkpoint stores for ``state`` (any pytree of arrays)."""
   leaves = jax.tree.leaves(state)
   return int(_checksum(leaves)) if leaves else 0
+
+
+def meta_checksum(meta: dict) -> str:
+  """The checksum a checkpoint stores for its JSON metadata (all but the checksums): a
+  changed data position that still parses would resume on other batches."""
+  body = {k: v for k, v in meta.items() if k != "meta_checksum"}
+  return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _dtype_name(dtype) -> str:
@@ -181,18 +193,30 @@ def _reads_finish_before_loops_close():
     asyncio.set_event_loop_policy(base)
 
 
-class _UnreadableStepMetadata(logging.Filter):
-  """Takes orbax's absl ERROR lines about a step's unparsable or unreadable (not UTF-8)
-  ``_CHECKPOINT_METADATA`` (its bookkeeping: save time, handler names; each read logs it
-  again) off the log; the folders they name are collected for one warning of ours."""
+class _OrbaxLogFilter(logging.Filter):
+  """Takes off absl's log what our checkpoints say themselves, once: orbax's ERROR lines
+  about a step's unparsable or unreadable (not UTF-8) ``_CHECKPOINT_METADATA`` (its
+  bookkeeping: save time, handler names; each read logs it again; the folders they name
+  are collected for one warning of ours), warnings of reads whose outcome our checks
+  decide, and a failed save's tracebacks from orbax's threads (the save raises it)."""
   PREFIXES = ("Failed to json parse Metadata file: ", "Failed to read Metadata file: ")
 
   def __init__(self):
     super().__init__()
     self.files: set[str] = set()
+    self.saving = 0  # saves of ours in progress
+
+  # warnings of a read whose outcome our checks decide (a missing _CHECKPOINT_METADATA, an
+  # item's unreadable metadata: the arrays restore or fail their checksum): dropped
+  DROPPED = ("Metadata file does not exist: ", 'Item "state" was found in the checkpoint, '
+             "but could not be restored")
 
   def filter(self, record: logging.LogRecord) -> bool:
     message = record.getMessage()
+    if message.startswith(self.DROPPED):
+      return False
+    if self.saving and "_SignalingThread.run() raised an exception" in message:
+      return False  # a save's failed write, with its traceback: the save raises it, once
     for prefix in self.PREFIXES:
       if message.startswith(prefix):
         self.files.add(message[len(prefix):].split(", ", 1)[0])
@@ -200,8 +224,8 @@ class _UnreadableStepMetadata(logging.Filter):
     return True
 
 
-_UNREADABLE = _UnreadableStepMetadata()
-logging.getLogger("absl").addFilter(_UNREADABLE)
+_ORBAX_LOG = _OrbaxLogFilter()
+logging.getLogger("absl").addFilter(_ORBAX_LOG)
 
 
 class Checkpoints:
@@ -227,9 +251,18 @@ class Checkpoints:
     if step in self.manager.all_steps():
       self.manager.delete(step)
     meta = {**meta, "checksum": state_checksum(state)}
-    self.manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                    meta=ocp.args.JsonSave(meta)), force=True)
-    self.manager.wait_until_finished()
+    meta["meta_checksum"] = meta_checksum(meta)
+    _ORBAX_LOG.saving += 1
+    try:  # a Ctrl-C meanwhile stops the run once this is written (orbax's threads done)
+      with interrupt.uninterrupted(), _reads_finish_before_loops_close():  # quiet, as a read
+        self.manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)), force=True)
+        self.manager.wait_until_finished()
+    except Exception as e:
+      raise OSError(f"could not save checkpoint step {step} in {self.directory} "
+                    f"({_short(e)}); the checkpoints before it are intact") from e
+    finally:
+      _ORBAX_LOG.saving -= 1
 
   def restore(self, abstract_state, step: int | None = None, *, names=None):
     """``(state, meta)`` of ``step``, shaped like ``abstract_state``; by default the newest
@@ -280,6 +313,8 @@ class Checkpoints:
       raise ValueError(f"metadata {meta!r:.60} is not that of step {step}")
     if "checksum" in meta and state_checksum(state) != meta["checksum"]:
       raise ValueError("the arrays read back fail the checksum")
+    if "meta_checksum" in meta and meta_checksum(meta) != meta["meta_checksum"]:
+      raise ValueError("the metadata (step, data position, config) fails its checksum")
     return state, meta
 
   def _check_shapes(self, abstract_state, step: int, names=None) -> None:
@@ -314,8 +349,8 @@ class Checkpoints:
     (absl's ERROR lines for it are filtered): the arrays and our metadata passed their
     checks, so the resume goes on; the next save writes a fresh one."""
     path = os.path.join(self.directory, str(step), "_CHECKPOINT_METADATA")
-    if path in _UNREADABLE.files:
-      _UNREADABLE.files.discard(path)
+    if path in _ORBAX_LOG.files:
+      _ORBAX_LOG.files.discard(path)
       print(f"warning: {path} (orbax's save time and handler names) is unreadable; the "
             f"arrays and metadata of step {step} passed their checksum, so the run resumes "
             "from it", file=sys.stderr, flush=True)

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from lowmem_jax import cli_checks
+from lowmem_jax.memory import write_json
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
 from train import interrupt, kernel_time, planner, pretrained_record, runs, sharding
@@ -133,9 +134,10 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
       pretrained_record.check_unchanged(cfg, out)
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   if jax.process_index() == 0:
-    (out / "config.json").write_text(json.dumps(cfg.to_json(), indent=1) + "\n")
+    # each whole or not at all: a kill while writing left a file that refused --resume
+    write_json(str(out / "config.json"), cfg.to_json(), announce=False)
     if labels is not None:  # which class each id is: the export's names, a resume's check
-      (out / runs.LABELS_FILE).write_text(json.dumps(list(labels)) + "\n")
+      write_json(str(out / runs.LABELS_FILE), list(labels), announce=False)
     if record is not None:
       pretrained_record.write(out, record)
   with contextlib.ExitStack() as closing:  # however the steps end
@@ -279,7 +281,11 @@ def _check_labels(out: Path, labels) -> None:
   saved = out / runs.LABELS_FILE
   if labels is None or not saved.is_file():
     return
-  before = json.loads(saved.read_text())
+  try:
+    before = json.loads(saved.read_text())
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{saved}: unreadable ({e}); it names the class of each label id the "
+                     "run trained with: put it back, or delete it to resume unchecked") from None
   if before != list(labels):
     raise ValueError(f"the data's classes {list(labels)} are not the ones the run in {out} "
                      f"trained with {before} ({saved}): ids would mean other classes; "

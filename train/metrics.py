@@ -15,7 +15,7 @@ class Log:
   def __init__(self, path: Path, total: int, unit: str, start: int = 0):
     path.parent.mkdir(parents=True, exist_ok=True)
     truncate_metrics(path, start)
-    self.file, self.total, self.unit = open(path, "a"), total, unit
+    self.path, self.file, self.total, self.unit = path, open(path, "a"), total, unit
     try:
       from tensorboardX import SummaryWriter
       # purge_step: TensorBoard drops the old run's scalars from the resumed step on
@@ -41,12 +41,35 @@ class Log:
     sys.stderr.flush()
 
   def close(self):
+    """Best effort: a failure to flush (a full disk) is a warning, so it never replaces
+    the error the run is ending with (a checkpoint that could not be saved there)."""
     if self.file.closed:
       return
     sys.stderr.write("\n")
-    self.file.close()
-    if self.tensorboard is not None:
-      self.tensorboard.close()
+    for name, closable in (("metrics.jsonl", self.file), ("tensorboard", self.tensorboard)):
+      try:
+        if closable is not None:
+          closable.close()
+      except OSError as e:
+        print(f"warning: could not finish writing {name} in {self.path.parent}: {e}",
+              file=sys.stderr, flush=True)
+        if closable is self.tensorboard:
+          _abandon(self.tensorboard)
+
+
+def _abandon(writer) -> None:
+  """A tensorboardX writer whose close failed, given up: its worker thread stopped and its
+  event files marked closed, else its atexit hook failed the same flush again and the
+  worker died at exit, two tracebacks after the run's one error line (tensorboardX's
+  internals: best effort)."""
+  for file_writer in (getattr(writer, "all_writers", None) or {}).values():
+    events = getattr(file_writer, "event_writer", None)
+    try:
+      events._worker.stop()
+    except Exception:  # noqa: BLE001 - already stopped, or not this tensorboardX
+      pass
+    if events is not None:
+      events._closed = True
 
 
 def metric_records(path: Path):
