@@ -628,5 +628,14 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
   return result
 
 
+def exit_status(result: dict | None) -> int:
+  """1 where a row failed (a table of "failed" rows exited 0, and gpu_check's stage read
+  passed), else 0; a missing peer package is no failure of ours."""
+  failed = [_label(r) for r in (result or {}).get("rows", []) if "error" in r]
+  if failed:
+    print(f"failed: {'; '.join(failed)}", file=sys.stderr)
+  return 1 if failed else 0
+
+
 if __name__ == "__main__":
-  main()
+  sys.exit(exit_status(main()))

@@ -104,9 +104,18 @@ def requirements(case: str, base_dtype: str = "float32") -> list[str]:
   """The packages a case imports: torch, timm (ViT) or transformers (LLaMA), peft (LoRA),
   bitsandbytes (an nf4 base)."""
   family, lora = CASES[case]
-  return ((["bitsandbytes"] if base_dtype == "nf4" else [])  # first: the one often missing
-          + ["torch", "timm" if family == "vit" else "transformers"]
-          + (["peft"] if lora else []))
+  return (["torch"] + (["bitsandbytes"] if base_dtype == "nf4" else [])  # it needs torch
+          + ["timm" if family == "vit" else "transformers"] + (["peft"] if lora else []))
+
+
+def install_hint(missing: str) -> str:
+  """The pip command that provides ``missing`` (as :func:`missing_package` says it):
+  bitsandbytes and torchvision are not in the ``peers`` extra (each must match the
+  torch build)."""
+  needed = missing.split("(needs ")[-1].rstrip(")")
+  if needed in ("bitsandbytes", "torchvision"):
+    return f"pip install {needed}, built for the installed torch"
+  return "pip install 'lowmem-jax[peers]'"
 
 
 def missing_package(case: str, base_dtype: str = "float32") -> str | None:
@@ -508,9 +517,10 @@ def main(argv=None) -> dict:
   missing = missing_package(args.case, args.base_dtype)
   if missing:
     print(f"peers: {args.case} needs {missing}, which is not importable "
-          "(pip install lowmem-jax[peers])", file=sys.stderr)
+          f"({install_hint(missing)})", file=sys.stderr)
     if args.json:
-      Path(args.json).write_text(json.dumps({"case": args.case, "missing": missing}))
+      Path(args.json).write_text(json.dumps({"case": args.case, "missing": missing,
+                                             "install": install_hint(missing)}))
     sys.exit(EXIT_MISSING)
   try:
     result = measure(args)

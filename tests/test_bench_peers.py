@@ -71,7 +71,9 @@ def _fake_script(tmp_path, body):
 
 def test_a_missing_package_is_one_line_and_no_rows(tmp_path, monkeypatch, capsys):
   script = _fake_script(tmp_path, """\
-      open(out, "w").write(json.dumps({"case": "vit-lora", "missing": "timm (needs torchvision)"}))
+      open(out, "w").write(json.dumps({"case": "vit-lora", "missing": "timm (needs torchvision)",
+                                       "install": "pip install torchvision, built for the "
+                                                  "installed torch"}))
       print("peers: vit-lora needs timm", file=sys.stderr)
       sys.exit(3)
       """)
@@ -80,7 +82,7 @@ def test_a_missing_package_is_one_line_and_no_rows(tmp_path, monkeypatch, capsys
   assert out["peers"] == [] and out["peers_note"].startswith("timm (needs torchvision) is not")
   lines = capsys.readouterr().out.splitlines()
   assert lines == ["note: --peers skipped: timm (needs torchvision) is not importable "
-                   "(pip install 'lowmem-jax[peers]'): no vit-lora peer"]
+                   "(pip install torchvision, built for the installed torch): no vit-lora peer"]
 
 
 def _peer(ckpt, peak=None, ms=30.0):

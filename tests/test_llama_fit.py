@@ -230,6 +230,18 @@ def test_budget_s_leaves_rows_out_and_says_which(tmp_path):
   assert result["not_run"] == ["baseline / nf4 / seq 32", "torch+peft / nf4 / seq 32"]
 
 
+def test_a_failed_row_makes_the_exit_status_1(capsys):
+  """Every row "failed" (memory_budget=auto on a CPU) exited 0: gpu_check's llama-fit
+  stage read passed."""
+  ok = {"kind": "ours", "policy": "remat", "base_dtype": "nf4", "seq": 2048}
+  missing = {"kind": "peer", "policy": "torch+peft", "base_dtype": "nf4", "seq": 2048,
+             "missing": "bitsandbytes"}
+  assert llama_fit.exit_status({"rows": [ok, missing]}) == 0
+  assert llama_fit.exit_status(None) == 0  # a child's
+  assert llama_fit.exit_status({"rows": [ok, {**ok, "policy": "lowmembp", "error": "x"}]}) == 1
+  assert capsys.readouterr().err == "failed: lowmembp / nf4 / seq 2048\n"
+
+
 def test_a_child_that_hangs_is_killed_and_its_row_is_an_error(monkeypatch):
   """--child-timeout: a row's process still running after it is killed, its row an error
   saying so, and the rows after it run (on a device lent for minutes, a hung child would

@@ -83,15 +83,21 @@ def test_bad_arguments_exit_2_naming_the_flag(argv, message, capsys):
 def test_requirements_and_a_missing_package(tmp_path, monkeypatch, capsys):
   assert peers.requirements("vit-lora") == ["torch", "timm", "peft"]
   assert peers.requirements("llama-full") == ["torch", "transformers"]
-  assert peers.requirements("llama-lora", "nf4") == ["bitsandbytes", "torch", "transformers",
+  # torch first: bitsandbytes needs it (a machine without torch said "missing: bitsandbytes")
+  assert peers.requirements("llama-lora", "nf4") == ["torch", "bitsandbytes", "transformers",
                                                      "peft"]
   monkeypatch.setattr(peers, "requirements", lambda case, base: ["no_such_package_xyz"])
   out = tmp_path / "peer.json"
   with pytest.raises(SystemExit) as e:
     peers.main(["--case", "llama-lora", "--smoke", "--json", str(out)])
   assert e.value.code == peers.EXIT_MISSING
-  assert json.loads(out.read_text()) == {"case": "llama-lora", "missing": "no_such_package_xyz"}
+  assert json.loads(out.read_text()) == {"case": "llama-lora", "missing": "no_such_package_xyz",
+                                         "install": "pip install 'lowmem-jax[peers]'"}
   assert "llama-lora needs no_such_package_xyz" in capsys.readouterr().err
+  # not in the peers extra, which the hint named: each is built for the installed torch
+  assert peers.install_hint("bitsandbytes") == ("pip install bitsandbytes, built for the "
+                                                "installed torch")
+  assert peers.install_hint("timm (needs torchvision)").startswith("pip install torchvision,")
 
 
 def _run(case, tmp_path, *flags):

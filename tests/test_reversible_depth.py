@@ -61,3 +61,11 @@ def test_target_goes_with_the_compile_rows():
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
   assert message in cli_error(rd.main, ["--smoke", "--compile-only", *argv], capsys)
+
+
+def test_no_compile_rows_without_real_steps_is_an_error(capsys, monkeypatch):
+  """On a machine that cannot run real steps (a CPU, without --run), --no-compile-rows
+  wrote a JSON with no row and exited 0, ignoring --variants, --steps and --rounds."""
+  monkeypatch.setattr(rd, "_can_run", lambda: False)
+  assert cli_error(rd.main, ["--smoke", "--no-compile-rows"], capsys).startswith(
+      "--no-compile-rows leaves nothing to measure: no real steps on ")

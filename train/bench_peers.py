@@ -90,8 +90,8 @@ def run_peers(cfg: TrainConfig, steps: int, warmup: int, profile: bool = False) 
       proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
       result = json.loads(out.read_text()) if out.exists() else {}
       if "missing" in result:
-        note = (f"{result['missing']} is not importable (pip install 'lowmem-jax[peers]'): "
-                f"no {case} peer")
+        install = result.get("install", "pip install 'lowmem-jax[peers]'")
+        note = f"{result['missing']} is not importable ({install}): no {case} peer"
         print(f"note: --peers skipped: {note}", flush=True)
         return {"peers": [], "peers_note": note}
       if proc.returncode != 0 or not result:
