@@ -1,4 +1,4 @@
-"""The PyTorch peers of our fine-tuning step: what users would run instead, same shapes.
+r"""The PyTorch peers of our fine-tuning step: what users would run instead, same shapes.
 
     python benchmarks/peers.py --case vit-lora --json vit.json               # ViT-B/16, batch 64
     python benchmarks/peers.py --case vit-lora --checkpointing --json F      # + grad checkpointing

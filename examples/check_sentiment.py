@@ -64,6 +64,9 @@ def problems(folder: Path = HERE) -> list[str]:
 
 
 if __name__ == "__main__":
+  import argparse
+  argparse.ArgumentParser(prog="python examples/check_sentiment.py", description=__doc__,
+                          formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
   try:
     found = problems()
   except ValueError as e:  # a line that is no example: the checks below cannot run

@@ -298,7 +298,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                   help="comma-separated seeds, each (run, policy) trained once per seed "
                   "(default: %(default)s)")
   ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                  help="config override for every run (repeatable; not seed: use --seeds)")
+                  help="config override for every run (repeatable); refused: the fields "
+                  f"the sweep sets itself ({', '.join(SWEEP_FIELDS)}; seeds: --seeds)")
   ap.add_argument("--bench-steps", type=int, default=20, help="timed steps per policy")
   ap.add_argument("--warmup", type=int, default=3, help="untimed steps per policy first")
   ap.add_argument("--json", metavar="FILE", help="results, written after every fine-tune")

@@ -1,4 +1,4 @@
-"""Memory and speed of the real training step under each memory policy, side by side.
+r"""Memory and speed of the real training step under each memory policy, side by side.
 
     python -m train.bench                                   # digits ViT, all default policies
     python -m train.bench --policies baseline,lowmembp --steps 50 --json bench.json
