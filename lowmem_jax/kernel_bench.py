@@ -393,6 +393,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     ap.error(f"--dtype {args.dtype!r} is not a floating dtype")
   if not args.interpret and args.elements < args.hidden:
     ap.error(f"--elements {args.elements} is less than one row of --hidden {args.hidden}")
+  if not args.interpret and jax.default_backend() != "gpu":  # each kernel a failed row
+    ap.error(f"the kernels compile for a GPU, and this backend is {jax.default_backend()}: "
+             "pass --interpret for the smoke version")
   cfg = block_stack.StackConfig(num_layers=args.layers)
   # a ~50 us kernel gets ~500 calls from --target-ms anyway
   seq, batch, min_iters, max_iters = 197, args.batch, MIN_LOOP_TRIPS, 100_000

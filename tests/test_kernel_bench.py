@@ -175,3 +175,11 @@ def test_a_kernel_that_fails_is_a_row_and_the_bench_goes_on(monkeypatch):
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
   assert message in cli_error(kernel_bench.main, ["--no-step", *argv], capsys)
+
+
+@pytest.mark.skipif(jax.default_backend() == "gpu", reason="the kernels compile there")
+def test_without_interpret_off_a_gpu_is_one_line_before_any_work(capsys):
+  """Every kernel failed, a row each, after minutes ("Only interpret mode is supported on
+  CPU backend")."""
+  assert cli_error(kernel_bench.main, [], capsys).startswith(
+      "the kernels compile for a GPU, and this backend is cpu: pass --interpret")
