@@ -347,9 +347,9 @@ def main(argv: Sequence[str] | None = None) -> dict | None:
       ap.error(str(e))
   real = args.run or (not args.compile_only and _can_run())
   if not real and args.no_compile_rows:
-    ap.error(f"--no-compile-rows leaves nothing to measure: no real steps on "
-             f"{jax.default_backend()} ({'--compile-only' if args.compile_only else 'pass --run'}"
-             " to run them here)")
+    ap.error("--no-compile-rows leaves nothing to measure: " + (
+        "--compile-only runs no steps (drop one of them)" if args.compile_only else
+        f"no real steps on {jax.default_backend()} (pass --run to run them here)"))
 
   with gpu_target.compiling_for(args.target) as target:
     return _measure(args, cfg, policies, variants, real, target)

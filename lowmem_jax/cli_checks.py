@@ -58,6 +58,8 @@ def folder_problem(path: str | os.PathLike) -> str | None:
   its nearest existing ancestor is not writable), or None."""
   if os.path.exists(path) and not os.path.isdir(path):
     return "is a file, not a directory"
+  if os.path.islink(path) and not os.path.exists(path):
+    return f"is a link to {os.readlink(path)}, which does not exist"
   existing = Path(path)
   while not existing.exists():
     existing = existing.parent

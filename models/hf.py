@@ -499,19 +499,23 @@ def _write_model_dir(path: Path, config: dict, tensors: Sequence[OutTensor],
   write_json(str(path / "config.json"), _with_dtype(config, tensors), announce=False)
 
 
-# files a HF loader reads beside or instead of an export's model.safetensors: left in the
-# folder by something else, transformers would load another model from it
-FOREIGN_WEIGHTS = re.compile(r"adapter_config\.json|adapter_model\.\w+|.*\.bin|"
-                             r".*\.bin\.index\.json|tf_model\.h5|flax_model\.msgpack|.*\.gguf")
+# another model's weights or adapter: left in an export's folder, transformers loads the
+# adapter beside the export, and the others pass for it (HF Trainer's training_args.bin,
+# tokenizer and processor files are no weights: kept)
+FOREIGN_WEIGHTS = re.compile(r"adapter_config\.json|adapter_model\.\w+|"
+                             r"pytorch_model(-\d+-of-\d+)?\.bin(\.index\.json)?|"
+                             r"tf_model\.h5|flax_model\.msgpack")
 
 
 def check_export_dir(path: str | os.PathLike, subject: str | None = None,
-                     base: str | os.PathLike | None = None) -> Path:
+                     base: str | os.PathLike | None = None,
+                     run_dir: str | os.PathLike | None = None) -> Path:
   """``path`` as a Path, or a ValueError saying why an export cannot go there: a file, a
   folder that cannot be made or written (:func:`~lowmem_jax.cli_checks.folder_problem`),
   ``base`` itself (the checkpoint the model was loaded from: the export would overwrite
-  it), or holding another model's weight or adapter files (:data:`FOREIGN_WEIGHTS`).
-  ``subject`` begins the message (default ``save_pretrained: <path>``)."""
+  it), ``run_dir`` (a training run's folder: its config.json would be replaced), or
+  holding another model's weight or adapter files (:data:`FOREIGN_WEIGHTS`). ``subject``
+  begins the message (default ``save_pretrained: <path>``)."""
   from lowmem_jax.cli_checks import folder_problem
   path = Path(path)
   subject = subject or f"save_pretrained: {path}"
@@ -521,11 +525,15 @@ def check_export_dir(path: str | os.PathLike, subject: str | None = None,
   if base is not None and path.is_dir() and os.path.samefile(path, base):
     raise ValueError(f"{subject} is the checkpoint the model was loaded from; the export "
                      "would overwrite it: name another folder")
+  if run_dir is not None and os.path.realpath(path) == os.path.realpath(run_dir):
+    raise ValueError(f"{subject} is the run's folder; the export's config.json would replace "
+                     "the run's (and --resume with it): name another folder")
   foreign = sorted(p.name for p in path.iterdir() if FOREIGN_WEIGHTS.fullmatch(p.name)) \
       if path.is_dir() else []
   if foreign:
-    raise ValueError(f"{subject} holds {', '.join(foreign)}, which transformers would load "
-                     "beside or instead of the export; remove them or name another folder")
+    raise ValueError(f"{subject} holds {', '.join(foreign)}: another model's weights or "
+                     "adapter, which transformers would load with the export or take for it; "
+                     "remove them or name another folder")
   return path
 
 

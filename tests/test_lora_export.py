@@ -212,7 +212,7 @@ def test_an_export_over_its_own_checkpoint_or_beside_other_weights_is_refused(tm
   out.mkdir()
   (out / "adapter_model.safetensors").write_bytes(b"")
   with pytest.raises(ValueError, match=f"^save_lora_merged: {out} holds adapter_model."
-                                       "safetensors, which transformers would load"):
+                                       "safetensors: another model's weights or adapter"):
     hf.save_lora_merged(model, out, base)
   assert [p.name for p in out.iterdir()] == ["adapter_model.safetensors"]
   from models import registry

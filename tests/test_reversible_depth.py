@@ -69,3 +69,6 @@ def test_no_compile_rows_without_real_steps_is_an_error(capsys, monkeypatch):
   monkeypatch.setattr(rd, "_can_run", lambda: False)
   assert cli_error(rd.main, ["--smoke", "--no-compile-rows"], capsys).startswith(
       "--no-compile-rows leaves nothing to measure: no real steps on ")
+  assert cli_error(rd.main, ["--smoke", "--no-compile-rows", "--compile-only"], capsys) == (
+      "--no-compile-rows leaves nothing to measure: --compile-only runs no steps (drop one "
+      "of them)")

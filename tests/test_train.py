@@ -384,12 +384,26 @@ def test_an_export_dir_holding_another_model_s_files_is_refused_before_training(
   export.mkdir()
   (export / "adapter_config.json").write_text("{}")
   (export / "pytorch_model.bin").write_bytes(b"")
+  (export / "training_args.bin").write_bytes(b"")  # HF Trainer's arguments: no weights
   cfg = config_lib.load_config(overrides=[f"export_dir={export}", f"out_dir={tmp_path / 'run'}"])
   with pytest.raises(ValueError, match=re.escape(
-      f"export_dir={str(export)!r} holds adapter_config.json, pytorch_model.bin, which "
-      "transformers would load beside or instead of the export")):
+      f"export_dir={str(export)!r} holds adapter_config.json, pytorch_model.bin: another "
+      "model's weights or adapter, which transformers would load with the export or take "
+      "for it")):
     train(cfg)
   assert not (tmp_path / "run").exists()
+  # the run's own folder: the export's config.json replaced the run's, and --resume failed
+  run = tmp_path / "run"
+  with pytest.raises(ValueError, match=re.escape(
+      f"export_dir={str(run)!r} is the run's folder; the export's config.json would replace "
+      "the run's")):
+    train(config_lib.load_config(overrides=[f"export_dir={run}", f"out_dir={run}"]))
+  (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # a link to nothing: failed at the end
+  with pytest.raises(ValueError, match=re.escape(
+      f"export_dir={str(tmp_path / 'gone')!r} is a link to {tmp_path / 'nowhere'}, which does "
+      "not exist")):
+    train(config_lib.load_config(overrides=[f"export_dir={tmp_path / 'gone'}", f"out_dir={run}"]))
+  assert not run.exists()
 
 
 def test_new_head_trains_a_pretrained_body_for_other_labels():

@@ -387,7 +387,7 @@ def check_inputs(cfg: TrainConfig) -> None:
     from models import hf
     base = resolve_path(cfg.pretrained) if cfg.pretrained else None
     hf.check_export_dir(cfg.export_dir, f"export_dir={cfg.export_dir!r}",
-                        base if base and os.path.isdir(base) else None)
+                        base if base and os.path.isdir(base) else None, cfg.out_dir)
   if cfg.memory_profile:  # a file, written after step 1
     parent = os.path.dirname(os.path.abspath(cfg.memory_profile))
     if os.path.isdir(cfg.memory_profile):
