@@ -814,3 +814,24 @@ def test_check_sentiment_reports_bad_lines_as_problems(tmp_path):
     proc = subprocess.run([sys.executable, str(tmp_path / "check_sentiment.py")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stdout.startswith(want), proc.stdout + proc.stderr
+
+
+def test_make_datasets_names_a_training_set_smaller_than_a_batch_and_notes_no_eval_set(
+    tmp_path, tokenizer_path, capsys):
+  """A training file under one batch named no file ("dataset of 5 examples is smaller
+  than one batch"); eval_every without eval_data evaluated nothing, silently."""
+  from train import config as config_lib
+  from train.datasets import make_datasets
+  data = write_jsonl(tmp_path / "train.jsonl", [{"text": f"good {i}", "label": i % 2}
+                                                for i in range(5)])
+  cfg = config_lib.load_config(overrides=[
+      "task=text", "model=bert-tiny", "model.vocab_size=30522", "model.num_labels=2",
+      f"tokenizer={tokenizer_path}", f"data={data}", "max_len=8", "batch_size=8",
+      "eval_every=10"])
+  with pytest.raises(ValueError, match=f"^data='{data}': 5 examples, fewer than one batch of "
+                                       r"batch_size=8; set batch_size <= 5, or give more data$"):
+    make_datasets(cfg)
+  train, test = make_datasets(cfg.replace(batch_size=4))
+  assert len(train) == 5 and test is None
+  assert "note: no eval_data: eval_every=10 evaluates nothing (set eval_data=<file>)" in \
+      capsys.readouterr().out

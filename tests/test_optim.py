@@ -1,6 +1,7 @@
 """The learning-rate schedule (train/optim.py): warmup, then cosine, linear or constant;
 the optimizers' weight decay."""
 
+import jax
 import numpy as np
 import optax
 import pytest
@@ -69,3 +70,29 @@ def test_weight_decay_applies_to_both_optimizers(optimizer):
   # decoupled: the decay does not go through SGD's momentum (step 2: decay alone again)
   updates, _ = tx.update({"w": np.zeros(3, np.float32)}, state, params)
   np.testing.assert_allclose(updates["w"], -0.1 * 0.5 * 2.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_biases_and_norm_scales_do_not_decay(optimizer):
+  """As HF's Trainer: no weight decay on biases and norm weights (every parameter decayed,
+  as torch.optim.AdamW(model.parameters()), layer-stacked biases and q, k, v's per-head
+  biases included). Kernels, embeddings and LoRA's A and B decay."""
+  from train.trainer import Trainer
+  cfg = config_lib.load_config(overrides=[f"optimizer={optimizer}", "lr=0.1",
+                                          "weight_decay=0.5", "grad_clip=0", "warmup_steps=0",
+                                          "schedule=constant", "policy=baseline",
+                                          "compare_baseline=false"])
+  params = jax.tree.map(np.ones_like, Trainer.create(cfg).state["params"])
+  tx = make_optimizer(cfg)
+  updates, _ = tx.update(jax.tree.map(np.zeros_like, params), tx.init(params), params)
+  moved = {jax.tree_util.keystr(path): bool(np.any(u)) for path, u in
+           jax.tree_util.tree_flatten_with_path(updates)[0]}
+  kept = sorted(k for k, m in moved.items() if not m)
+  assert kept and all(("'bias'" in k or "'scale'" in k) for k in kept), kept
+  assert all(not m for k, m in moved.items() if "'bias'" in k or "'scale'" in k)
+  for name in ("['stack']['blocks']['attn']['query']['bias']", "['head']['bias']",
+               "['stack']['blocks']['norm1']['scale']"):
+    assert any(k.startswith(name) for k in kept), (name, kept)
+  for name in ("['stack']['blocks']['attn']['query']['kernel']", "['pos_embed']",
+               "['head']['kernel']"):
+    assert any(k.startswith(name) and m for k, m in moved.items()), name

@@ -117,6 +117,8 @@ class TrainConfig:
           raise ValueError(f"TrainConfig: {field} must be >= {low}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):  # --set lr=1e999
           raise ValueError(f"TrainConfig: {field} must be finite, got {value!r}")
+    if self.lr == 0:  # a run that trains nothing, silently
+      raise ValueError("TrainConfig: lr must be > 0, got 0 (the parameters would not move)")
     if self.seed >= 2 ** 32:  # jax's keys take 64-bit seeds; seeds derived from it add to it
       raise ValueError(f"TrainConfig: seed must be < 2**32, got {self.seed!r}")
     if (isinstance(self.lm_loss_chunk, bool) or not isinstance(self.lm_loss_chunk, int)

@@ -19,7 +19,22 @@ def make_datasets(cfg: TrainConfig, model=None):
   against the model's ``num_labels`` (``model`` given, or the preset's), and, ``model``
   given, ``max_len`` and the token ids against its positions and vocabulary; string labels
   and class folders map to ids from the training set, which the eval set reuses. A
-  pretrained model's images are normalized as its ``preprocessor_config.json`` says."""
+  pretrained model's images are normalized as its ``preprocessor_config.json`` says. A
+  training set smaller than one batch is an error naming ``data``; ``eval_every`` without
+  an eval set, a note (it evaluates nothing)."""
+  train, test = _datasets(cfg, model)
+  if len(train) < cfg.batch_size:
+    unit = "max_len windows of its text" if cfg.task == "lm" else "examples"
+    raise ValueError(f"data={cfg.data!r}: {len(train)} {unit}, fewer than one batch of "
+                     f"batch_size={cfg.batch_size}; set batch_size <= {len(train)}, or give "
+                     "more data")
+  if test is None and cfg.eval_every:
+    print(f"note: no eval_data: eval_every={cfg.eval_every} evaluates nothing (set "
+          "eval_data=<file>)", flush=True)
+  return train, test
+
+
+def _datasets(cfg: TrainConfig, model=None):
   model_cfg = getattr(model, "cfg", None)
   if cfg.task == "image":
     if model_cfg is None:  # the image size of the model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import optax
 
 from train.config import TrainConfig
@@ -35,15 +36,30 @@ def warmup_warning(cfg: TrainConfig) -> str | None:
              else "") + "); set warmup_steps below steps")
 
 
+def decays(params):
+  """Which trainable parameters weight decay shrinks: all but biases and norm scales (a
+  leaf named ``bias`` or ``*scale``; a norm's shift is its ``bias``), as HF's Trainer
+  leaves out biases and LayerNorm weights. By name, not by rank: stacked layers give a
+  bias a layer axis, and q, k, v's a head axis. Under MS norms a norm's scale lives in
+  the next linear's kernel, which decays."""
+  def decayed(path, _):
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    names = [n for n in names if n != "value"]  # an nnx Variable's own field
+    last = names[-1] if names else None
+    return not (isinstance(last, str) and (last == "bias" or last.endswith("scale")))
+  return jax.tree_util.tree_map_with_path(decayed, params)
+
+
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   """AdamW or SGD with momentum 0.9 (SGDW), on the schedule, after global-norm clipping when
   set. Weight decay is decoupled in both (``lr * weight_decay * param`` a step, outside the
-  momentum): the default 0.05 means the same for either (PyTorch SGD's coupled decay,
-  through the momentum, would be 10x it)."""
+  momentum) and skips vectors (:func:`decays`): the default 0.05 means the same for either
+  (PyTorch SGD's coupled decay, through the momentum, would be 10x it)."""
   schedule = make_schedule(cfg)
   if cfg.optimizer == "adamw":
-    opt = optax.adamw(schedule, weight_decay=cfg.weight_decay)
+    opt = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decays)
   else:
-    opt = optax.chain(optax.trace(decay=0.9), optax.add_decayed_weights(cfg.weight_decay),
+    opt = optax.chain(optax.trace(decay=0.9),
+                      optax.add_decayed_weights(cfg.weight_decay, mask=decays),
                       optax.scale_by_learning_rate(schedule))
   return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), opt) if cfg.grad_clip else opt
