@@ -170,15 +170,19 @@ def _fused_bwd(step, transposed, res, cts):
     h_i, t_i = _slice(h, i, step), _slice(targets, i, step)
     logits = _logits(h_i, w, transposed)
     # softmax - onehot, scaled by the token's cotangent; matmuls in the compute dtype
-    # with fp32 accumulation, as the attention backward does
+    # with fp32 accumulation, as the attention backward does. The cotangent goes in over
+    # the chunk's largest and that comes back after the matmuls: a mean's 1/tokens times
+    # p ~ 1/V fell below fp16's smallest number, and the gradient kept only -onehot
     p = jnp.exp(logits - _slice(lse, i, step)[..., None])
-    dlogits = ((p - _hits(logits, t_i)) * _slice(g, i, step)[..., None]).astype(w.dtype)
+    g_i = _slice(g, i, step)
+    g_max = jnp.maximum(jnp.max(jnp.abs(g_i)), jnp.finfo(jnp.float32).tiny)
+    dlogits = ((p - _hits(logits, t_i)) * (g_i / g_max)[..., None]).astype(w.dtype)
     if need_dh:
-      dh = _put(dh, jax.lax.dot_general(dlogits, w, back, preferred_element_type=jnp.float32),
-                i, step)
+      dh = _put(dh, g_max * jax.lax.dot_general(dlogits, w, back,
+                                                preferred_element_type=jnp.float32), i, step)
     if need_dws:  # [V, D] (tied) or [D, V]
       pair = (dlogits, h_i) if transposed else (h_i, dlogits)
-      dw = dw + jax.lax.dot_general(*pair, tokens, preferred_element_type=jnp.float32)
+      dw = dw + g_max * jax.lax.dot_general(*pair, tokens, preferred_element_type=jnp.float32)
     return dh, dw
 
   grads = (jnp.zeros(h.shape, h.dtype) if need_dh else None,

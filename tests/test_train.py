@@ -407,6 +407,12 @@ def test_an_export_dir_holding_another_model_s_files_is_refused_before_training(
   assert not run.exists()
 
 
+def test_float16_says_it_runs_without_loss_scaling(tmp_path, capsys):
+  """fp16 gradients of a mean over many tokens underflow, and nothing said so."""
+  train(_cfg(tmp_path, "steps=1", "save_every=0", "dtype=float16"))
+  assert loop.FLOAT16_WARNING in capsys.readouterr().err
+
+
 def test_new_head_trains_a_pretrained_body_for_other_labels():
   """``new_head=true``: the checked inputs pass and the model has a fresh 10-label head
   on the checkpoint's body (tests/data/hf/vit's head has 5)."""
