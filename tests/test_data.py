@@ -764,7 +764,7 @@ def test_token_ids_and_max_len_checked_against_the_model(tmp_path, tokenizer_pat
   import types
   from models import bert, llama
   from train import config as config_lib
-  from train.datasets import make_datasets
+  from train.datasets import check_for_run, make_datasets
   data = write_jsonl(tmp_path / "train.jsonl", [{"text": "the quick brown fox", "label": 0},
                                                 {"text": "jumps over the dog", "label": 1}])
   module, preset = {"lm": (llama, "llama-tiny"), "text": (bert, "bert-tiny")}[task]
@@ -816,22 +816,23 @@ def test_check_sentiment_reports_bad_lines_as_problems(tmp_path):
     assert proc.returncode == 1 and proc.stdout.startswith(want), proc.stdout + proc.stderr
 
 
-def test_make_datasets_names_a_training_set_smaller_than_a_batch_and_notes_no_eval_set(
+def test_a_run_names_a_training_set_smaller_than_a_batch_and_notes_no_eval_set(
     tmp_path, tokenizer_path, capsys):
   """A training file under one batch named no file ("dataset of 5 examples is smaller
   than one batch"); eval_every without eval_data evaluated nothing, silently."""
   from train import config as config_lib
-  from train.datasets import make_datasets
+  from train.datasets import check_for_run, make_datasets
   data = write_jsonl(tmp_path / "train.jsonl", [{"text": f"good {i}", "label": i % 2}
                                                 for i in range(5)])
   cfg = config_lib.load_config(overrides=[
       "task=text", "model=bert-tiny", "model.vocab_size=30522", "model.num_labels=2",
       f"tokenizer={tokenizer_path}", f"data={data}", "max_len=8", "batch_size=8",
       "eval_every=10"])
+  train, test = make_datasets(cfg)
+  assert len(train) == 5 and test is None
   with pytest.raises(ValueError, match=f"^data='{data}': 5 examples, fewer than one batch of "
                                        r"batch_size=8; set batch_size <= 5, or give more data$"):
-    make_datasets(cfg)
-  train, test = make_datasets(cfg.replace(batch_size=4))
-  assert len(train) == 5 and test is None
+    check_for_run(cfg, train, test)
+  check_for_run(cfg.replace(batch_size=4), train, test)
   assert "note: no eval_data: eval_every=10 evaluates nothing (set eval_data=<file>)" in \
       capsys.readouterr().out

@@ -19,22 +19,7 @@ def make_datasets(cfg: TrainConfig, model=None):
   against the model's ``num_labels`` (``model`` given, or the preset's), and, ``model``
   given, ``max_len`` and the token ids against its positions and vocabulary; string labels
   and class folders map to ids from the training set, which the eval set reuses. A
-  pretrained model's images are normalized as its ``preprocessor_config.json`` says. A
-  training set smaller than one batch is an error naming ``data``; ``eval_every`` without
-  an eval set, a note (it evaluates nothing)."""
-  train, test = _datasets(cfg, model)
-  if len(train) < cfg.batch_size:
-    unit = "max_len windows of its text" if cfg.task == "lm" else "examples"
-    raise ValueError(f"data={cfg.data!r}: {len(train)} {unit}, fewer than one batch of "
-                     f"batch_size={cfg.batch_size}; set batch_size <= {len(train)}, or give "
-                     "more data")
-  if test is None and cfg.eval_every:
-    print(f"note: no eval_data: eval_every={cfg.eval_every} evaluates nothing (set "
-          "eval_data=<file>)", flush=True)
-  return train, test
-
-
-def _datasets(cfg: TrainConfig, model=None):
+  pretrained model's images are normalized as its ``preprocessor_config.json`` says."""
   model_cfg = getattr(model, "cfg", None)
   if cfg.task == "image":
     if model_cfg is None:  # the image size of the model
@@ -147,3 +132,17 @@ def _vocab_size(tokenizer, at_least: int) -> int:
     return max(at_least, load_tokenizer(tokenizer)[0].get_vocab_size())
   except (OSError, ValueError):  # no tokenizer file to read: the id seen is what is known
     return at_least
+
+
+def check_for_run(cfg: TrainConfig, train, test) -> None:
+  """What a run needs of its datasets: a training set of one batch at least (an error
+  naming ``data``), and an eval set where ``eval_every`` asks for one (a note)."""
+  if len(train) < cfg.batch_size:
+    unit = ("examples (a .txt's: max_len windows of its text)" if cfg.task == "lm"
+            else "examples")
+    raise ValueError(f"data={cfg.data!r}: {len(train)} {unit}, fewer than one batch of "
+                     f"batch_size={cfg.batch_size}; set batch_size <= {len(train)}, or give "
+                     "more data")
+  if test is None and cfg.eval_every:
+    print(f"note: no eval_data: eval_every={cfg.eval_every} evaluates nothing (set "
+          "eval_data=<file>)", flush=True)

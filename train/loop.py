@@ -31,7 +31,7 @@ from train import interrupt, kernel_time, planner, pretrained_record, runs, shar
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import PATH_FIELDS, TrainConfig, config_diff
-from train.datasets import make_datasets
+from train.datasets import check_for_run, make_datasets
 from train.images import pixel_normalization
 from train.memory_report import print_memory
 from train.metrics import Log, finished_result
@@ -93,10 +93,12 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
   if cfg.memory_budget is None:
     model = build_model(cfg)
     train_set, eval_set = make_datasets(cfg, model)
+    check_for_run(cfg, train_set, eval_set)
   else:  # the data first (checked against the model's shapes), then the plan, then the model
     kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
     train_set, eval_set = make_datasets(
         cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
+    check_for_run(cfg, train_set, eval_set)
     cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, eval_set,
                                                             budget)
     model = build_model(cfg)
