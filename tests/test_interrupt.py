@@ -25,14 +25,31 @@ def test_outside_the_steps_a_ctrl_c_stops_at_once_and_again_at_a_safe_point(defa
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_in_the_steps_the_first_ctrl_c_asks_and_the_second_stops(default_sigint, capsys):
+@pytest.fixture
+def default_sigterm():
+  """Python's own SIGTERM disposition for the test."""
+  previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+  yield
+  signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("signum,shown", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_in_the_steps_the_first_signal_asks_and_the_second_stops(signum, shown, default_sigint,
+                                                                 default_sigterm, capsys):
+  """SIGTERM (kill, docker, SLURM preemption) as Ctrl-C: it killed the run at once,
+  everything since the last periodic checkpoint lost."""
+  default = signal.getsignal(signum)
   with InterruptHandler() as ctrl_c:
     ctrl_c.in_steps = True
-    signal.raise_signal(signal.SIGINT)  # no exception: the loop saves, then stops
+    signal.raise_signal(signum)  # no exception: the loop saves, then stops
     assert ctrl_c.requested
-    assert "saving after this step, then stopping" in capsys.readouterr().err
+    assert (f"interrupt ({shown}): saving after this step, then stopping"
+            in capsys.readouterr().err)
     with pytest.raises(KeyboardInterrupt):
-      signal.raise_signal(signal.SIGINT)
+      signal.raise_signal(signum)
+  assert signal.getsignal(signum) is default  # put back
+  with InterruptHandler(), pytest.raises(KeyboardInterrupt):
+    signal.raise_signal(signum)  # outside the steps: stops at once
 
 
 def test_a_caller_s_own_handler_and_a_disabled_one_are_left_alone(default_sigint):
@@ -50,25 +67,6 @@ def test_a_caller_s_own_handler_and_a_disabled_one_are_left_alone(default_sigint
     with pytest.raises(KeyboardInterrupt):
       signal.raise_signal(signal.SIGINT)
   assert not ctrl_c.requested
-
-
-def test_sigterm_is_handled_as_a_ctrl_c_and_its_default_put_back(default_sigint, capsys):
-  """kill / docker / SLURM preemption send SIGTERM: it killed the run at once, everything
-  since the last periodic checkpoint lost."""
-  previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
-  try:
-    with InterruptHandler() as ctrl_c:
-      ctrl_c.in_steps = True
-      signal.raise_signal(signal.SIGTERM)  # no exception: the loop saves, then stops
-      assert ctrl_c.requested
-      assert "interrupt (SIGTERM): saving after this step" in capsys.readouterr().err
-      with pytest.raises(KeyboardInterrupt):
-        signal.raise_signal(signal.SIGTERM)
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
-    with InterruptHandler() as ctrl_c, pytest.raises(KeyboardInterrupt):
-      signal.raise_signal(signal.SIGTERM)  # outside the steps: stops at once
-  finally:
-    signal.signal(signal.SIGTERM, previous)
 
 
 def test_a_stop_during_a_checkpoint_write_waits_for_its_end(default_sigint, capsys):
