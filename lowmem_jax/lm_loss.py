@@ -161,6 +161,11 @@ def _fused_bwd(step, transposed, res, cts):
   h, targets, num_steps = _steps(h, targets, step)
   lse = _padded(lse, h.shape[1])
   g = _padded(g.astype(jnp.float32), h.shape[1])  # padded positions: g = 0, no contribution
+  # the cotangent goes into the compute dtype over its largest and that comes back after
+  # the matmuls: a mean's 1/tokens times p ~ 1/V fell below fp16's smallest number, and
+  # the gradient kept only -onehot (one max for all chunks: one reduction on a mesh)
+  g_max = jnp.maximum(jnp.max(jnp.abs(g)), jnp.finfo(jnp.float32).tiny)
+  g = g / g_max
   # dlogits @ w.T (contract V) and the chunk's tokens (rows and positions) for dw
   back = (((2,), (0,)) if transposed else ((2,), (1,)), ((), ()))
   tokens = (((0, 1), (0, 1)), ((), ()))
@@ -169,14 +174,10 @@ def _fused_bwd(step, transposed, res, cts):
     dh, dw = grads
     h_i, t_i = _slice(h, i, step), _slice(targets, i, step)
     logits = _logits(h_i, w, transposed)
-    # softmax - onehot, scaled by the token's cotangent; matmuls in the compute dtype
-    # with fp32 accumulation, as the attention backward does. The cotangent goes in over
-    # the chunk's largest and that comes back after the matmuls: a mean's 1/tokens times
-    # p ~ 1/V fell below fp16's smallest number, and the gradient kept only -onehot
+    # softmax - onehot, scaled by the token's cotangent (over g_max); matmuls in the
+    # compute dtype with fp32 accumulation, as the attention backward does
     p = jnp.exp(logits - _slice(lse, i, step)[..., None])
-    g_i = _slice(g, i, step)
-    g_max = jnp.maximum(jnp.max(jnp.abs(g_i)), jnp.finfo(jnp.float32).tiny)
-    dlogits = ((p - _hits(logits, t_i)) * (g_i / g_max)[..., None]).astype(w.dtype)
+    dlogits = ((p - _hits(logits, t_i)) * _slice(g, i, step)[..., None]).astype(w.dtype)
     if need_dh:
       dh = _put(dh, g_max * jax.lax.dot_general(dlogits, w, back,
                                                 preferred_element_type=jnp.float32), i, step)

@@ -53,8 +53,9 @@ def decays(params):
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   """AdamW or SGD with momentum 0.9 (SGDW), on the schedule, after global-norm clipping when
   set. Weight decay is decoupled in both (``lr * weight_decay * param`` a step, outside the
-  momentum) and skips vectors (:func:`decays`): the default 0.05 means the same for either
-  (PyTorch SGD's coupled decay, through the momentum, would be 10x it)."""
+  momentum), so the default 0.05 means the same for either (PyTorch SGD's coupled decay,
+  through the momentum, would be 10x it), and skips biases and norm scales (by name:
+  :func:`decays`)."""
   schedule = make_schedule(cfg)
   if cfg.optimizer == "adamw":
     opt = optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decays)
