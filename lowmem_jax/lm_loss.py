@@ -161,11 +161,13 @@ def _fused_bwd(step, transposed, res, cts):
   h, targets, num_steps = _steps(h, targets, step)
   lse = _padded(lse, h.shape[1])
   g = _padded(g.astype(jnp.float32), h.shape[1])  # padded positions: g = 0, no contribution
-  # the cotangent goes into the compute dtype over its largest and that comes back after
-  # the matmuls: a mean's 1/tokens times p ~ 1/V fell below fp16's smallest number, and
-  # the gradient kept only -onehot (one max for all chunks: one reduction on a mesh)
-  g_max = jnp.maximum(jnp.max(jnp.abs(g)), jnp.finfo(jnp.float32).tiny)
-  g = g / g_max
+  # fp16 (5 exponent bits): the cotangent goes into the compute dtype over its largest,
+  # which comes back after the matmuls; a mean's 1/tokens times p ~ 1/V fell below fp16's
+  # smallest number, and the gradient kept only -onehot. bf16 and fp32 have fp32's range.
+  g_max = 1.0  # a constant 1 the compiler drops
+  if w.dtype == jnp.float16:
+    g_max = jnp.maximum(jnp.max(jnp.abs(g)), jnp.finfo(jnp.float32).tiny)
+    g = g / g_max
   # dlogits @ w.T (contract V) and the chunk's tokens (rows and positions) for dw
   back = (((2,), (0,)) if transposed else ((2,), (1,)), ((), ()))
   tokens = (((0, 1), (0, 1)), ((), ()))
@@ -183,12 +185,13 @@ def _fused_bwd(step, transposed, res, cts):
                                                 preferred_element_type=jnp.float32), i, step)
     if need_dws:  # [V, D] (tied) or [D, V]
       pair = (dlogits, h_i) if transposed else (h_i, dlogits)
-      dw = dw + g_max * jax.lax.dot_general(*pair, tokens, preferred_element_type=jnp.float32)
+      dw = dw + jax.lax.dot_general(*pair, tokens, preferred_element_type=jnp.float32)
     return dh, dw
 
   grads = (jnp.zeros(h.shape, h.dtype) if need_dh else None,
            jnp.zeros(w.shape, jnp.float32) if need_dws else None)
   dh, dws = jax.lax.fori_loop(0, num_steps, body, grads)
+  dws = g_max * dws if need_dws else None  # once, after the chunks
   dw = ds = None
   if need_dw:
     dw = (dws if scale is None else dws * _along_d(scale, transposed)).astype(w_dtype)

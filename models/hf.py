@@ -59,6 +59,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowmem_jax.cli_checks import folder_problem
 from lowmem_jax.memory import write_json
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
@@ -516,7 +517,6 @@ def check_export_dir(path: str | os.PathLike, subject: str | None = None,
   it), ``run_dir`` (a training run's folder: its config.json would be replaced), or
   holding another model's weight or adapter files (:data:`FOREIGN_WEIGHTS`). ``subject``
   begins the message (default ``save_pretrained: <path>``)."""
-  from lowmem_jax.cli_checks import folder_problem
   path = Path(path)
   subject = subject or f"save_pretrained: {path}"
   problem = folder_problem(path)

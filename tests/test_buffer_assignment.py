@@ -347,10 +347,11 @@ def test_threads_leave_the_persistent_cache_as_they_found_it():
   before = jax.config.jax_enable_compilation_cache
   jax.config.update("jax_enable_compilation_cache", True)
   try:
-    both_in, first_out = threading.Barrier(3), threading.Event()
+    first_in, both_in, first_out = threading.Event(), threading.Barrier(3), threading.Event()
 
     def first():
       with buffer_assignment.no_persistent_cache():
+        first_in.set()
         both_in.wait()
       first_out.set()
 
@@ -359,11 +360,9 @@ def test_threads_leave_the_persistent_cache_as_they_found_it():
         both_in.wait()
         first_out.wait()
 
-    threads = [threading.Thread(target=first)]
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
     threads[0].start()
-    while not both_in.n_waiting:  # the first is inside
-      pass
-    threads.append(threading.Thread(target=second))
+    first_in.wait()  # the first is inside before the second enters
     threads[1].start()
     both_in.wait()
     assert not jax.config.jax_enable_compilation_cache

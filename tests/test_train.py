@@ -311,7 +311,8 @@ def test_config_errors():
       (["lora_alpha=-1"], "TrainConfig: lora_alpha must be > 0 (the adapter's scale is "
        "lora_alpha / lora_rank), got -1.0"),
       (["lora_alpha=0"], "TrainConfig: lora_alpha must be > 0"),
-      (["lr=0"], "TrainConfig: lr must be > 0, got 0 (the parameters would not move)"),
+      (["lr=0"], "TrainConfig: lr must be > 0, got 0"),  # was a run that never moved
+      (["lr=-1"], "TrainConfig: lr must be > 0, got -1"),
       (["grad_norm_cache=true"], "TrainConfig: grad_norm_cache=true needs sampled linears, "
        "but policy 'lowmembp' samples none (use wta-crs)"),
       (["lora_targets=qury"], "TrainConfig: lora_targets='qury' with trainable='full', which "

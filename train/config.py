@@ -106,19 +106,18 @@ class TrainConfig:
     choice("schedule", SCHEDULES)
     choice("dtype", ("bfloat16", "float16", "float32"))
     choice("precision", PRECISIONS)
-    for low, fields in ((1, ("max_len", "batch_size", "eval_batch_size", "steps",
-                             "grad_accum", "lora_rank", "log_every")),
-                        (0, ("lr", "weight_decay", "grad_clip", "warmup_steps",
-                             "eval_every", "save_every", "seed"))):
+    for op, low, fields in ((">=", 1, ("max_len", "batch_size", "eval_batch_size", "steps",
+                                        "grad_accum", "lora_rank", "log_every")),
+                            (">", 0, ("lr",)),  # 0: a run whose parameters never move
+                            (">=", 0, ("weight_decay", "grad_clip", "warmup_steps",
+                                       "eval_every", "save_every", "seed"))):
       for field in fields:
         value = getattr(self, field)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            not value >= low:
-          raise ValueError(f"TrainConfig: {field} must be >= {low}, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            value > low if op == ">" else value >= low):
+          raise ValueError(f"TrainConfig: {field} must be {op} {low}, got {value!r}")
         if isinstance(value, float) and not math.isfinite(value):  # --set lr=1e999
           raise ValueError(f"TrainConfig: {field} must be finite, got {value!r}")
-    if self.lr == 0:  # a run that trains nothing, silently
-      raise ValueError("TrainConfig: lr must be > 0, got 0 (the parameters would not move)")
     if self.seed >= 2 ** 32:  # jax's keys take 64-bit seeds; seeds derived from it add to it
       raise ValueError(f"TrainConfig: seed must be < 2**32, got {self.seed!r}")
     if (isinstance(self.lm_loss_chunk, bool) or not isinstance(self.lm_loss_chunk, int)
