@@ -566,11 +566,105 @@ def test_causal_lm_custom_template_and_truncation(tmp_path, tokenizer, capsys):
   path = write_jsonl(tmp_path / "sft.jsonl", rows)
   ds = causal_lm(path, tokenizer, max_len=16, prompt_template="Q: {instruction}\nA: ")
   assert capsys.readouterr().err == (
-      f"warning: {path}: 2 of 3 examples have no output token within max_len=16 (a prompt "
-      "that long), dropped: :1, :3\n")
+      f"warning: {path}: 2 of 3 examples have no token to train on (2 have a prompt that "
+      "fills max_len=16, so no output token is within it), dropped: :1, :3\n")
   assert len(ds) == 1 and ds.arrays["loss_mask"].shape == (1, 16)
   assert tokenizer.decode(ds.arrays["targets"][0, ds.arrays["loss_mask"][0]].tolist()) == "kept"
   assert tokenizer.decode(ds.arrays["tokens"][0].tolist()) == "q : short a : kept"
+
+
+def test_causal_lm_says_what_it_cuts_and_why_it_drops(tmp_path, tokenizer, capsys):
+  """A record longer than max_len + 1 tokens is cut there, and a warning counts the tokens
+  not trained (before: silently, so most of a long-document set could go untrained); a
+  dropped row says its reason (before: every drop blamed a long prompt, also a one-token
+  text)."""
+  long_text = "the quick brown fox jumps over the lazy dog " * 4
+  path = write_jsonl(tmp_path / "long.jsonl", [{"text": long_text}, {"text": "short one"}])
+  ds = causal_lm(path, tokenizer, max_len=8)
+  n_tokens = len(plain_ids(tokenizer, long_text)) + 2  # [CLS] ... [SEP]
+  assert capsys.readouterr().err == (
+      f"warning: {path}: 1 of 2 examples are longer than max_len + 1 = 9 tokens and were "
+      f"cut at it ({n_tokens - 9} tokens not trained, e.g. :1); raise max_len to keep them\n")
+  assert ds.arrays["loss_mask"].sum() == 8 + 3
+  causal_lm(path, tokenizer, max_len=n_tokens - 1)
+  assert capsys.readouterr().err == ""
+
+  from tokenizers import models, pre_tokenizers  # no start or end token: "hello" is 1 token
+  tok = tokenizers.Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1, "world": 2},
+                                              unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  path = write_jsonl(tmp_path / "short.jsonl", [{"text": "hello"}, {"text": "hello world"}])
+  causal_lm(path, tok, max_len=8)
+  err = capsys.readouterr().err
+  assert (f"warning: {path}: 1 of 2 examples have no token to train on (1 tokenize to fewer "
+          "than 2 tokens, nothing to predict), dropped: :1\n") in err
+  path = write_jsonl(tmp_path / "shorter.jsonl", [{"text": "hello"}])
+  with pytest.raises(ValueError, match=r"shorter.jsonl: no example has a token to train on: "
+                     r"1 tokenize to fewer than 2 tokens, nothing to predict$"):
+    causal_lm(path, tok, max_len=8)
+
+
+def test_causal_lm_keeps_start_and_end_tokens_a_text_already_has(tmp_path):
+  """A pre-templated text ("<s>[INST] ... </s>", as LLaMA-2 chat sets ship) keeps its own
+  start and end tokens (before: a second <s> in front and a second </s> trained after the
+  first); an output that ends with </s> gets no second one either."""
+  from tokenizers import models, pre_tokenizers, processors
+  words = ["<pad>", "<s>", "</s>", "<unk>", "q", ":", "a", "hello", "world", "yes"]
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                              unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+  path = write_jsonl(tmp_path / "chat.jsonl", [
+      {"text": "<s> hello world </s>"}, {"text": "hello world"},
+      {"instruction": "hello", "output": "yes </s>"}])
+  ds = causal_lm(path, tok, max_len=8, prompt_template="q : {instruction} a : ")
+  assert ds.arrays["tokens"][0].tolist() == [1, 7, 8, 0, 0, 0, 0, 0]
+  assert ds.arrays["targets"][0].tolist() == [7, 8, 2, 0, 0, 0, 0, 0]
+  assert ds.arrays["tokens"][1].tolist() == ds.arrays["tokens"][0].tolist()
+  assert ds.arrays["targets"][1].tolist() == ds.arrays["targets"][0].tolist()
+  assert ds.arrays["tokens"][2].tolist() == [1, 4, 5, 7, 6, 5, 9, 0]
+  assert ds.arrays["targets"][2].tolist() == [4, 5, 7, 6, 5, 9, 2, 0]
+  assert ds.arrays["loss_mask"][2].tolist() == [False] * 5 + [True] * 2 + [False]
+  txt = tmp_path / "chat.txt"
+  txt.write_text("<s> hello world </s>")
+  assert causal_lm(txt, tok, max_len=8).arrays["targets"][0].tolist()[:4] == [7, 8, 2, 0]
+
+
+def test_causal_lm_txt_reads_windows_line_ends_as_newlines(tmp_path):
+  """A .txt saved with CRLF line ends trains the same tokens as with LF (before: under a
+  tokenizer that keeps "\\r" (byte fallback, byte-level BPE), every one was a token the
+  model learned to emit)."""
+  from tokenizers import Regex, models, pre_tokenizers
+  words = ["<unk>", "hello", "world", " ", "\r", "\n"]
+  tok = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                              unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[ \r\n]"), behavior="isolated")
+  lf, crlf = tmp_path / "lf.txt", tmp_path / "crlf.txt"
+  lf.write_bytes(b"hello world\nworld hello\n")
+  crlf.write_bytes(b"hello world\r\nworld hello\r\n")
+  a, b = causal_lm(lf, tok, max_len=16), causal_lm(crlf, tok, max_len=16)
+  assert a.arrays["targets"][0].tolist()[:7] == [3, 2, 5, 2, 3, 1, 5]
+  for key in ("tokens", "targets", "loss_mask"):
+    np.testing.assert_array_equal(a.arrays[key], b.arrays[key])
+
+
+def test_jsonl_names_a_cut_surrogate_and_a_lone_json_object(tmp_path, tokenizer):
+  """Valid JSON that no tokenizer can take: a surrogate whose pair was cut off (scraped text)
+  is an error naming the line and field (before: a TypeError from the tokenizer naming
+  neither); a pretty-printed .json holding one object says it needs an array (before: a
+  "bad json line" at line 1 of a valid file)."""
+  path = tmp_path / "cut.jsonl"
+  path.write_text('{"text": "fine", "label": 0}\n{"text": "cut emoji \\ud83d", "label": 1}\n')
+  with pytest.raises(ValueError, match=r"cut.jsonl:2: 'text' has an unpaired UTF-16 surrogate "
+                     r"\('\\ud83d' at character 10\)"):
+    causal_lm(path, tokenizer, max_len=8)
+  with pytest.raises(ValueError, match=r"cut.jsonl:2: 'text' has an unpaired UTF-16 surrogate"):
+    text_classification(path, tokenizer, max_len=8)
+  one = tmp_path / "one.json"
+  one.write_text(json.dumps({"instruction": "a", "output": "b"}, indent=2))
+  with pytest.raises(ValueError, match=r"one.json: a .json file must hold an array of records "
+                     r"\(got one object with keys \['instruction', 'output'\]\)"):
+    causal_lm(one, tokenizer, max_len=8)
 
 
 def test_data_files_that_are_not_utf8_name_the_file_and_line(tmp_path, tokenizer):

@@ -34,8 +34,9 @@ def causal_lm(path, tokenizer, *, max_len: int,
     consecutive windows share one token and every next-token pair is trained exactly once; the
     last window is padded. ``loss_mask`` is True on every real target.
   - ``.jsonl`` (or ``.json`` holding one array of objects, as Alpaca's): one row per record,
-    truncated to ``max_len + 1`` tokens and right-padded (a row left with no target in the
-    loss, its prompt as long as ``max_len``, is dropped, its lines said). A line
+    truncated to ``max_len + 1`` tokens (a warning counts the tokens cut) and right-padded
+    (a row left with no target in the loss, its prompt as long as ``max_len`` or its text
+    one token, is dropped, its lines and the reason said). A line
     ``{"text": ...}`` is trained on all of its tokens. A line ``{"instruction", "input"
     (optional), "output"}`` becomes ``prompt_template.format(instruction=..., input=...)``
     followed by the output, tokenized as one text (as Alpaca and TRL do: a tokenizer that
@@ -48,7 +49,8 @@ def causal_lm(path, tokenizer, *, max_len: int,
   [CLS] ... [SEP]; LLaMA: <s>); when it adds no end token, the tokenizer's own
   (``tokenizer_config.json``'s ``eos_token``), else the first of ``EOS_CANDIDATES`` in the
   vocabulary ends each text and output, so the model learns to stop (a warning says so
-  when there is none).
+  when there is none). A text that already starts (ends) with them keeps its own, not two.
+  A ``.txt`` file's CRLF line ends are read as ``\\n``.
   """
   check_max_len(max_len)
   p = Path(path)
@@ -67,10 +69,12 @@ def causal_lm(path, tokenizer, *, max_len: int,
           "without one, so the model does not learn to stop", file=sys.stderr, flush=True)
   suffix_lower = p.suffix.lower()
   if suffix_lower == ".txt":
-    text = read_text(p)
+    text = read_text(p).replace("\r\n", "\n")  # Windows line ends: no "\r" token to learn
     if not text.strip():
       raise ValueError(f"empty dataset: {p} has no text")
-    stream = prefix + tok.encode(text, add_special_tokens=False).ids + eos
+    ids = tok.encode(text, add_special_tokens=False).ids
+    head, tail = _affixes(ids, prefix, eos)
+    stream = head + ids + tail
     if len(stream) < 2:
       raise ValueError(f"{p} tokenizes to {len(stream)} token(s); need at least 2")
     starts = range(0, len(stream) - 1, max_len)
@@ -95,13 +99,24 @@ def causal_lm(path, tokenizer, *, max_len: int,
     loss_mask[i, :m] = True if in_loss is None else in_loss[1:m + 1]
   kept = loss_mask.any(1)
   if not kept.any():
-    raise ValueError(f"{p}: no example has a token to train on (max_len={max_len} too short?)")
+    raise ValueError(f"{p}: no example has a token to train on: "
+                     + _no_target_reason(rows, range(n), max_len))
   if not kept.all():  # a step of such rows would train on nothing (and still decay weights)
-    where = [rows[i][2].removeprefix(str(p)) for i in np.flatnonzero(~kept)]
-    print(f"warning: {p}: {len(where)} of {n} examples have no output token within "
-          f"max_len={max_len} (a prompt that long), dropped: "
+    dropped = np.flatnonzero(~kept)
+    where = [rows[i][2].removeprefix(str(p)) for i in dropped]
+    print(f"warning: {p}: {len(where)} of {n} examples have no token to train on ("
+          + _no_target_reason(rows, dropped, max_len) + "), dropped: "
           + ", ".join(where[:10]) + (", ..." if len(where) > 10 else ""),
           file=sys.stderr, flush=True)
+  if suffix_lower != ".txt":
+    cut = [(i, len(rows[i][0]) - (max_len + 1)) for i in np.flatnonzero(kept)
+           if len(rows[i][0]) > max_len + 1]
+    if cut:
+      lost = sum(c for _, c in cut)
+      print(f"warning: {p}: {len(cut)} of {n} examples are longer than max_len + 1 = "
+            f"{max_len + 1} tokens and were cut at it ({lost} tokens not trained, e.g. "
+            + ", ".join(rows[i][2].removeprefix(str(p)) for i, _ in cut[:5])
+            + "); raise max_len to keep them", file=sys.stderr, flush=True)
   return ArrayDataset({"tokens": tokens[kept], "targets": targets[kept],
                        "loss_mask": loss_mask[kept]})
 
@@ -135,10 +150,32 @@ def _causal_rows(p: Path, tok, prefix, eos, template, max_len):
   rows = []
   for encoding, prompt_chars, (where, _) in zip(
       tok.encode_batch(texts, add_special_tokens=False), kinds, records):
-    ids = (prefix + encoding.ids + eos)[:max_len + 1]
+    head, tail = _affixes(encoding.ids, prefix, eos)
+    ids = head + encoding.ids + tail  # whole: the caller cuts at max_len + 1 and says so
     if prompt_chars is None:  # a plain text: every token
       rows.append((ids, None, where))
     else:  # the prompt's tokens end within its characters; the output's cover some of its own
       output = [end > prompt_chars for _, end in encoding.offsets]
-      rows.append((ids, ([False] * len(prefix) + output + [True] * len(eos))[:len(ids)], where))
+      rows.append((ids, [False] * len(head) + output + [True] * len(tail), where))
   return rows
+
+
+def _affixes(ids: list[int], prefix: list[int], eos: list[int]) -> tuple[list[int], list[int]]:
+  """The start and end tokens to put around ``ids``, but neither one twice: a text that
+  already begins with the start token(s) ("<s>[INST] ... </s>", a pre-templated chat text)
+  or ends with the end token(s) keeps its own."""
+  head = [] if prefix and ids[:len(prefix)] == prefix else prefix
+  tail = [] if eos and ids[-len(eos):] == eos else eos
+  return head, tail
+
+
+def _no_target_reason(rows, indices, max_len: int) -> str:
+  """Why rows have no target in the loss: too few tokens, or a prompt of max_len tokens."""
+  short = sum(1 for i in indices if len(rows[i][0]) < 2)
+  reasons = []
+  if short:
+    reasons.append(f"{short} tokenize to fewer than 2 tokens, nothing to predict")
+  if len(indices) - short:
+    reasons.append(f"{len(indices) - short} have a prompt that fills max_len={max_len}, "
+                   "so no output token is within it")
+  return "; ".join(reasons)

@@ -30,6 +30,15 @@ def read_jsonl(path) -> list[tuple[str, dict]]:
   if not p.is_file():
     raise MissingFileError(f"data file not found: {p}")
   text = read_text(p)
+  if p.suffix.lower() == ".json" and text.lstrip().startswith("{"):
+    try:
+      obj = json.loads(text)
+    except json.JSONDecodeError:
+      obj = None  # not one object: read as lines below
+    if isinstance(obj, dict):
+      raise ValueError(f"{p}: a .json file must hold an array of records (got one object "
+                       f"with keys {sorted(obj)[:8]}); wrap it in [...] or write one record "
+                       "per line as .jsonl")
   if text.lstrip().startswith("["):
     try:
       items = json.loads(text)
@@ -66,4 +75,11 @@ def field(where: str, obj: dict, key: str, *, kind=str, optional: bool = False):
     kinds = kind if isinstance(kind, tuple) else (kind,)
     raise ValueError(f"{where}: {key!r} must be {' or '.join(k.__name__ for k in kinds)}, "
                      f"got {type(value).__name__}")
+  if isinstance(value, str):
+    try:
+      value.encode("utf-8")
+    except UnicodeEncodeError as e:  # a JSON escape such as "\ud83d" with its pair cut off
+      raise ValueError(f"{where}: {key!r} has an unpaired UTF-16 surrogate "
+                       f"({value[e.start]!r} at character {e.start}); fix or drop that "
+                       "character") from None
   return value
