@@ -4,6 +4,7 @@ tokenizer, and deterministic resumable batches."""
 
 import importlib.resources
 import json
+import re
 import pathlib
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from train.batches import Batches
 from train.causal_lm import DEFAULT_PROMPT, DEFAULT_PROMPT_NO_INPUT, causal_lm
 from train.dataset import ArrayDataset
-from train.images import DIGITS_NUM_CLASSES, digits, image_folder
+from train.images import DIGITS_NUM_CLASSES, digits, image_folder, scan_folder
 from train.text import text_classification
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -160,6 +161,66 @@ def test_image_folder_errors(tmp_path):
   np.save(tmp_path / "empty_class" / "x.npy", np.full((4, 4, 3), 2.0))
   with pytest.raises(ValueError, match=r"\[0, 1\]"):
     image_folder(tmp_path, image_size=4)
+
+
+def test_image_folder_reads_subfolders_and_counts_what_it_ignores(tmp_path):
+  """A class folder's subfolders are read, as torchvision's ImageFolder does (before: only
+  its own files, so images in a/batch2/ were dropped without a word); a .jfif is an image;
+  other files are counted and named in the summary; a class folder linked to nothing is
+  an error naming it (before: the class vanished)."""
+  pil = pytest.importorskip("PIL.Image")
+  (tmp_path / "a" / "batch2").mkdir(parents=True)
+  (tmp_path / "a" / ".cache").mkdir()
+  (tmp_path / "b").mkdir()
+  pil.new("RGB", (4, 4), (255, 0, 0)).save(tmp_path / "a" / "x.png")
+  for i in range(3):
+    pil.new("RGB", (4, 4), (255, 0, 0)).save(tmp_path / "a" / "batch2" / f"y{i}.png")
+  pil.new("RGB", (4, 4), (255, 0, 0)).save(tmp_path / "a" / ".cache" / "hidden.png")
+  pil.new("RGB", (4, 4), (0, 0, 255)).save(tmp_path / "b" / "z.jfif", format="JPEG")
+  (tmp_path / "b" / "README.txt").write_text("notes")
+  scan = scan_folder(tmp_path)
+  assert [f.relative_to(tmp_path).as_posix() for f in scan.files] == [
+      "a/batch2/y0.png", "a/batch2/y1.png", "a/batch2/y2.png", "a/x.png", "b/z.jfif"]
+  assert scan.labels == [0, 0, 0, 0, 1]
+  assert scan.summary() == (f"5 images in 2 classes from {tmp_path}; 1 other files ignored "
+                            "(e.g. b/README.txt)")
+  ds = image_folder(tmp_path, image_size=4)
+  np.testing.assert_allclose(ds.take(np.arange(5))["image"][:, 0, 0], [[1, 0, 0]] * 4 +
+                             [[0, 0, 1]], atol=0.02)
+  (tmp_path / "c").symlink_to(tmp_path / "unmounted")
+  with pytest.raises(ValueError, match=r"/c: a class folder that is a link to nothing"):
+    scan_folder(tmp_path)
+
+
+def test_image_folder_turns_photos_upright_as_their_exif_says(tmp_path):
+  """A phone photo stored sideways with EXIF Orientation=6 (rotate 90 degrees clockwise to
+  show) is read as shown, as HF's datasets and load_image do (before: as stored)."""
+  pil = pytest.importorskip("PIL.Image")
+  (tmp_path / "a").mkdir()
+  stored = np.zeros((8, 16, 3), np.uint8)
+  stored[:, :8, 0] = 255   # left half red, right half blue, as stored
+  stored[:, 8:, 2] = 255
+  im = pil.fromarray(stored)
+  exif = im.getexif()
+  exif[0x0112] = 6
+  im.save(tmp_path / "a" / "photo.png", exif=exif)
+  image = image_folder(tmp_path, image_size=16).take(np.arange(1))["image"][0]
+  # shown: stored rotated 90 degrees clockwise, so the left (red) half is on top
+  np.testing.assert_allclose(image[:6].mean((0, 1)), [1, 0, 0], atol=0.02)
+  np.testing.assert_allclose(image[-6:].mean((0, 1)), [0, 0, 1], atol=0.02)
+
+
+def test_an_eval_folder_s_class_names_match_in_any_unicode_form(tmp_path):
+  """A class name written in NFD (a folder copied from a Mac) is the same class as its NFC
+  spelling in the training folder (before: an error naming two names that print alike)."""
+  nfc, nfd = "caf\u00e9", "cafe\u0301"
+  for root, name in (("train", nfc), ("eval", nfd)):
+    (tmp_path / root / name).mkdir(parents=True)
+    np.save(tmp_path / root / name / "x.npy", np.zeros((4, 4, 3), np.uint8))
+  (tmp_path / "train" / "b").mkdir()
+  np.save(tmp_path / "train" / "b" / "x.npy", np.zeros((4, 4, 3), np.uint8))
+  train = scan_folder(tmp_path / "train")
+  assert scan_folder(tmp_path / "eval", class_names=train.class_names).labels == [1]
 
 
 def test_image_folder_png(tmp_path):
@@ -445,6 +506,50 @@ def test_a_pretrained_models_images_are_normalized_as_its_processor_says(tmp_pat
       np.testing.assert_allclose(image[0, 0, 0], np.broadcast_to(value, 3),
                                  atol=1e-6)
   assert "images: normalized as " in capsys.readouterr().out
+
+
+def test_an_image_folder_run_says_what_it_reads_and_checks_eval_first(tmp_path, capsys,
+                                                                     monkeypatch):
+  """make_datasets on folders: one line each of what is read and at what size; a note for
+  the digits model on a folder and for a pretrained model with no preprocessor_config.json
+  (before: silent); the eval folder's mistakes found before any training image is decoded
+  (before: after all of them); a pretrained head whose id2label names other classes is an
+  error saying to set new_head (before: "cat" trained the "tench" row, silently)."""
+  from train import config as config_lib
+  from train import images
+  from train.datasets import make_datasets
+  for split, names in (("train", ("cat", "dog")), ("val", ("cat", "owl"))):
+    for name in names:
+      (tmp_path / split / name).mkdir(parents=True)
+      np.save(tmp_path / split / name / "x.npy", np.full((32, 32, 3), 51, np.uint8))
+  cfg = config_lib.load_config(overrides=[f"data={tmp_path / 'train'}"])
+  make_datasets(cfg)
+  captured = capsys.readouterr()
+  assert captured.out == (f"images: 2 images in 2 classes from {tmp_path / 'train'}, read at "
+                          "8x8x1 for model vit-digits\n")
+  assert "note: model=vit-digits (the default, made for the 8x8 digits)" in captured.err
+  decoded = []
+  monkeypatch.setattr(images, "_load_npy_image", lambda f, *a: decoded.append(f))
+  with pytest.raises(ValueError, match=r"class 'owl' does not occur in the training data"):
+    make_datasets(cfg.replace(eval_data=str(tmp_path / "val")))
+  assert decoded == []
+  monkeypatch.undo()
+  model_dir = _pretrained_vit(tmp_path / "model", None)
+  cfg = config_lib.load_config(overrides=[f"pretrained={model_dir}", "model.num_labels=2",
+                                          f"data={tmp_path / 'train'}"])
+  make_datasets(cfg)
+  assert f"note: {model_dir} has no preprocessor_config.json" in capsys.readouterr().err
+  hf_config = json.loads((model_dir / "config.json").read_text())
+  hf_config.update(id2label={"0": "tench", "1": "goldfish"}, label2id={"tench": 0,
+                                                                     "goldfish": 1})
+  (model_dir / "config.json").write_text(json.dumps(hf_config))
+  with pytest.raises(ValueError, match=re.escape(
+      f"data={tmp_path / 'train'}: classes ['cat', 'dog'] are not among the classes of "
+      f"{model_dir}'s head (tench, goldfish: 2, its config.json's id2label); set "
+      "new_head=true and model.num_labels=2")):
+    make_datasets(cfg)
+  train, _ = make_datasets(cfg.replace(new_head=True))
+  assert train.class_names == ["cat", "dog"]
 
 
 def test_digits_for_a_pretrained_vit_are_resized_and_normalized_as_its_images(tmp_path,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+import sys
 
 import numpy as np
 
@@ -38,14 +40,29 @@ def make_datasets(cfg: TrainConfig, model=None):
               "(bilinear)", flush=True)
         train, test = (images.resized(d, *size) for d in (train, test))
     else:
-      folder = functools.partial(images.image_folder, image_size=model_cfg.image_size,
-                                 channels=model_cfg.channels, num_labels=num_labels)
-      train = folder(cfg.data)
-      test = None if cfg.eval_data is None else folder(
-          cfg.eval_data, class_names=train.class_names, class_names_from=cfg.data)
+      scans = [images.scan_folder(cfg.data, num_labels=num_labels)]  # both, then decode
+      if cfg.eval_data is not None:
+        scans.append(images.scan_folder(cfg.eval_data, class_names=scans[0].class_names,
+                                        class_names_from=cfg.data, num_labels=num_labels))
+      size = f"{model_cfg.image_size}x{model_cfg.image_size}x{model_cfg.channels}"
+      for scan in scans:
+        print(f"images: {scan.summary()}, read at {size} for model "
+              f"{cfg.pretrained or cfg.model}", flush=True)
+      if not cfg.pretrained and cfg.model == "vit-digits":
+        print(f"note: model=vit-digits (the default, made for the 8x8 digits) reads "
+              f"{cfg.data} at {size}; for photos set pretrained=<dir> or model=<a ViT "
+              "preset>", file=sys.stderr, flush=True)
+      load = functools.partial(images.load_images, image_size=model_cfg.image_size,
+                               channels=model_cfg.channels)
+      train, test = load(scans[0]), (load(scans[1]) if len(scans) == 2 else None)
     train, test = (_checkpoint_label_ids(d, cfg) for d in (train, test))
     stats = images.pixel_normalization(resolve_path(cfg.pretrained)) if cfg.pretrained else None
     if stats is None:
+      if cfg.pretrained:
+        print(f"note: {cfg.pretrained} has no preprocessor_config.json (or it says "
+              "do_normalize false): pixels go in unnormalized, in [0, 1]; a checkpoint "
+              "pretrained on normalized pixels (HF ViT: (x - 0.5) / 0.5) wants that file "
+              "beside its config.json", file=sys.stderr, flush=True)
       return train, test
     print(f"images: normalized as {cfg.pretrained}'s preprocessor_config.json says: mean "
           f"{stats[0].tolist()}, std {stats[1].tolist()}", flush=True)
@@ -93,8 +110,18 @@ def _checkpoint_label_ids(dataset, cfg: TrainConfig):
   ours = checkpoint_labels(resolve_path(cfg.pretrained))
   if ours is None:
     return dataset  # no usable label map: the model's own checks speak for the file
-  if not set(names) <= set(ours) or len(set(ours)) != len(ours):
+  if len(set(ours)) != len(ours):
     return dataset
+  if not set(names) <= set(ours):
+    if all(re.fullmatch(r"LABEL_\d+", n) for n in ours):
+      return dataset  # a head of no names (HF's default id2label): ids from the data's
+    missing = sorted(set(names) - set(ours))
+    raise ValueError(
+        f"data={cfg.data}: classes {missing[:5]}{' ...' if len(missing) > 5 else ''} are "
+        f"not among the classes of {cfg.pretrained}'s head ({', '.join(ours[:5])}"
+        f"{', ...' if len(ours) > 5 else ''}: {len(ours)}, its config.json's id2label); "
+        f"set new_head=true and model.num_labels={len(names)} for a new head of the data's "
+        "classes")
   index = {name: i for i, name in enumerate(ours)}
   if [index[n] for n in names] != list(range(len(names))):
     print(f"labels: {cfg.pretrained}'s head's own ids for the data's classes (its "

@@ -9,7 +9,10 @@ and the digits resized for a model of another size (:func:`resized`), each per b
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
+import unicodedata
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +20,8 @@ import numpy as np
 from train.dataset import ArrayDataset, MissingFileError
 
 DIGITS_NUM_CLASSES = 10
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jpe", ".jfif", ".bmp", ".gif", ".webp", ".tif",
+                  ".tiff", ".ppm", ".pgm", ".pbm", ".pnm")
 
 
 def digits(split: str = "train", *, test_fraction: float = 0.2, seed: int = 0) -> ArrayDataset:
@@ -50,56 +54,111 @@ def digits(split: str = "train", *, test_fraction: float = 0.2, seed: int = 0) -
   return ds
 
 
-def image_folder(path, *, image_size: int, channels: int = 3,
-                 class_names: list[str] | None = None, class_names_from: str | None = None,
-                 num_labels: int | None = None) -> ArrayDataset:
-  """ImageNet-style folder ``path/<class_name>/<image>``; label ids follow sorted class names,
-  or ``class_names`` (the training set's, read from ``class_names_from``) for an eval folder,
-  which may hold fewer classes but no other. Every label must be below ``num_labels``.
+@dataclasses.dataclass(frozen=True)
+class ImageFiles:
+  """An image folder's files and label ids (:func:`scan_folder`), before any is decoded;
+  ``ignored``: the files in it that are not images, said, not read."""
+  root: Path
+  files: list[Path]
+  labels: list[int]
+  class_names: list[str]
+  ignored: list[Path]
 
-  Images (read with Pillow) and ``.npy`` files (an HxWxC or HxW array: uint8 in [0, 255],
-  uint16 in [0, 65535] or float in [0, 1]) are resized to ``image_size`` squared (bilinear,
-  antialiased, aspect ratio not kept). Hidden entries and other files are ignored.
-  Returns ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32; ``class_names`` on the dataset.
-  """
+  def summary(self) -> str:
+    """One line: how many images and classes, and what was left out."""
+    line = (f"{len(self.files)} images in {len(set(self.labels))} classes from {self.root}")
+    if self.ignored:
+      line += (f"; {len(self.ignored)} other files ignored (e.g. "
+               + ", ".join(str(f.relative_to(self.root)) for f in self.ignored[:3]) + ")")
+    return line
+
+
+def scan_folder(path, *, class_names: list[str] | None = None,
+                class_names_from: str | None = None,
+                num_labels: int | None = None) -> ImageFiles:
+  """The files of an ImageNet-style folder ``path/<class_name>/.../<image>`` and their
+  label ids, nothing decoded (so an eval folder's mistakes are found before the training
+  images are read). Ids follow sorted class names, or ``class_names`` (the training set's,
+  read from ``class_names_from``) for an eval folder, which may hold fewer classes but no
+  other; names are compared in Unicode NFC (a folder copied from a Mac has NFD names).
+  Every label must be below ``num_labels``. A class folder's subfolders are read too, as
+  torchvision's ``ImageFolder`` does; hidden entries are skipped, other files ignored and
+  counted (:meth:`ImageFiles.summary`)."""
   root = Path(path)
   if not root.exists():
     raise MissingFileError(f"image folder not found: {root}")
   if not root.is_dir():
     raise ValueError(f"image folder is not a directory: {root}")
-  if image_size < 1:
-    raise ValueError(f"image_size must be >= 1, got {image_size}")
-  if channels not in (1, 3, 4):
-    raise ValueError(f"channels must be 1, 3 or 4, got {channels}")
+  broken = sorted(p for p in root.iterdir() if p.is_symlink() and not p.exists())
+  if broken:
+    raise ValueError(f"{broken[0]}: a class folder that is a link to nothing "
+                     f"({os.readlink(broken[0])}, not found)")
   present = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
   if not present:
     raise ValueError(f"no class folders in {root} (expected {root}/<class_name>/<images>)")
   if class_names is None:
     class_names = present
-  index = {name: i for i, name in enumerate(class_names)}
-  files, labels = [], []
+  index = {unicodedata.normalize("NFC", name): i for i, name in enumerate(class_names)}
+  files, labels, ignored = [], [], []
   for name in present:
-    if name not in index:
+    label = index.get(unicodedata.normalize("NFC", name))
+    if label is None:
       raise ValueError(f"class folder {root / name}: class {name!r} does not occur in the "
                        f"training data {class_names_from or ''} (its classes: {class_names})")
-    found = sorted(p for p in (root / name).iterdir()
-                   if p.is_file() and not p.name.startswith(".")
-                   and p.suffix.lower() in IMAGE_SUFFIXES + (".npy",))
+    found = []
+    for f in _walk(root / name):
+      (found if f.suffix.lower() in IMAGE_SUFFIXES + (".npy",) else ignored).append(f)
     if not found:
       raise ValueError(f"class folder {root / name} holds no images "
                        f"(.npy or {', '.join(IMAGE_SUFFIXES)})")
-    if num_labels is not None and index[name] >= num_labels:
-      raise ValueError(f"{found[0]}: class {name!r} is label {index[name]}, outside the "
+    if num_labels is not None and label >= num_labels:
+      raise ValueError(f"{found[0]}: class {name!r} is label {label}, outside the "
                        f"model's num_labels={num_labels} ({len(class_names)} classes; set "
                        f"model.num_labels={len(class_names)})")
     files += found
-    labels += [index[name]] * len(found)
+    labels += [label] * len(found)
+  return ImageFiles(root, files, labels, list(class_names), ignored)
+
+
+def _walk(folder: Path) -> list[Path]:
+  """The files under ``folder``, sorted, hidden entries and what they hold skipped, links
+  followed."""
+  out = []
+  for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+    dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    out += [Path(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
+  return sorted(out)
+
+
+def image_folder(path, *, image_size: int, channels: int = 3,
+                 class_names: list[str] | None = None, class_names_from: str | None = None,
+                 num_labels: int | None = None) -> ArrayDataset:
+  """An ImageNet-style folder (:func:`scan_folder`) read (:func:`load_images`)."""
+  return load_images(scan_folder(path, class_names=class_names,
+                                 class_names_from=class_names_from, num_labels=num_labels),
+                     image_size=image_size, channels=channels)
+
+
+def load_images(scan: ImageFiles, *, image_size: int, channels: int = 3) -> ArrayDataset:
+  """The images of a :func:`scan_folder`, decoded.
+
+  Images (read with Pillow, turned upright as their EXIF orientation says, as HF's
+  ``datasets`` and ``load_image`` do) and ``.npy`` files (an HxWxC or HxW array: uint8 in
+  [0, 255], uint16 in [0, 65535] or float in [0, 1]) are resized to ``image_size`` squared
+  (bilinear, antialiased, aspect ratio not kept).
+  Returns ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32; ``class_names`` on the dataset.
+  """
+  if image_size < 1:
+    raise ValueError(f"image_size must be >= 1, got {image_size}")
+  if channels not in (1, 3, 4):
+    raise ValueError(f"channels must be 1, 3 or 4, got {channels}")
+  files = scan.files
   pil = None
   if any(f.suffix.lower() != ".npy" for f in files):
     try:
       from PIL import Image as pil
     except ImportError as e:
-      raise ImportError(f"image_folder needs Pillow to read images in {root}: "
+      raise ImportError(f"image_folder needs Pillow to read images in {scan.root}: "
                         "pip install pillow") from e
   # held as 8-bit codes while every image is one (Pillow resizes in 8 bits; a uint8 .npy
   # of the size), made [0, 1] per batch: the same values, 4x less memory; in float32 from
@@ -113,10 +172,10 @@ def image_folder(path, *, image_size: int, channels: int = 3,
     if a.dtype != np.uint8:
       image = _unit(image)  # a no-op once the folder is float32
     image[i] = a if image.dtype == np.uint8 else _unit(a)
-  ds = ArrayDataset({"image": image, "label": np.asarray(labels, np.int32)})
+  ds = ArrayDataset({"image": image, "label": np.asarray(scan.labels, np.int32)})
   if image.dtype == np.uint8:
     ds = ds.with_transform(lambda batch: {**batch, "image": _unit(batch["image"])})
-  ds.class_names = class_names
+  ds.class_names = scan.class_names
   return ds
 
 
@@ -132,11 +191,14 @@ _WIDE_MODES = ("I;16", "I;16L", "I;16B", "I;16N", "I", "F")
 
 
 def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
-  """One image file -> uint8 [size, size, channels] (8-bit codes, Pillow's resize); an
-  image of more than 8 bits per sample -> f32 in [0, 1] (:func:`_array_image`)."""
+  """One image file, upright as its EXIF orientation says -> uint8 [size, size, channels]
+  (8-bit codes, Pillow's resize); an image of more than 8 bits per sample -> f32 in [0, 1]
+  (:func:`_array_image`)."""
+  from PIL import ImageOps
   mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
   try:
     with pil.open(f) as im:
+      im = ImageOps.exif_transpose(im)  # a phone photo upright, as it is shown
       if im.mode in _WIDE_MODES:
         wide = np.asarray(im)
       else:
