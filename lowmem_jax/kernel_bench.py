@@ -230,9 +230,11 @@ def _max_err(a, b) -> float:
 def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
   """(name, pallas fn, xla fn, args, bytes read + written) for every kernel; the xla fn
   is the kernel's jnp reference (same name in ``lowmem_jax``, same arguments)."""
+  from lowmem_jax import quant
   from pallas_kernels import activations as pallas_activations
   from pallas_kernels import norms as pallas_norms
   from pallas_kernels import packing as pallas_packing
+  from pallas_kernels import quant as pallas_quant
 
   x = jax.random.normal(jax.random.key(0), (n // hidden, hidden), jnp.float32) * 3
   x = x.astype(dtype)
@@ -241,6 +243,11 @@ def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
   codes = activations.REGELU2.code(x)
   packed = packing.pack_2bit(codes)
   ln_y, ln_rstd = norms.ms_norm_forward("layer", x, 1e-6)
+  rms_y, rms_rstd = norms.ms_norm_forward("rms", x, 1e-6)
+  x3 = x.reshape(rows, 1, hidden)  # Mesa's [O, G, I] view: one group, coded per row
+  lo, hi = quant.batch_range(x3, axis=1)
+  seed = jnp.uint32(7)
+  mesa_codes = quant.quantize_reference(x3, lo, hi, seed)
   p = dict(interpret=interpret)
   return [
       ("pack_2bit", functools.partial(pallas_packing.pack_2bit, **p), packing.pack_2bit,
@@ -261,6 +268,24 @@ def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
        functools.partial(pallas_norms.ms_norm_input_grad, "layer", **p),
        functools.partial(norms.ms_norm_input_grad, "layer"),
        (g, ln_y, ln_rstd), 3 * n * s + 4 * rows),
+      ("resilu2_forward",
+       functools.partial(pallas_activations.approx2_forward, "silu", **p),
+       functools.partial(activations.approx2_forward, "silu"), (x,), 2 * n * s + n // 4),
+      ("ms_rms_norm_forward",
+       lambda x: pallas_norms.ms_norm_forward("rms", x, 1e-6, **p),
+       lambda x: norms.ms_norm_forward("rms", x, 1e-6), (x,), 2 * n * s + 4 * rows),
+      ("ms_rms_norm_backward",
+       functools.partial(pallas_norms.ms_norm_input_grad, "rms", **p),
+       functools.partial(norms.ms_norm_input_grad, "rms"),
+       (g, rms_y, rms_rstd), 3 * n * s + 4 * rows),
+      # Mesa's 8-bit codes: the same codes and values as the reference, bit for bit
+      ("mesa_quantize", lambda x3, lo, hi: pallas_quant.quantize(x3, lo, hi, seed, **p),
+       lambda x3, lo, hi: quant.quantize_reference(x3, lo, hi, seed), (x3, lo, hi),
+       n * s + n),
+      ("mesa_dequantize",
+       lambda c, lo, hi: pallas_quant.dequantize(c, lo, hi, dtype, **p),
+       lambda c, lo, hi: quant.dequantize_reference(c, lo, hi, dtype), (mesa_codes, lo, hi),
+       n + n * s),
   ]
 
 

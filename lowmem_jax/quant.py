@@ -342,7 +342,8 @@ def _ms_coded(kind, eps, groups, implementation, x, lo, hi, count, seed):
 
 
 def _ms_coded_fwd(kind, eps, groups, implementation, x, lo, hi, count, seed):
-  y, rstd = norms.ms_norm_forward(kind, x, eps)
+  forward = dispatch.implementation_of(norms.ms_norm_forward, implementation, "norm")
+  y, rstd = forward(kind, x, eps)
   codes, lo, hi = _update_and_code(y, lo, hi, count, seed, axis=-1, groups=groups,
                                    implementation=implementation)
   return (y, codes, lo, hi), (codes, lo, hi, rstd)
@@ -353,7 +354,8 @@ def _ms_coded_bwd(kind, eps, groups, implementation, res, cts):
   codes, lo, hi, rstd = res
   g = cts[0]
   y = dequantize(codes, lo, hi, g.dtype, groups=groups, implementation=implementation)
-  dx = norms.ms_norm_input_grad(kind, g, y, rstd)
+  input_grad = dispatch.implementation_of(norms.ms_norm_input_grad, implementation, "norm")
+  dx = input_grad(kind, g, y, rstd)
   return (dx, jnp.zeros_like(lo), jnp.zeros_like(hi),
           jnp.zeros((), jax.dtypes.float0), jnp.zeros((), jax.dtypes.float0))
 

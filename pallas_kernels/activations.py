@@ -74,7 +74,7 @@ def approx2_forward(kind: str, x, *, interpret: bool = False,
   n = x.size
   if n == 0:
     return x, jnp.zeros((0,), jnp.uint8)
-  t = layout.tiling(n, block_elements)
+  t = layout.tiling(n, block_elements, itemsize=x.dtype.itemsize, what=f"re{kind}2_forward")
   y, packed = pl.pallas_call(
       functools.partial(_forward_kernel, t=t, kind=kind, thresholds=STEPS[kind].thresholds),
       out_shape=(jax.ShapeDtypeStruct((t.rows, t.quads, 4), x.dtype),
@@ -94,7 +94,7 @@ def approx2_backward(kind: str, g, packed, *, interpret: bool = False,
   n = g.size
   if n == 0:
     return g
-  t = layout.tiling(n, block_elements)
+  t = layout.tiling(n, block_elements, itemsize=g.dtype.itemsize, what="approx2_backward")
   dx = pl.pallas_call(
       functools.partial(_backward_kernel, t=t, levels=STEPS[kind].levels),
       out_shape=jax.ShapeDtypeStruct((t.rows, t.quads, 4), g.dtype),

@@ -6,8 +6,10 @@ element ``i`` sits at ``(i // width, (i % width) // 4, i % 4)`` and its 2-bit co
 to byte ``(i // width, (i % width) // 4)`` of a ``[rows, quads]`` uint8 array, which is
 the packed layout (byte ``i >> 2``, bits ``2 * (i & 3)``) read row-major. A program
 handles a ``[block_rows, block_quads, 4]`` tile; row and column starts stay far below
-2**31 and the Triton lowering forms the byte offset from them in 64 bits when the
-array passes 4 GiB, so offsets are safe past 2**31 elements. Sizes not divisible by 4
+2**31. The Triton lowering forms element offsets in 64 bits only for an array past
+4 GiB: an array of 2**31 to 2**32 one-byte elements (the uint8 codes that ``pack_2bit``
+reads and ``unpack_2bit`` writes, an fp8 input) would get them in 32 bits, past int32,
+and is refused (:func:`tiling`'s ``itemsize``). Sizes not divisible by 4
 are padded by at most 3 elements (one copy; such tensors are small in practice).
 """
 
@@ -56,10 +58,17 @@ class Tiling:
             pl.ds(j * self.block_quads, self.block_quads), mask, byte_mask)
 
 
-def tiling(n: int, block_elements: int = BLOCK_ELEMENTS) -> Tiling:
-  """The ``[rows, quads, 4]`` view of ``n`` elements (padded up to a multiple of 4)."""
+def tiling(n: int, block_elements: int = BLOCK_ELEMENTS, *, itemsize: int = 1,
+           what: str = "kernel") -> Tiling:
+  """The ``[rows, quads, 4]`` view of ``n`` elements (padded up to a multiple of 4);
+  ``itemsize``: the smallest element, in bytes, of an ``n``-element array the kernel
+  reads or writes (a ValueError where its offsets would pass int32 in 32 bits)."""
   if block_elements < 4 or block_elements & (block_elements - 1):
     raise ValueError(f"block_elements must be a power of two >= 4, got {block_elements}")
+  if 2 ** 31 < n and n * itemsize <= 2 ** 32:
+    raise ValueError(f"{what}: {n} elements of {itemsize} byte(s) get 32-bit offsets past "
+                     "int32 in the Pallas Triton lowering; use the jnp path "
+                     "(implementation='xla') for this size")
   padded = -(-n // 4) * 4
   width = 4
   while width < MAX_WIDTH and padded % (2 * width) == 0:

@@ -25,6 +25,9 @@ MAX_BLOCK = 8192  # columns per load
 
 
 def _block(cols: int, max_block: int) -> int:
+  """Columns per load: Triton's ranges are powers of two."""
+  if max_block < 1 or max_block & (max_block - 1):
+    raise ValueError(f"max_block must be a power of two >= 1, got {max_block}")
   return min(pl.next_power_of_2(cols), max_block)
 
 

@@ -41,7 +41,7 @@ def pack_2bit(codes: jax.Array, *, interpret: bool = False,
   n = codes.size
   if n == 0:
     return jnp.zeros((0,), jnp.uint8)
-  t = layout.tiling(n, block_elements)
+  t = layout.tiling(n, block_elements, itemsize=1, what="pack_2bit")  # the uint8 codes
   packed = pl.pallas_call(
       functools.partial(_pack_kernel, t=t),
       out_shape=jax.ShapeDtypeStruct((t.rows, t.quads), jnp.uint8),
@@ -56,7 +56,7 @@ def _unpack(packed, shape, interpret, block_elements):
   n = math.prod(shape)
   if n == 0:
     return jnp.zeros(shape, jnp.uint8)
-  t = layout.tiling(n, block_elements)
+  t = layout.tiling(n, block_elements, itemsize=1, what="unpack_2bit")  # the uint8 codes
   codes = pl.pallas_call(
       functools.partial(_unpack_kernel, t=t),
       out_shape=jax.ShapeDtypeStruct((t.rows, t.quads, 4), jnp.uint8),

@@ -132,9 +132,13 @@ def test_kernel_bench_smoke(tmp_path, capsys):
   kernels = result["kernels"]
   names = [r["kernel"] for r in kernels["rows"]]
   assert names == ["pack_2bit", "unpack_2bit", "regelu2_forward", "approx2_backward",
-                   "ms_layer_norm_forward", "ms_layer_norm_backward"]
+                   "ms_layer_norm_forward", "ms_layer_norm_backward", "resilu2_forward",
+                   "ms_rms_norm_forward", "ms_rms_norm_backward", "mesa_quantize",
+                   "mesa_dequantize"]  # every kernel (before: no Mesa, SiLU or RMS one)
   for row in kernels["rows"]:  # Pallas (interpreted) agrees with the jnp path
     assert row["max_abs_err_vs_xla"] < 1e-2, row
+    if row["kernel"].startswith(("mesa_", "pack", "unpack")):  # codes: bit for bit
+      assert row["max_abs_err_vs_xla"] == 0, row
     assert row["loop_intact"], row
     assert "copy_low" in row and "above_peak" in row
   assert {"Bps", "bytes", "low", "pct_peak"} <= set(kernels["copy"])

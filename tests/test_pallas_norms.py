@@ -224,3 +224,14 @@ def test_saved_residuals_are_y_and_fp32_rstd(kind, dtype, shape):
   assert res.total_bytes == nbytes
   xla = saved_residuals(lambda v, k: (ms_norm_fn(kind, "xla")(v) @ k).sum(), x, w)
   assert xla.total_bytes == res.total_bytes
+
+
+def test_max_block_must_be_a_power_of_two():
+  """Triton's ranges are powers of two: max_block=6 would fail obscurely on a GPU (accepted
+  in interpret mode before), 0 divided by zero."""
+  x = jnp.ones((2, 12), jnp.float32)
+  for bad in (0, -1, 6):
+    with pytest.raises(ValueError, match=f"max_block must be a power of two >= 1, got {bad}"):
+      pn.ms_norm_forward("layer", x, 1e-6, interpret=True, max_block=bad)
+  y, _ = pn.ms_norm_forward("layer", x, 1e-6, interpret=True, max_block=4)
+  assert y.shape == x.shape

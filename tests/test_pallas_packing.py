@@ -148,3 +148,27 @@ def test_unpack_wrong_byte_count(nbytes, shape):
 def test_unpack_wrong_dtype_or_rank(packed):
   with pytest.raises(ValueError, match="1-D uint8"):
     pk.unpack_2bit(packed, (13,), interpret=True)
+
+
+def test_one_byte_arrays_past_int32_offsets_are_refused():
+  """Pallas's Triton lowering forms offsets in 32 bits for an array of at most 4 GiB: the
+  uint8 codes of 2**31 < n <= 2**32 elements (and an fp8 activation input) are refused
+  while tracing, as the Mesa kernels' are (before: accepted, the docstring said safe);
+  16-bit inputs of that many elements pass 4 GiB and are not."""
+  from pallas_kernels import activations as pa
+  big = 2 ** 31 + 4
+  codes = jax.ShapeDtypeStruct((big,), jnp.uint8)
+  with pytest.raises(ValueError, match=r"pack_2bit: 2147483652 elements of 1 byte\(s\) get "
+                                       "32-bit offsets past int32"):
+    jax.eval_shape(lambda c: pk.pack_2bit(c, interpret=True), codes)
+  with pytest.raises(ValueError, match="unpack_2bit: .* 32-bit offsets"):
+    jax.eval_shape(lambda p: pk.unpack_2bit(p, (big,), interpret=True),
+                   jax.ShapeDtypeStruct((big // 4,), jnp.uint8))
+  with pytest.raises(ValueError, match="regelu2_forward: .* 32-bit offsets"):
+    jax.eval_shape(lambda x: pa.approx2_forward("gelu", x, interpret=True),
+                   jax.ShapeDtypeStruct((big,), jnp.float8_e4m3fn))
+  y, packed = jax.eval_shape(lambda x: pa.approx2_forward("gelu", x, interpret=True),
+                             jax.ShapeDtypeStruct((big,), jnp.bfloat16))
+  assert y.shape == (big,) and packed.shape == (big // 4,)
+  assert jax.eval_shape(lambda c: pk.pack_2bit(c, interpret=True),
+                        jax.ShapeDtypeStruct((2 ** 31,), jnp.uint8)).shape == (2 ** 29,)

@@ -174,6 +174,32 @@ def test_int8_linear_through_pallas_interpret_matches_xla():
     np.testing.assert_array_equal(bits(a), bits(b))
 
 
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_coded_ms_norm_runs_the_norm_kernels_too(kind):
+  """quant.ms_norm_coded (the MS norm of lowmembp+mesa8) under pallas_interpret runs the
+  norm kernels, not only the quantize ones (before: the jnp norm, whatever the policy's
+  kernels said), with the xla path's values and gradients."""
+  import re
+  rng = np.random.default_rng(3)
+  x = jnp.asarray(rng.standard_normal((3, 5, 24)), jnp.float32)
+
+  def loss(x, implementation):
+    qt, _ = quant.ms_norm_coded(kind, x, 1e-6, quant.QuantState.create(2), groups=2,
+                                implementation=implementation)
+    return jnp.sum(jnp.sin(qt.value) * jnp.arange(24.0))
+
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss), static_argnums=1)(x, "pallas_interpret"))
+  assert {f"ms_{kind}_norm_forward", f"ms_{kind}_norm_backward", "mesa_quantize",
+          "mesa_dequantize"} <= set(re.findall(r"name=(\w+)", jaxpr))
+  with jax.default_matmul_precision("highest"):
+    values = {impl: jax.jit(jax.value_and_grad(loss), static_argnums=1)(x, impl)
+              for impl in ("xla", "pallas_interpret")}
+  np.testing.assert_allclose(float(values["pallas_interpret"][0]), float(values["xla"][0]),
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(values["pallas_interpret"][1]),
+                             np.asarray(values["xla"][1]), rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- errors
 def test_bad_arguments():
   x, lo, hi, s = case((2, 3, 4))

@@ -910,6 +910,79 @@ def test_cli_resume_continues_with_the_run_s_own_config(tmp_path, monkeypatch, c
       capsys.readouterr().out
 
 
+def test_a_run_s_config_json_as_config_starts_a_run_and_replaces_none(tmp_path, monkeypatch,
+                                                                      capsys):
+  """What a run records of its config: no resume/overwrite (before: `--config
+  run/config.json` of an --overwrite run deleted that run, of a resumed one continued it),
+  and the paths it names absolute (before: as typed, so a resume from another folder could
+  not find its data, or found other data of the same name)."""
+  from train import __main__ as cli
+  monkeypatch.chdir(tmp_path)
+  run = config_lib.load_config(None, None, ["out_dir=run", "overwrite=true", "resume=false",
+                                            "data=imgs", "eval_data=val"])
+  recorded = run.record()
+  assert (recorded["resume"], recorded["overwrite"]) == (False, False)
+  assert (recorded["out_dir"], recorded["data"], recorded["eval_data"]) == (
+      str(tmp_path / "run"), str(tmp_path / "imgs"), str(tmp_path / "val"))
+  assert config_lib.load_config(overrides=["data=pkg:x", "task=text"]).record()["data"] \
+      == "pkg:x"
+  assert config_lib.config_diff(run.to_json(), run) == []  # relative then, absolute now
+  (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
+  (tmp_path / "run" / "config.json").write_text(json.dumps(recorded))
+  from train import runs
+  monkeypatch.setattr(loop, "train", runs.prepare)  # where train() takes its folder
+  with pytest.raises(ValueError, match="already holds a run"):
+    cli.main(["--config", str(tmp_path / "run" / "config.json"), "--set", "steps=1"])
+  assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
+
+
+def test_a_finished_run_s_result_takes_no_plan_field(tmp_path):
+  """The planner's record holds eval_batch_size: not an eval result (before: a resumed
+  finished run printed "eval_batch_size": null)."""
+  from train.metrics import finished_result
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in (
+      {"event": "plan", "step": 0, "eval_batch_size": None, "policy": "remat"},
+      {"step": 1, "loss": 0.5}, {"step": 1, "eval_loss": 0.4, "eval_accuracy": 0.9})))
+  assert finished_result(path, 1) == {"step": 1, "loss": 0.5, "eval_loss": 0.4,
+                                      "eval_accuracy": 0.9}
+
+
+def test_set_resume_true_resumes_as_the_resume_flag_does(tmp_path, monkeypatch):
+  """`--set resume=true` takes the run's own config.json as `--resume` does (before: the
+  command's defaults, and a state that did not fit)."""
+  from train import __main__ as cli
+  folder = tmp_path / "run"
+  (folder / "checkpoints" / "4").mkdir(parents=True)
+  run = config_lib.load_config(None, None, ["trainable=lora", "steps=4", f"out_dir={folder}"])
+  (folder / "config.json").write_text(json.dumps(run.record()))
+  seen = []
+  monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or {"step": 0})
+  cli.main(["--out-dir", str(folder), "--set", "resume=True", "--set", "steps=8"])
+  assert (seen[-1].trainable, seen[-1].steps, seen[-1].resume) == ("lora", 8, True)
+
+
+def test_out_dir_claims_and_config_file_lists(tmp_path, monkeypatch):
+  """Two commands on one new out_dir: the second is refused (before: both wrote there);
+  out_dir='' is refused (before: the working folder, which --overwrite then cleared); a
+  config file's lora_targets may be a JSON list (before: its text, an error naming no
+  field); an empty one is refused naming the field."""
+  from train import runs
+  cfg = config_lib.load_config(overrides=[f"out_dir={tmp_path / 'race'}"])
+  runs.prepare(cfg)
+  with pytest.raises(ValueError, match=r"already holds a run"):
+    runs.prepare(cfg)
+  runs.remove_unstarted(tmp_path / "race")  # a run that never started leaves nothing
+  assert not (tmp_path / "race").exists()
+  with pytest.raises(ValueError, match=r"out_dir='' names no folder"):
+    config_lib.load_config(overrides=["out_dir="])
+  file = tmp_path / "lora.json"
+  file.write_text(json.dumps({"trainable": "lora", "lora_targets": ["query", "value"]}))
+  assert config_lib.load_config(None, str(file)).lora_targets == "query,value"
+  with pytest.raises(ValueError, match=r"lora_targets='' names no linear"):
+    config_lib.load_config(overrides=["trainable=lora", "lora_targets="])
+
+
 @pytest.mark.slow  # two short trainings: ~30 s on a loaded 2-core CPU
 def test_runs_twice_in_a_fresh_folder_then_resume_is_a_no_op(finished_run, tmp_path,
                                                             monkeypatch, capsys):

@@ -156,6 +156,9 @@ class TrainConfig:
     if self.base_dtype != "float32" and self.trainable == "full":
       raise ValueError(f"TrainConfig: base_dtype={self.base_dtype!r} needs frozen weights "
                        "(trainable=lora or frozen:<regex>); trainable=full trains them all")
+    if self.out_dir == "":  # `--out-dir "$OUT"` with OUT unset: not the working folder
+      raise ValueError("TrainConfig: out_dir='' names no folder; leave it unset (null) for a "
+                       "new runs/<name>/<time> folder")
     if self.resume and self.overwrite:
       raise ValueError("TrainConfig: resume=true and overwrite=true exclude each other")
     if self.overwrite and self.out_dir is None:
@@ -166,6 +169,10 @@ class TrainConfig:
             and math.isfinite(self.lora_alpha) and self.lora_alpha > 0):
       raise ValueError(f"TrainConfig: lora_alpha must be > 0 (the adapter's scale is "
                        f"lora_alpha / lora_rank), got {self.lora_alpha!r}")
+    if self.trainable == "lora" and not (isinstance(self.lora_targets, str) and any(
+        t.strip() for t in self.lora_targets.split(","))):
+      raise ValueError(f"TrainConfig: lora_targets={self.lora_targets!r} names no linear; "
+                       "give comma-separated names, e.g. lora_targets=query,value")
     if self.trainable != "lora":  # a LoRA setting without LoRA: a forgotten trainable=lora
       lora = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
               if f.name.startswith("lora_") and getattr(self, f.name) != f.default]
@@ -207,8 +214,15 @@ class TrainConfig:
                         **changes)
 
   def to_json(self) -> dict:
-    """The fields as JSON values (what checkpoints and config.json record)."""
+    """The fields as JSON values."""
     return json.loads(json.dumps(dataclasses.asdict(self), default=str))
+
+  def record(self) -> dict:
+    """What a run records of its config (config.json, each checkpoint): :meth:`to_json`
+    with the files and folders it names absolute (a resume from another folder finds
+    them) and no one-shot switch (``resume``, ``overwrite``: a ``--config`` of a run's
+    config.json starts a run, it does not replace or continue that one)."""
+    return dict(_absolute_paths(self.to_json()), resume=False, overwrite=False)
 
 
 # memory_budget units: decimal (kB, MB, GB, TB) and binary (KiB, MiB, GiB, TiB), exact case.
@@ -370,6 +384,9 @@ def _apply_config_file(cfg: TrainConfig, path: Path) -> TrainConfig:
     raise ValueError(f"{path}: model_overrides must be a JSON object, got "
                      f"{type(model).__name__}")
   items = [f"name={path.stem}"] if "name" not in data else []
+  if isinstance(data.get("lora_targets"), list) and all(
+      isinstance(t, str) for t in data["lora_targets"]):  # ["query", "value"]: a JSON list
+    data = {**data, "lora_targets": ",".join(data["lora_targets"])}
   items += [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items()
             if k != "model_overrides"]
   items += [f"model.{k}={json.dumps(v)}" for k, v in model.items()]
@@ -400,10 +417,22 @@ BOOKKEEPING = ("name", "out_dir", "resume", "overwrite", "profile_dir", "profile
                "distributed", "compile_cache")
 
 
+def _absolute_paths(values: dict) -> dict:
+  """``values`` (config fields) with the local paths of :data:`PATH_FIELDS` absolute
+  (``digits`` and ``pkg:<package>`` are no paths)."""
+  out = dict(values)
+  for key in PATH_FIELDS:
+    value = out.get(key)
+    if isinstance(value, str) and value and value != "digits" and not value.startswith("pkg:"):
+      out[key] = os.path.abspath(value)
+  return out
+
+
 def config_diff(saved: dict, cfg: TrainConfig) -> list[str]:
   """``"key old -> new"`` for every field (``model.<field>`` for model overrides) where
-  ``cfg`` differs from ``saved`` (a checkpoint's JSON config), bookkeeping fields aside."""
-  now = cfg.to_json()
+  ``cfg`` differs from ``saved`` (a checkpoint's JSON config), bookkeeping fields aside;
+  paths compared absolute (an older checkpoint's relative ones, from here)."""
+  now, saved = cfg.record(), _absolute_paths(saved)
 
   def flat(d: dict) -> dict:
     out = {k: v for k, v in d.items() if k != "model_overrides" and k not in BOOKKEEPING}

@@ -139,7 +139,7 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
     print(f"resumed from step {start} ({ckpt.directory})", flush=True)
   if jax.process_index() == 0:
     # each whole or not at all: a kill while writing left a file that refused --resume
-    write_json(str(out / "config.json"), cfg.to_json(), announce=False)
+    write_json(str(out / "config.json"), cfg.record(), announce=False)
     if labels is not None:  # which class each id is: the export's names, a resume's check
       write_json(str(out / runs.LABELS_FILE), list(labels), announce=False)
     if record is not None:

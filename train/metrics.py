@@ -103,7 +103,7 @@ def finished_result(path: Path, step: int) -> dict:
   """The result of a run finished at ``step``, read back from its metrics.jsonl."""
   result = {"step": step, "loss": float("nan")}
   for _, record in metric_records(path):
-    if record.get("step", step + 1) <= step:
+    if record.get("step", step + 1) <= step and "event" not in record:  # not a plan's
       if "loss" in record:
         result["loss"] = record["loss"]
       result.update({k: v for k, v in record.items() if k.startswith("eval_")})

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import time
@@ -31,8 +32,11 @@ from train.config import TrainConfig, load_config, named_keys
 
 RUNS_DIR = Path("runs")  # relative to the current folder
 LABELS_FILE = "labels.json"  # a classifier run's class names, by label id (train.loop)
+# made at once (O_EXCL) by the run that takes a folder, so of two commands started together
+# on one out_dir the second is refused, not both writing there
+CLAIM_FILE = ".lowmem-run"
 ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "pretrained.json",
-             LABELS_FILE)
+             LABELS_FILE, CLAIM_FILE)
 STAMP = re.compile(r"^(\d{8}-\d{6})(?:-(\d+))?$")
 
 
@@ -44,7 +48,7 @@ def has_checkpoint(folder: Path) -> bool:
 def holds_run(folder: Path) -> bool:
   folder = Path(folder)
   return has_checkpoint(folder) or any((folder / f).exists()
-                                       for f in ("metrics.jsonl", "config.json"))
+                                       for f in ("metrics.jsonl", "config.json", CLAIM_FILE))
 
 
 def new_run_folder(parent: Path, now: float | None = None) -> Path:
@@ -63,9 +67,13 @@ def new_run_folder(parent: Path, now: float | None = None) -> Path:
 
 
 def remove_if_empty(folder: Path) -> None:
-  """Removes ``folder`` if it holds nothing (a run that failed before writing a file)."""
+  """Removes ``folder`` if it holds nothing but this run's claim (a run that failed before
+  writing a file)."""
+  folder = Path(folder)
+  if folder.is_dir() and [p.name for p in folder.iterdir()] == [CLAIM_FILE]:
+    (folder / CLAIM_FILE).unlink(missing_ok=True)
   try:
-    Path(folder).rmdir()  # only an empty folder
+    folder.rmdir()  # only an empty folder
     print(f"removed the empty run folder {folder}", flush=True)
   except OSError:
     pass
@@ -235,4 +243,10 @@ def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
   else:
     print(f"run folder: {folder}", flush=True)
   folder.mkdir(parents=True, exist_ok=True)
+  if not cfg.resume and not cfg.overwrite:
+    try:
+      os.close(os.open(folder / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+      raise ValueError(f"out_dir {folder} was taken by another command started at the same "
+                       "time; leave out_dir unset for a new folder") from None
   return cfg

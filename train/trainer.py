@@ -243,7 +243,7 @@ class Trainer:
   def save(self, ckpt: Checkpoints, data_state: dict, extra: dict | None = None) -> None:
     """Saves the state with ``data_state`` (``Batches.state()`` after this state's step)."""
     step = int(self.state["step"])
-    meta = {"step": step, "data": data_state, "config": self.cfg.to_json(),
+    meta = {"step": step, "data": data_state, "config": self.cfg.record(),
             "names": _leaf_names(self.state)}  # for a later mismatch's message
     ckpt.save(step, {"leaves": jax.tree.leaves(self.state)}, {**meta, **(extra or {})})
 
