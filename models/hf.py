@@ -567,6 +567,15 @@ def checkpoint_labels(path: str | os.PathLike, num_labels: int | None = None
   return names if num_labels is None or len(names) == num_labels else None
 
 
+def has_head(path: str | os.PathLike) -> bool:
+  """Whether a HF classifier directory's weights hold its classification head (the
+  family's ``HF_HEAD_KEYS``; read from the file headers): a ``ViTModel`` saved from a
+  classifier keeps its ``id2label`` but no head."""
+  config = json.loads((Path(path) / "config.json").read_text())
+  head = getattr(registry.hf_family(config["model_type"]).module, "HF_HEAD_KEYS", ())
+  return any(key.startswith(head) for key in modern_names(read_safetensors(path)))
+
+
 def save_pretrained(model, path: str | os.PathLike, *,
                     max_shard_bytes: int | None = None,
                     labels: Sequence[str] | None = None) -> None:

@@ -58,6 +58,16 @@ class Tiling:
             pl.ds(j * self.block_quads, self.block_quads), mask, byte_mask)
 
 
+def check_offsets(n: int, itemsize: int, what: str) -> None:
+  """A ValueError for an array of ``n`` elements of ``itemsize`` bytes whose offsets the
+  Pallas Triton lowering would form in 32 bits past int32 (at most 4 GiB, more than
+  2**31 elements)."""
+  if 2 ** 31 < n and n * itemsize <= 2 ** 32:
+    raise ValueError(f"{what}: {n} elements of {itemsize} byte(s) get 32-bit offsets past "
+                     "int32 in the Pallas Triton lowering; use the jnp path "
+                     "(implementation='xla') for this size")
+
+
 def tiling(n: int, block_elements: int = BLOCK_ELEMENTS, *, itemsize: int = 1,
            what: str = "kernel") -> Tiling:
   """The ``[rows, quads, 4]`` view of ``n`` elements (padded up to a multiple of 4);
@@ -65,10 +75,7 @@ def tiling(n: int, block_elements: int = BLOCK_ELEMENTS, *, itemsize: int = 1,
   reads or writes (a ValueError where its offsets would pass int32 in 32 bits)."""
   if block_elements < 4 or block_elements & (block_elements - 1):
     raise ValueError(f"block_elements must be a power of two >= 4, got {block_elements}")
-  if 2 ** 31 < n and n * itemsize <= 2 ** 32:
-    raise ValueError(f"{what}: {n} elements of {itemsize} byte(s) get 32-bit offsets past "
-                     "int32 in the Pallas Triton lowering; use the jnp path "
-                     "(implementation='xla') for this size")
+  check_offsets(n, itemsize, what)
   padded = -(-n // 4) * 4
   width = 4
   while width < MAX_WIDTH and padded % (2 * width) == 0:

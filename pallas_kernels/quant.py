@@ -93,11 +93,7 @@ def _grid(shape, bo, bi):
 def _check_size(shape, what: str):
   """Sizes the kernels index safely: int32 tile coordinates, and no uint8 array whose
   offsets Pallas would form in 32 bits past int32."""
-  n = shape[0] * shape[1] * shape[2]
-  if 2 ** 31 < n <= 2 ** 32:
-    raise ValueError(
-        f"{what}: {n} uint8 elements get 32-bit offsets past int32 in the Pallas Triton "
-        "lowering; use the jnp path (implementation='xla') for this size")
+  layout.check_offsets(shape[0] * shape[1] * shape[2], 1, what)  # the uint8 codes
   if max(shape) >= 2 ** 31:
     raise ValueError(f"{what}: view {list(shape)} has an axis of 2**31 or more elements; "
                      "use the jnp path (implementation='xla')")

@@ -190,6 +190,10 @@ def test_image_folder_reads_subfolders_and_counts_what_it_ignores(tmp_path):
   (tmp_path / "c").symlink_to(tmp_path / "unmounted")
   with pytest.raises(ValueError, match=r"/c: a class folder that is a link to nothing"):
     scan_folder(tmp_path)
+  (tmp_path / "c").unlink()
+  (tmp_path / "a" / "batch2" / "up").symlink_to("..")  # a loop: read until ELOOP before
+  with pytest.raises(ValueError, match=r"batch2/up: a link to .*/a, read already \(a loop"):
+    scan_folder(tmp_path)
 
 
 def test_image_folder_turns_photos_upright_as_their_exif_says(tmp_path):
@@ -221,6 +225,11 @@ def test_an_eval_folder_s_class_names_match_in_any_unicode_form(tmp_path):
   np.save(tmp_path / "train" / "b" / "x.npy", np.zeros((4, 4, 3), np.uint8))
   train = scan_folder(tmp_path / "train")
   assert scan_folder(tmp_path / "eval", class_names=train.class_names).labels == [1]
+  (tmp_path / "train" / nfd).mkdir()  # both spellings in one folder: one class to a reader
+  np.save(tmp_path / "train" / nfd / "y.npy", np.zeros((4, 4, 3), np.uint8))
+  with pytest.raises(ValueError, match=r"differ only in Unicode form \('cafe\\u0301' vs "
+                                       r"'caf\\xe9'\)"):
+    scan_folder(tmp_path / "train")
 
 
 def test_image_folder_png(tmp_path):
@@ -550,6 +559,12 @@ def test_an_image_folder_run_says_what_it_reads_and_checks_eval_first(tmp_path, 
     make_datasets(cfg)
   train, _ = make_datasets(cfg.replace(new_head=True))
   assert train.class_names == ["cat", "dog"]
+  from safetensors.numpy import load_file, save_file  # a ViTModel saved from a classifier:
+  weights = load_file(model_dir / "model.safetensors")   # its id2label, no head
+  save_file({k: v for k, v in weights.items() if not k.startswith("classifier.")},
+            model_dir / "model.safetensors")
+  train, _ = make_datasets(cfg)
+  assert train.class_names == ["cat", "dog"]
 
 
 def test_digits_for_a_pretrained_vit_are_resized_and_normalized_as_its_images(tmp_path,
@@ -770,6 +785,8 @@ def test_jsonl_names_a_cut_surrogate_and_a_lone_json_object(tmp_path, tokenizer)
   with pytest.raises(ValueError, match=r"one.json: a .json file must hold an array of records "
                      r"\(got one object with keys \['instruction', 'output'\]\)"):
     causal_lm(one, tokenizer, max_len=8)
+  one.write_text(json.dumps({"instruction": "a", "output": "b"}) + "\n")  # JSON lines, as
+  assert len(causal_lm(one, tokenizer, max_len=64)) == 1                # Dataset.to_json
 
 
 def test_data_files_that_are_not_utf8_name_the_file_and_line(tmp_path, tokenizer):

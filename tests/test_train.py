@@ -922,17 +922,19 @@ def test_a_run_s_config_json_as_config_starts_a_run_and_replaces_none(tmp_path, 
                                             "data=imgs", "eval_data=val"])
   recorded = run.record()
   assert (recorded["resume"], recorded["overwrite"]) == (False, False)
-  assert (recorded["out_dir"], recorded["data"], recorded["eval_data"]) == (
-      str(tmp_path / "run"), str(tmp_path / "imgs"), str(tmp_path / "val"))
+  assert (recorded["data"], recorded["eval_data"]) == (str(tmp_path / "imgs"),
+                                                      str(tmp_path / "val"))
   assert config_lib.load_config(overrides=["data=pkg:x", "task=text"]).record()["data"] \
       == "pkg:x"
   assert config_lib.config_diff(run.to_json(), run) == []  # relative then, absolute now
+  assert recorded["out_dir"] is None  # the run's folder is no setting of the next run
   (tmp_path / "run" / "checkpoints" / "3").mkdir(parents=True)
   (tmp_path / "run" / "config.json").write_text(json.dumps(recorded))
   from train import runs
-  monkeypatch.setattr(loop, "train", runs.prepare)  # where train() takes its folder
-  with pytest.raises(ValueError, match="already holds a run"):
-    cli.main(["--config", str(tmp_path / "run" / "config.json"), "--set", "steps=1"])
+  seen = []
+  monkeypatch.setattr(loop, "train", lambda cfg: seen.append(runs.prepare(cfg)) or {})
+  cli.main(["--config", str(tmp_path / "run" / "config.json"), "--set", "steps=1"])
+  assert Path(seen[-1].out_dir).parent == Path("runs") / run.name  # a new folder
   assert (tmp_path / "run" / "checkpoints" / "3").is_dir()
 
 
@@ -967,18 +969,38 @@ def test_out_dir_claims_and_config_file_lists(tmp_path, monkeypatch):
   out_dir='' is refused (before: the working folder, which --overwrite then cleared); a
   config file's lora_targets may be a JSON list (before: its text, an error naming no
   field); an empty one is refused naming the field."""
+  import socket
+  import subprocess
   from train import runs
   cfg = config_lib.load_config(overrides=[f"out_dir={tmp_path / 'race'}"])
   runs.prepare(cfg)
-  with pytest.raises(ValueError, match=r"already holds a run"):
+  claim = tmp_path / "race" / runs.CLAIM_FILE
+  assert claim.read_text() == f"{socket.gethostname()} {os.getpid()}"
+  runs.release_claim(tmp_path / "race")  # nothing written: given back
+  assert not claim.exists()
+  claim.write_text(f"{socket.gethostname()} {os.getppid()}")  # a live command's claim
+  with pytest.raises(ValueError, match=r"race is taken by another command \(.* names "):
     runs.prepare(cfg)
+  gone = subprocess.Popen(["true"])
+  gone.wait()
+  claim.write_text(f"{socket.gethostname()} {gone.pid}")  # a killed command's: taken over
+  runs.prepare(cfg)
+  assert claim.read_text().endswith(f" {os.getpid()}")
   runs.remove_unstarted(tmp_path / "race")  # a run that never started leaves nothing
   assert not (tmp_path / "race").exists()
+  (tmp_path / "made").mkdir()  # a folder made beforehand (mkdir -p $OUT), a failed start:
+  monkeypatch.setattr(loop, "_run", lambda *a: (_ for _ in ()).throw(ValueError("bad data")))
+  for _ in range(2):  # the folder as it was, so the corrected command is not refused
+    with pytest.raises(ValueError, match="bad data"):
+      train(cfg.replace(out_dir=str(tmp_path / "made")))
+    assert list((tmp_path / "made").iterdir()) == []
   with pytest.raises(ValueError, match=r"out_dir='' names no folder"):
     config_lib.load_config(overrides=["out_dir="])
   file = tmp_path / "lora.json"
   file.write_text(json.dumps({"trainable": "lora", "lora_targets": ["query", "value"]}))
   assert config_lib.load_config(None, str(file)).lora_targets == "query,value"
+  assert config_lib.load_config(overrides=["trainable=lora", 'lora_targets=["query","key"]']
+                                ).lora_targets == "query,key"
   with pytest.raises(ValueError, match=r"lora_targets='' names no linear"):
     config_lib.load_config(overrides=["trainable=lora", "lora_targets="])
 

@@ -50,15 +50,15 @@ def main(argv=None) -> dict:
     overrides.append("resume=true")
   if args.overwrite:
     overrides.append("overwrite=true")
-  set_resume = any(o.partition("=")[0].strip() == "resume" for o in args.set) and load_config(
-      None, None, [o for o in args.set if o.partition("=")[0].strip() == "resume"]).resume
-  if (args.resume or set_resume) and args.config_name is None and args.config is None:
+  key = lambda o: o.partition("=")[0].strip()
+  # --set resume=true is --resume (the last --set of it says)
+  resume = load_config(None, None, [o for o in overrides if key(o) == "resume"]).resume
+  if resume and args.config_name is None and args.config is None:
     # the run's own config.json, the command's settings on top (checked there, not on the
     # default config's): which run from the settings that say so
     from train.runs import RESUME_WHERE, resumed_config
-    where = load_config(None, None, [o for o in overrides
-                                     if o.partition("=")[0].strip() in RESUME_WHERE])
-    cfg = resumed_config(where, [o for o in overrides if o.partition("=")[0].strip() != "resume"])
+    where = load_config(None, None, [o for o in overrides if key(o) in RESUME_WHERE])
+    cfg = resumed_config(where, [o for o in overrides if key(o) != "resume"])
   else:
     cfg = load_config(args.config_name, args.config, overrides)
     from train.config import named_keys

@@ -220,9 +220,11 @@ class TrainConfig:
   def record(self) -> dict:
     """What a run records of its config (config.json, each checkpoint): :meth:`to_json`
     with the files and folders it names absolute (a resume from another folder finds
-    them) and no one-shot switch (``resume``, ``overwrite``: a ``--config`` of a run's
-    config.json starts a run, it does not replace or continue that one)."""
-    return dict(_absolute_paths(self.to_json()), resume=False, overwrite=False)
+    them), and neither the run's folder nor a one-shot switch (``out_dir``, ``resume``,
+    ``overwrite``: a ``--config`` of a run's config.json starts a new run in a new folder;
+    it does not replace or continue that one, nor is refused for it)."""
+    return dict(_absolute_paths(self.to_json()), out_dir=None, resume=False,
+                overwrite=False)
 
 
 # memory_budget units: decimal (kB, MB, GB, TB) and binary (KiB, MiB, GiB, TiB), exact case.
@@ -320,6 +322,9 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
     default = fields[key].default
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
       value = float(value)
+    if key == "lora_targets" and isinstance(value, (list, tuple)) and all(
+        isinstance(t, str) for t in value):  # ["query", "value"] (a config file's JSON list)
+      value = ",".join(value)
     if fields[key].type in ("str", "str | None") and value is not None \
         and not isinstance(value, str):
       value = text.strip()  # a name, path or list that looks like a number stays the text
@@ -384,9 +389,6 @@ def _apply_config_file(cfg: TrainConfig, path: Path) -> TrainConfig:
     raise ValueError(f"{path}: model_overrides must be a JSON object, got "
                      f"{type(model).__name__}")
   items = [f"name={path.stem}"] if "name" not in data else []
-  if isinstance(data.get("lora_targets"), list) and all(
-      isinstance(t, str) for t in data["lora_targets"]):  # ["query", "value"]: a JSON list
-    data = {**data, "lora_targets": ",".join(data["lora_targets"])}
   items += [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in data.items()
             if k != "model_overrides"]
   items += [f"model.{k}={json.dumps(v)}" for k, v in model.items()]

@@ -106,15 +106,16 @@ def _checkpoint_label_ids(dataset, cfg: TrainConfig):
   names = getattr(dataset, "class_names", None)
   if dataset is None or names is None or not cfg.pretrained or cfg.new_head:
     return dataset
-  from models.hf import checkpoint_labels
+  from models.hf import checkpoint_labels, has_head
   ours = checkpoint_labels(resolve_path(cfg.pretrained))
   if ours is None:
     return dataset  # no usable label map: the model's own checks speak for the file
   if len(set(ours)) != len(ours):
     return dataset
   if not set(names) <= set(ours):
-    if all(re.fullmatch(r"LABEL_\d+", n) for n in ours):
-      return dataset  # a head of no names (HF's default id2label): ids from the data's
+    if all(re.fullmatch(r"LABEL_\d+", n) for n in ours) or not has_head(
+        resolve_path(cfg.pretrained)):
+      return dataset  # a head of no names (HF's default id2label), or none: the data's ids
     missing = sorted(set(names) - set(ours))
     raise ValueError(
         f"data={cfg.data}: classes {missing[:5]}{' ...' if len(missing) > 5 else ''} are "

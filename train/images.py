@@ -96,6 +96,13 @@ def scan_folder(path, *, class_names: list[str] | None = None,
   present = sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
   if not present:
     raise ValueError(f"no class folders in {root} (expected {root}/<class_name>/<images>)")
+  spelled = {}
+  for name in present:
+    other = spelled.setdefault(unicodedata.normalize("NFC", name), name)
+    if other != name:
+      raise ValueError(f"class folders {root / other} and {root / name} differ only in "
+                       f"Unicode form ({ascii(other)} vs {ascii(name)}), one class to a "
+                       "reader; merge them")
   if class_names is None:
     class_names = present
   index = {unicodedata.normalize("NFC", name): i for i, name in enumerate(class_names)}
@@ -122,9 +129,16 @@ def scan_folder(path, *, class_names: list[str] | None = None,
 
 def _walk(folder: Path) -> list[Path]:
   """The files under ``folder``, sorted, hidden entries and what they hold skipped, links
-  followed."""
-  out = []
+  followed; a link to a folder read already (a loop, or the same images twice) is a
+  ValueError naming it."""
+  out, seen = [], {}
   for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+    here = os.stat(dirpath)
+    key = (here.st_dev, here.st_ino)
+    if key in seen:
+      raise ValueError(f"{dirpath}: a link to {seen[key]}, read already (a loop, or the "
+                       "same images twice); remove the link")
+    seen[key] = dirpath
     dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
     out += [Path(dirpath, f) for f in sorted(filenames) if not f.startswith(".")]
   return sorted(out)
@@ -198,7 +212,8 @@ def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
   mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
   try:
     with pil.open(f) as im:
-      im = ImageOps.exif_transpose(im)  # a phone photo upright, as it is shown
+      im.load()
+      ImageOps.exif_transpose(im, in_place=True)  # a phone photo upright, as it is shown
       if im.mode in _WIDE_MODES:
         wide = np.asarray(im)
       else:

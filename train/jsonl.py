@@ -30,7 +30,8 @@ def read_jsonl(path) -> list[tuple[str, dict]]:
   if not p.is_file():
     raise MissingFileError(f"data file not found: {p}")
   text = read_text(p)
-  if p.suffix.lower() == ".json" and text.lstrip().startswith("{"):
+  if (p.suffix.lower() == ".json" and text.lstrip().startswith("{")
+      and len([line for line in text.split("\n") if line.strip()]) > 1):  # not JSON lines
     try:
       obj = json.loads(text)
     except json.JSONDecodeError:

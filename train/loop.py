@@ -73,6 +73,7 @@ def train(cfg: TrainConfig) -> dict:
       (runs.remove_if_empty if isinstance(e, KeyboardInterrupt) else runs.remove_unstarted)(
           Path(cfg.out_dir))
     out = Path(cfg.out_dir)
+    runs.release_claim(out)  # a folder that existed: as it was, if nothing was written
     if isinstance(e, KeyboardInterrupt) and runs.holds_run(out):
       # where it continues: the run's own config.json (train.runs.resumed_config); without
       # a checkpoint the same command starts it again at step 0 (the folder holds a run:
@@ -174,11 +175,11 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
     ctrl_c.in_steps = True  # a Ctrl-C from here on: saved after the step in flight
     for step in range(start + 1, cfg.steps + 1):
       if trace and step == trace[0]:
-        t = time.perf_counter()
         jax.block_until_ready(trainer.state)  # no earlier step runs inside the trace
-        paused += time.perf_counter() - t
+        t = time.perf_counter()  # (the wait was the steps': only the start is paused)
         jax.profiler.start_trace(cfg.profile_dir)
         tracing, trace_t0 = True, time.perf_counter()
+        paused += trace_t0 - t
       batch = trainer.put(next(batches))
       data_after[step] = batches.state()
       metrics = trainer.step(batch)

@@ -10,7 +10,11 @@
 ``python -m train --resume`` without ``--config``/``--config-name`` continues with the
 run's own ``config.json`` and the command's ``--set`` on top (:func:`resumed_config`).
 
-A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json``.
+A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json``. A
+new run takes an ``out_dir`` by creating :data:`CLAIM_FILE` in it at once (``O_EXCL``),
+so of two commands started together the second is refused; a claim whose process has
+ended (a run killed before it wrote anything) is taken over, and a run that fails before
+its first step gives its claim back.
 ``overwrite=true`` deletes only what a run writes there (:data:`ARTIFACTS`), and only once
 the new run's data, labels and model have passed their checks (:func:`delete_previous`,
 called by ``train.loop`` before its first write): a command refused for its input leaves
@@ -24,6 +28,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,8 +37,8 @@ from train.config import TrainConfig, load_config, named_keys
 
 RUNS_DIR = Path("runs")  # relative to the current folder
 LABELS_FILE = "labels.json"  # a classifier run's class names, by label id (train.loop)
-# made at once (O_EXCL) by the run that takes a folder, so of two commands started together
-# on one out_dir the second is refused, not both writing there
+# made at once (O_EXCL) by the run that takes a folder, holding "<host> <pid>", so of two
+# commands started together on one out_dir the second is refused, not both writing there
 CLAIM_FILE = ".lowmem-run"
 ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "pretrained.json",
              LABELS_FILE, CLAIM_FILE)
@@ -48,7 +53,59 @@ def has_checkpoint(folder: Path) -> bool:
 def holds_run(folder: Path) -> bool:
   folder = Path(folder)
   return has_checkpoint(folder) or any((folder / f).exists()
-                                       for f in ("metrics.jsonl", "config.json", CLAIM_FILE))
+                                       for f in ("metrics.jsonl", "config.json"))
+
+
+def _owner() -> str:
+  return f"{socket.gethostname()} {os.getpid()}"
+
+
+def claim(folder: Path) -> None:
+  """Takes ``folder`` for this process (:data:`CLAIM_FILE`, made at once), or a
+  ValueError: another live process of this host, or one of another host, holds it."""
+  path = Path(folder) / CLAIM_FILE
+  for _ in range(2):
+    try:
+      fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+      if _claim_is_stale(path):
+        path.unlink(missing_ok=True)
+        continue
+      raise ValueError(f"out_dir {folder} is taken by another command ({path} names "
+                       f"{_read_claim(path) or 'it'}); leave out_dir unset for a new folder, "
+                       "or remove that file if no such command runs") from None
+    with os.fdopen(fd, "w") as f:
+      f.write(_owner())
+    return
+
+
+def release_claim(folder: Path) -> None:
+  """Gives back this process's claim on ``folder`` where no run was written there."""
+  path = Path(folder) / CLAIM_FILE
+  if _read_claim(path) == _owner() and not holds_run(folder):
+    path.unlink(missing_ok=True)
+
+
+def _read_claim(path: Path) -> str | None:
+  try:
+    return path.read_text().strip()
+  except OSError:
+    return None
+
+
+def _claim_is_stale(path: Path) -> bool:
+  """Whether the process a claim names is gone: one of this host no longer running (one
+  of another host cannot be asked: not stale)."""
+  host, _, pid = (_read_claim(path) or "").partition(" ")
+  if host != socket.gethostname() or not pid.isdigit():
+    return False
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return True
+  except PermissionError:  # alive, another user's
+    return False
+  return False
 
 
 def new_run_folder(parent: Path, now: float | None = None) -> Path:
@@ -67,11 +124,10 @@ def new_run_folder(parent: Path, now: float | None = None) -> Path:
 
 
 def remove_if_empty(folder: Path) -> None:
-  """Removes ``folder`` if it holds nothing but this run's claim (a run that failed before
-  writing a file)."""
+  """Removes ``folder`` if it holds nothing but this process's claim (a run that failed
+  before writing a file)."""
   folder = Path(folder)
-  if folder.is_dir() and [p.name for p in folder.iterdir()] == [CLAIM_FILE]:
-    (folder / CLAIM_FILE).unlink(missing_ok=True)
+  release_claim(folder)
   try:
     folder.rmdir()  # only an empty folder
     print(f"removed the empty run folder {folder}", flush=True)
@@ -244,9 +300,5 @@ def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
     print(f"run folder: {folder}", flush=True)
   folder.mkdir(parents=True, exist_ok=True)
   if not cfg.resume and not cfg.overwrite:
-    try:
-      os.close(os.open(folder / CLAIM_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-      raise ValueError(f"out_dir {folder} was taken by another command started at the same "
-                       "time; leave out_dir unset for a new folder") from None
+    claim(folder)
   return cfg
