@@ -44,6 +44,49 @@ def test_fsdp_splits_the_largest_axis_but_never_the_layer_axis():
   _run_on_8_cpu_devices(code)
 
 
+def test_fsdp_makes_the_optimizer_state_split_and_the_report_says_per_device(tmp_path):
+  """Trainer.create splits the model before it makes AdamW's moments (before: the whole
+  state, moments too, on one device first); the memory report says it is per device; a
+  multi-host mesh over some of the devices is refused (a host outside it hung)."""
+  code = textwrap.dedent(f"""
+      import jax, pytest
+      from train import config as config_lib, sharding
+      from train.batches import Batches
+      from train.images import digits
+      from train.memory_report import print_memory
+      from train.trainer import Trainer
+      cfg = config_lib.load_config("digits-vit", None, {TINY_TRAIN!r} + [
+          "out_dir={tmp_path}", "mesh=data=2,fsdp=4", "compare_baseline=false"])
+      trainer = Trainer.create(cfg)
+      mu = [x for x in jax.tree.leaves(trainer.state["opt"]) if x.ndim]
+      assert any("fsdp" in tuple(x.sharding.spec) for x in mu)
+      assert all(len(x.sharding.device_set) == 8 for x in mu)
+      report = print_memory(trainer, trainer.put(next(Batches(digits("train"), 32))), cfg)
+      assert report["devices"] == 8
+      jax.process_count = lambda: 2
+      with pytest.raises(ValueError, match="uses 2 of the 8 devices of 2 hosts"):
+        sharding.make_mesh("data=2")
+      print("ok")
+  """)
+  out = _run_on_8_cpu_devices(code)
+  assert "compiled step memory per device (8 devices) [lowmembp]" in out
+
+
+def test_distributed_outside_a_cluster_is_a_one_line_error(tmp_path):
+  """distributed=true where there is no cluster (a multi-host run's config.json resumed on
+  one machine): one line saying to set distributed=false (before: "coordinator_address
+  should be defined", naming nothing)."""
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("SLURM_", "OMPI_", "PMI_", "TPU_", "CLOUD_TPU"))}
+  proc = subprocess.run([sys.executable, "-m", "train", "--set", "distributed=true",
+                         "--out-dir", str(tmp_path / "run")], cwd=tmp_path,
+                        capture_output=True, text=True, env=env, timeout=300)
+  assert proc.returncode == 2, proc.stderr[-2000:]
+  last = proc.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: distributed=true: jax.distributed.initialize() failed (")
+  assert last.endswith("outside a cluster set distributed=false to run on this machine alone")
+
+
 def test_sharded_steps_compile_once(tmp_path):
   """The step's outputs come back with the shardings its inputs had (specs without
   trailing Nones, first_bad replicated): the second step reuses the first one's program."""
@@ -153,10 +196,12 @@ def test_micro_batches_and_eval_batches_the_mesh_cannot_split_are_refused(tmp_pa
   _run_on_8_cpu_devices(code)
 
 
-def _run_on_8_cpu_devices(code: str) -> None:
-  """Runs ``code`` in a Python subprocess with 8 host CPU devices; it prints "ok"."""
+def _run_on_8_cpu_devices(code: str) -> str:
+  """Runs ``code`` in a Python subprocess with 8 host CPU devices; it prints "ok". Its
+  stdout."""
   env = {**os.environ, "XLA_FLAGS": with_test_xla_flags("--xla_force_host_platform_device_count=8"),
          "JAX_PLATFORMS": "cpu"}
   proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                         env=env, timeout=300)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+  return proc.stdout

@@ -950,6 +950,17 @@ def test_a_finished_run_s_result_takes_no_plan_field(tmp_path):
                                       "eval_accuracy": 0.9}
 
 
+def test_a_log_of_another_host_writes_nothing(tmp_path, capsys):
+  """A multi-host run's other hosts keep no log of their own (before: each host wrote
+  metrics.jsonl and tensorboard/, one truncating the file another had open)."""
+  from train.metrics import Log
+  log = Log(tmp_path / "run" / "metrics.jsonl", 10, "examples", enabled=False)
+  log.write({"step": 1, "loss": 0.5})
+  log.progress(1, 0.5, 1.0, 1.0)
+  log.close()
+  assert not (tmp_path / "run").exists() and capsys.readouterr().err == ""
+
+
 def test_set_resume_true_resumes_as_the_resume_flag_does(tmp_path, monkeypatch):
   """`--set resume=true` takes the run's own config.json as `--resume` does (before: the
   command's defaults, and a state that did not fit)."""

@@ -45,7 +45,12 @@ from train.trainer import Trainer
 def train(cfg: TrainConfig) -> dict:
   """Runs the loop; returns the final metrics."""
   if cfg.distributed:
-    jax.distributed.initialize()
+    try:
+      jax.distributed.initialize()
+    except (ValueError, RuntimeError) as e:  # no cluster found (a resume on one machine)
+      raise ValueError(f"distributed=true: jax.distributed.initialize() failed "
+                       f"({str(e).splitlines()[0] if str(e) else type(e).__name__}); outside "
+                       "a cluster set distributed=false to run on this machine alone") from None
   cache = use_compile_cache(cfg.compile_cache)
   if cache != os.path.expanduser(cfg.compile_cache):  # JAX_COMPILATION_CACHE_DIR's: say so
     cfg = cfg.replace(compile_cache=cache)
@@ -147,7 +152,8 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
       pretrained_record.write(out, record)
   with contextlib.ExitStack() as closing:  # however the steps end
     log = closing.enter_context(contextlib.closing(Log(
-        out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples", start)))
+        out / "metrics.jsonl", cfg.steps, "tokens" if cfg.task == "lm" else "examples", start,
+        enabled=jax.process_index() == 0)))  # one host writes the run's log
     memory = print_memory(trainer, trainer.put(batches.peek()), cfg)
     log.write({"event": "memory", "step": start, **memory})
     if plan is not None:
@@ -222,7 +228,7 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
                   "lr": float(schedule(step - 1)),
                   "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
         if jax.default_backend() == "gpu":
-          stats = jax.devices()[0].memory_stats()
+          stats = jax.local_devices()[0].memory_stats()
           record["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
         log.write(record)
         log.progress(step, loss, record["steps_per_s"], record["items_per_s"])
@@ -326,10 +332,15 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
   run's model merged and written whole (:func:`with_export_base`)."""
   if not cfg.export_dir:
     return
+  params, rest = trainer.state["params"], trainer.state["rest"]
+  if jax.process_count() > 1:  # every host gathers the state (a collective); one writes
+    params, rest = trainer.placed((params, rest))
+    if jax.process_index() != 0:
+      return
   if cfg.out_dir and export_reads_pretrained(cfg):  # a run's (its record in out_dir)
     pretrained_record.check_unchanged(cfg, Path(cfg.out_dir))
   from models import hf
-  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  model = nnx.merge(trainer.graphdef, params, rest)
   streamed = cfg.trainable == "lora" and cfg.pretrained
   if not streamed:
     model = lora.strip_lora(with_export_base(model, cfg))

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from lowmem_jax.memory import MiB
 from lowmem_jax.policy import MemoryPolicy
 from train.config import TrainConfig
@@ -19,7 +21,11 @@ def print_memory(trainer: Trainer, batch, cfg: TrainConfig) -> dict:
   (an abstract trainer: its model and optimizer state are shapes, nothing materialized)."""
   ours = trainer.compiled_memory(batch)
   report = {"policy": MemoryPolicy.parse(cfg.policy).spec, **ours.as_dict()}
-  line = (f"compiled step memory [{report['policy']}]: temp {_mib(ours.temp)}, "
+  devices = math.prod(trainer.mesh.shape.values()) if trainer.mesh is not None else 1
+  where = f" per device ({devices} devices)" if devices > 1 else ""
+  if devices > 1:
+    report["devices"] = devices
+  line = (f"compiled step memory{where} [{report['policy']}]: temp {_mib(ours.temp)}, "
           f"arguments {_mib(ours.argument)}, total {_mib(ours.total)}")
   if cfg.compare_baseline and MemoryPolicy.parse(cfg.policy) != MemoryPolicy():
     base = abstract_trainer(cfg.with_policy("baseline", resume=False))

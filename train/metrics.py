@@ -12,7 +12,12 @@ class Log:
   """Progress line on stderr, metrics as JSON lines, and TensorBoard scalars when
   ``tensorboardX`` is installed (``<out_dir>/tensorboard``)."""
 
-  def __init__(self, path: Path, total: int, unit: str, start: int = 0):
+  def __init__(self, path: Path, total: int, unit: str, start: int = 0, *,
+               enabled: bool = True):
+    self.enabled = enabled
+    if not enabled:  # another host of a multi-host run: its records are the first host's
+      self.file, self.tensorboard = None, None
+      return
     path.parent.mkdir(parents=True, exist_ok=True)
     truncate_metrics(path, start)
     self.path, self.file, self.total, self.unit = path, open(path, "a"), total, unit
@@ -25,6 +30,8 @@ class Log:
       self.tensorboard = None
 
   def write(self, record: dict) -> None:
+    if not self.enabled:
+      return
     self.file.write(json.dumps(record) + "\n")
     self.file.flush()
     if self.tensorboard is not None and "step" in record:
@@ -33,6 +40,8 @@ class Log:
           self.tensorboard.add_scalar(key, value, record["step"])
 
   def progress(self, step, loss, steps_per_s, items_per_s) -> None:
+    if not self.enabled:
+      return
     width = 24
     done = int(width * step / self.total)
     sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} "
@@ -43,7 +52,7 @@ class Log:
   def close(self):
     """Best effort: a failure to flush (a full disk) is a warning, so it never replaces
     the error the run is ending with (a checkpoint that could not be saved there)."""
-    if self.file.closed:
+    if self.file is None or self.file.closed:
       return
     sys.stderr.write("\n")
     for name, closable in (("metrics.jsonl", self.file), ("tensorboard", self.tensorboard)):

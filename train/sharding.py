@@ -41,6 +41,9 @@ def make_mesh(spec: str) -> Mesh | None:
   devices = jax.devices()
   if need > len(devices):
     raise ValueError(f"mesh={spec!r} needs {need} devices; {len(devices)} available")
+  if jax.process_count() > 1 and need != len(devices):  # a host outside it would hang
+    raise ValueError(f"mesh={spec!r} uses {need} of the {len(devices)} devices of "
+                     f"{jax.process_count()} hosts; a multi-host mesh must use all of them")
   return Mesh(np.asarray(devices[:need]).reshape(sizes["data"], sizes["fsdp"]), AXES)
 
 
@@ -79,7 +82,18 @@ def state_shardings(state, mesh: Mesh):
 
 
 def shard_state(state, mesh: Mesh):
-  return jax.device_put(state, state_shardings(state, mesh))
+  return jax.tree.map(_global_array, state, state_shardings(state, mesh))
+
+
+def _global_array(x, sharding: NamedSharding):
+  """``x`` (the same on every host) placed by ``sharding``: each host puts its own
+  devices' pieces (``jax.device_put`` of host values over several hosts would first
+  gather every host's copy to check they agree: the whole batch across hosts, every
+  step)."""
+  if jax.process_count() == 1 or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+    return jax.device_put(x, sharding)  # (a global array already: moved, not gathered)
+  host = np.asarray(x)
+  return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 def micro_batches(batch: dict, grad_accum: int, mesh: Mesh | None) -> dict:
@@ -103,4 +117,4 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
     if v.shape[0] % size:
       raise ValueError(f"batch field {k!r} has {v.shape[0]} examples, not divisible by the "
                        f"{size} devices of the mesh")
-  return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+  return {k: _global_array(v, sharding) for k, v in batch.items()}

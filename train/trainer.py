@@ -75,9 +75,12 @@ class Trainer:
     model = build_model(cfg) if model is None else model
     graphdef, params, rest = split_trainable(cfg, model)
     tx = make_optimizer(cfg)
+    mesh = sharding.make_mesh(cfg.mesh)
+    if mesh is not None:  # the model split first: the optimizer's state is made split
+      placed = sharding.shard_state({"params": params, "rest": rest}, mesh)
+      params, rest = placed["params"], placed["rest"]
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
              "opt": tx.init(params)}
-    mesh = sharding.make_mesh(cfg.mesh)
     if mesh is not None:
       state = sharding.shard_state(state, mesh)
     trainer = cls(cfg, graphdef, tx, state, mesh)
