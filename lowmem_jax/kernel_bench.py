@@ -232,7 +232,6 @@ def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
   is the kernel's jnp reference (same name in ``lowmem_jax``, same arguments)."""
   from lowmem_jax import quant
   from pallas_kernels import activations as pallas_activations
-  from pallas_kernels import norms as pallas_norms
   from pallas_kernels import packing as pallas_packing
   from pallas_kernels import quant as pallas_quant
 
@@ -242,8 +241,6 @@ def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
   s, rows, n = jnp.dtype(dtype).itemsize, x.shape[0], x.size
   codes = activations.REGELU2.code(x)
   packed = packing.pack_2bit(codes)
-  ln_y, ln_rstd = norms.ms_norm_forward("layer", x, 1e-6)
-  rms_y, rms_rstd = norms.ms_norm_forward("rms", x, 1e-6)
   x3 = x.reshape(rows, 1, hidden)  # Mesa's [O, G, I] view: one group, coded per row
   lo, hi = quant.batch_range(x3, axis=1)
   seed = jnp.uint32(7)
@@ -261,23 +258,11 @@ def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
        functools.partial(pallas_activations.approx2_backward, "gelu", **p),
        functools.partial(activations.approx2_backward, "gelu"),
        (g, packed), 2 * n * s + n // 4),
-      ("ms_layer_norm_forward",
-       lambda x: pallas_norms.ms_norm_forward("layer", x, 1e-6, **p),
-       lambda x: norms.ms_norm_forward("layer", x, 1e-6), (x,), 2 * n * s + 4 * rows),
-      ("ms_layer_norm_backward",
-       functools.partial(pallas_norms.ms_norm_input_grad, "layer", **p),
-       functools.partial(norms.ms_norm_input_grad, "layer"),
-       (g, ln_y, ln_rstd), 3 * n * s + 4 * rows),
+      *_norm_cases("layer", x, g, p, 2 * n * s + 4 * rows),
       ("resilu2_forward",
        functools.partial(pallas_activations.approx2_forward, "silu", **p),
        functools.partial(activations.approx2_forward, "silu"), (x,), 2 * n * s + n // 4),
-      ("ms_rms_norm_forward",
-       lambda x: pallas_norms.ms_norm_forward("rms", x, 1e-6, **p),
-       lambda x: norms.ms_norm_forward("rms", x, 1e-6), (x,), 2 * n * s + 4 * rows),
-      ("ms_rms_norm_backward",
-       functools.partial(pallas_norms.ms_norm_input_grad, "rms", **p),
-       functools.partial(norms.ms_norm_input_grad, "rms"),
-       (g, rms_y, rms_rstd), 3 * n * s + 4 * rows),
+      *_norm_cases("rms", x, g, p, 2 * n * s + 4 * rows),
       # Mesa's 8-bit codes: the same codes and values as the reference, bit for bit
       ("mesa_quantize", lambda x3, lo, hi: pallas_quant.quantize(x3, lo, hi, seed, **p),
        lambda x3, lo, hi: quant.quantize_reference(x3, lo, hi, seed), (x3, lo, hi),
@@ -287,6 +272,21 @@ def kernel_cases(n: int, hidden: int, dtype, interpret: bool):
        lambda c, lo, hi: quant.dequantize_reference(c, lo, hi, dtype), (mesa_codes, lo, hi),
        n + n * s),
   ]
+
+
+def _norm_cases(kind: str, x, g, p: dict, forward_bytes: int) -> list[tuple]:
+  """:func:`kernel_cases`' rows of one MS norm: forward, and backward at its outputs
+  (which read g as well: ``forward_bytes`` plus one more x-sized array)."""
+  from pallas_kernels import norms as pallas_norms
+  y, rstd = norms.ms_norm_forward(kind, x, 1e-6)
+  return [
+      (f"ms_{kind}_norm_forward",
+       lambda x: pallas_norms.ms_norm_forward(kind, x, 1e-6, **p),
+       lambda x: norms.ms_norm_forward(kind, x, 1e-6), (x,), forward_bytes),
+      (f"ms_{kind}_norm_backward",
+       functools.partial(pallas_norms.ms_norm_input_grad, kind, **p),
+       functools.partial(norms.ms_norm_input_grad, kind),
+       (g, y, rstd), forward_bytes + x.nbytes)]
 
 
 def bench_kernels(n, hidden, dtype, rounds, interpret, target_s=0.025, min_iters=2,
