@@ -22,7 +22,8 @@ HF = Path(__file__).parent / "data" / "hf"
 TARGETS = {"vit": "query,key,value,out,fc1,fc2",
            "bert": "query,key,value,out,fc1,fc2",
            "roberta": "query,key,value,out,fc1,fc2",
-           "llama_untied": "query,key,value,out,gate,up,down"}
+           "llama_untied": "query,key,value,out,gate,up,down",
+           "llama_tied": "query,key,value,out,gate,up,down"}
 
 
 def _inputs(name):
@@ -231,6 +232,90 @@ def test_vit_lora_gradients_are_peft_s(policy):
                              rtol=0, atol=2e-5 * np.abs(head.weight.grad.numpy()).max())
   np.testing.assert_allclose(grads[("head", "bias")], head.bias.grad.numpy(), rtol=0,
                              atol=2e-5 * np.abs(head.bias.grad.numpy()).max())
+
+
+# transformers' module names of our linears (LLaMA, BERT and RoBERTa layers)
+HF_LINEARS = {"llama": {"query": "self_attn.q_proj", "key": "self_attn.k_proj",
+                        "value": "self_attn.v_proj", "out": "self_attn.o_proj",
+                        "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"},
+              "bert": {"query": "attention.self.query", "key": "attention.self.key",
+                       "value": "attention.self.value", "out": "attention.output.dense",
+                       "fc1": "intermediate.dense", "fc2": "output.dense"}}
+
+
+@pytest.mark.skipif(not _peft_available(), reason="needs torch, transformers and peft: "
+                    "pip install -e '.[peers]'")
+@pytest.mark.parametrize("name,policy", [
+    ("llama_untied", "baseline"), ("llama_untied", "ms-bp"), ("llama_untied", "lowmembp"),
+    ("llama_tied", "ms-bp"), ("bert", "baseline"), ("bert", "ms-bp"), ("roberta", "ms-bp")])
+def test_lm_and_text_lora_gradients_are_peft_s(name, policy):
+  """LLaMA (an LM: SiLU is exact under lowmembp), BERT and RoBERTa (the classifier, and
+  RoBERTa's dense + out_proj head, in ``modules_to_save``) with LoRA on every linear:
+  the same loss and gradients as transformers + peft (the ViT test's, other families)."""
+  import peft
+  import torch
+  import transformers
+  family = "llama" if name.startswith("llama") else "bert"
+  names = HF_LINEARS[family]
+  inputs = _inputs(name)
+  ours = _model(name, policy)
+  if family == "llama":
+    theirs = transformers.LlamaForCausalLM.from_pretrained(HF / name,
+                                                           attn_implementation="eager")
+  else:
+    cls = (transformers.BertForSequenceClassification if name == "bert"
+           else transformers.RobertaForSequenceClassification)
+    theirs = cls.from_pretrained(HF / name, attn_implementation="eager")
+  theirs.eval()
+  suffixes = "|".join(n.replace(".", r"\.") for n in names.values())
+  theirs = peft.get_peft_model(theirs, peft.LoraConfig(
+      r=4, lora_alpha=8, lora_dropout=0.0, target_modules=rf".*\.\d+\.({suffixes})",
+      modules_to_save=None if family == "llama" else ["classifier"]))
+  modules = dict(theirs.named_modules())
+
+  def module(i, n):
+    found = [m for key, m in modules.items() if hasattr(m, "lora_A")
+             and key.endswith(f".{i}.{names[n]}")]
+    assert len(found) == 1, (i, n, len(found))
+    return found[0]
+
+  attn = "attn" if family == "llama" else "attention"
+  path = lambda n: ("stack", "blocks", attn if n in ("query", "key", "value", "out")
+                    else "mlp", n)
+  blocks = ours.stack.blocks
+  with torch.no_grad():  # our adapters' values into peft's (torch layout: transposed)
+    for n in names:
+      lin = getattr(getattr(blocks, path(n)[2]), n)
+      a, b = np.asarray(lin.lora_a[...]), np.asarray(lin.lora_b[...])
+      for i in range(ours.cfg.num_layers):
+        module(i, n).lora_A["default"].weight.copy_(torch.from_numpy(a[i].reshape(-1, 4).T.copy()))
+        module(i, n).lora_B["default"].weight.copy_(torch.from_numpy(b[i].reshape(4, -1).T.copy()))
+  torch_inputs = [torch.from_numpy(np.asarray(x).astype(np.int64)) for x in inputs]
+  out = (theirs(input_ids=torch_inputs[0]) if family == "llama" else theirs(
+      input_ids=torch_inputs[0], attention_mask=torch_inputs[1],
+      token_type_ids=torch_inputs[2])).logits
+  probe = torch.from_numpy(np.asarray(jax.random.normal(jax.random.key(7), out.shape)))
+  loss = (out * probe).sum() / out.numel() ** 0.5
+  loss.backward()
+  np.testing.assert_allclose(float(_loss(ours, inputs)), float(loss), rtol=1e-5)
+  grads = _grads(ours, inputs)
+
+  def close(have, want, what):
+    np.testing.assert_allclose(have, want, rtol=0, atol=2e-5 * np.abs(want).max(),
+                               err_msg=what)
+  for n in names:
+    for key, side in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+      have = grads[path(n) + (key,)]
+      for i in range(ours.cfg.num_layers):
+        want = getattr(module(i, n), side)["default"].weight.grad.numpy().T
+        close(have[i], want.reshape(have[i].shape), f"{n} layer {i} {key}")
+  if family == "bert":
+    head = theirs.base_model.model.classifier.modules_to_save["default"]
+    pairs = ([("classifier", head)] if name == "bert"
+             else [("pooler", head.dense), ("classifier", head.out_proj)])
+    for ours_name, linear in pairs:
+      close(grads[(ours_name, "kernel")], linear.weight.grad.numpy().T, f"{ours_name} kernel")
+      close(grads[(ours_name, "bias")], linear.bias.grad.numpy(), f"{ours_name} bias")
 
 
 @pytest.mark.parametrize("rows", [2, 40])  # x (2 x 8) or the kernel (8 x 32) is the smaller
