@@ -950,6 +950,28 @@ def test_a_finished_run_s_result_takes_no_plan_field(tmp_path):
                                       "eval_accuracy": 0.9}
 
 
+def test_a_refusal_on_one_host_stops_every_host_with_one_line(monkeypatch):
+  """Multi-host: the checks before any work (the run folder's on the first host only) end
+  with every host told whether each passed (before: the others went on into a collective
+  the refusing host never joined, and hung or died in a timeout's traceback)."""
+  from jax.experimental import multihost_utils
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  told = []
+
+  def allgather(flag):  # this host's flag, and host 1's: refused
+    told.append(bool(flag))
+    return np.array([bool(flag), True])
+  monkeypatch.setattr(multihost_utils, "process_allgather", allgather)
+  with pytest.raises(ValueError, match=r"host\(s\) \[1\] refused this run \(their output "
+                     r"says why\); this host stops too"):
+    loop.on_every_host(lambda: "fine here")
+  with pytest.raises(OSError, match="disk"):  # its own error, once the others are told
+    loop.on_every_host(lambda: (_ for _ in ()).throw(OSError("disk")))
+  assert told == [False, True]
+  monkeypatch.setattr(multihost_utils, "process_allgather", lambda f: np.array([False, False]))
+  assert loop.on_every_host(lambda: "fine") == "fine"
+
+
 def test_a_log_of_another_host_writes_nothing(tmp_path, capsys):
   """A multi-host run's other hosts keep no log of their own (before: each host wrote
   metrics.jsonl and tensorboard/, one truncating the file another had open)."""

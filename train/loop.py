@@ -54,20 +54,7 @@ def train(cfg: TrainConfig) -> dict:
   cache = use_compile_cache(cfg.compile_cache)
   if cache != os.path.expanduser(cfg.compile_cache):  # JAX_COMPILATION_CACHE_DIR's: say so
     cfg = cfg.replace(compile_cache=cache)
-  if cfg.memory_budget is None and cfg.batch_size % cfg.grad_accum:  # else the plan's
-    raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
-                     f"{cfg.grad_accum}")
-  check_inputs(cfg)
-  warning = None if cfg.resume else warmup_warning(cfg)  # a resume says its schedule's change
-  if warning:
-    print(warning, file=sys.stderr, flush=True)
-  if cfg.dtype == "float16":
-    print(FLOAT16_WARNING, file=sys.stderr, flush=True)
-  # the planner's budget ("auto": the device's memory) checked before any work
-  budget = None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
-  # the run folder; refuses to write over a run before any work
-  existed = cfg.out_dir is not None and Path(cfg.out_dir).exists()
-  cfg = runs.prepare(cfg, primary=jax.process_index() == 0)
+  cfg, budget, existed = on_every_host(lambda: _checked(cfg))
   # Ctrl-C: in the steps saved, then stopped (one host: all would have to stop together)
   ctrl_c = interrupt.InterruptHandler(enabled=jax.process_count() == 1)
   try:
@@ -407,6 +394,46 @@ def _same_tokenizer(a: str, b: str) -> bool:
 FLOAT16_WARNING = ("warning: dtype=float16 runs without loss scaling: with many tokens a "
                    "step its gradients underflow (16k tokens: 20% off fp32's); bfloat16 "
                    "(the default) has fp32's range")
+
+
+def _checked(cfg: TrainConfig):
+  """The checks before any work, then the run folder (:func:`runs.prepare`): ``(cfg with
+  its out_dir, the planner's budget or None, whether out_dir existed before)``."""
+  if cfg.memory_budget is None and cfg.batch_size % cfg.grad_accum:  # else the plan's
+    raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
+                     f"{cfg.grad_accum}")
+  check_inputs(cfg)
+  warning = None if cfg.resume else warmup_warning(cfg)  # a resume says its schedule's change
+  if warning:
+    print(warning, file=sys.stderr, flush=True)
+  if cfg.dtype == "float16":
+    print(FLOAT16_WARNING, file=sys.stderr, flush=True)
+  # the planner's budget ("auto": the device's memory) checked before any work
+  budget = None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
+  # the run folder; refuses to write over a run before any work
+  existed = cfg.out_dir is not None and Path(cfg.out_dir).exists()
+  return runs.prepare(cfg, primary=jax.process_index() == 0), budget, existed
+
+
+def on_every_host(check):
+  """``check()``; on a multi-host run every host then learns whether each one passed, so
+  a refusal on one host (the run folder is checked on the first only) stops them all
+  with one line, not a collective another host never joins (a hang, or a traceback of
+  a timeout)."""
+  if jax.process_count() == 1:
+    return check()
+  try:
+    result, error = check(), None
+  except Exception as e:  # noqa: BLE001 - raised below, once every host has said
+    result, error = None, e
+  from jax.experimental import multihost_utils
+  failed = np.asarray(multihost_utils.process_allgather(np.array(error is not None)))
+  if error is not None:
+    raise error
+  if failed.any():
+    raise ValueError(f"host(s) {np.flatnonzero(failed).tolist()} refused this run (their "
+                     "output says why); this host stops too")
+  return result
 
 
 def check_inputs(cfg: TrainConfig) -> None:
