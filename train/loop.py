@@ -84,7 +84,7 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
   record = pretrained_record.take(cfg, out, resuming=cfg.resume and runs.has_checkpoint(out))
   plan = None
   if cfg.memory_budget is None:
-    model = build_model(cfg)
+    model = _built(cfg)
     train_set, eval_set = make_datasets(cfg, model)
     check_for_run(cfg, train_set, eval_set)
   else:  # the data first (checked against the model's shapes), then the plan, then the model
@@ -394,6 +394,19 @@ def _same_tokenizer(a: str, b: str) -> bool:
 FLOAT16_WARNING = ("warning: dtype=float16 runs without loss scaling: with many tokens a "
                    "step its gradients underflow (16k tokens: 20% off fp32's); bfloat16 "
                    "(the default) has fp32's range")
+
+
+def _built(cfg: TrainConfig):
+  """The model; on a mesh built in host memory, from where the trainer puts each device
+  its share (before: whole on the first device, which FSDP is there to avoid)."""
+  if not cfg.mesh:
+    return build_model(cfg)
+  try:
+    host = jax.devices("cpu")[0]
+  except RuntimeError:  # JAX_PLATFORMS without cpu
+    return build_model(cfg)
+  with jax.default_device(host):
+    return build_model(cfg)
 
 
 def _checked(cfg: TrainConfig):
