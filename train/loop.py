@@ -402,7 +402,7 @@ def _built(cfg: TrainConfig):
   if not cfg.mesh:
     return build_model(cfg)
   try:
-    host = jax.devices("cpu")[0]
+    host = jax.local_devices(backend="cpu")[0]  # this host's (devices() lists all hosts')
   except RuntimeError:  # JAX_PLATFORMS without cpu
     return build_model(cfg)
   with jax.default_device(host):
