@@ -214,6 +214,26 @@ def test_image_folder_turns_photos_upright_as_their_exif_says(tmp_path):
   np.testing.assert_allclose(image[-6:].mean((0, 1)), [0, 0, 1], atol=0.02)
 
 
+def test_exif_turn_works_on_a_pillow_without_in_place(tmp_path):
+  """Pillow < 10 has no in_place: a turned copy then (before: a TypeError per image)."""
+  pil = pytest.importorskip("PIL.Image")
+  from PIL import ImageOps
+  from train.images import _upright
+
+  class OldImageOps:  # Pillow 9's signature
+    @staticmethod
+    def exif_transpose(image):
+      return ImageOps.exif_transpose(image)
+  im = pil.new("RGB", (4, 2))
+  exif = im.getexif()
+  exif[0x0112] = 6
+  im.save(tmp_path / "x.jpg", exif=exif)
+  with pil.open(tmp_path / "x.jpg") as stored:
+    assert _upright(stored, OldImageOps).size == (2, 4)
+  with pil.open(tmp_path / "x.jpg") as stored:
+    assert _upright(stored, ImageOps).size == (2, 4)
+
+
 def test_an_eval_folder_s_class_names_match_in_any_unicode_form(tmp_path):
   """A class name written in NFD (a folder copied from a Mac) is the same class as its NFC
   spelling in the training folder (before: an error naming two names that print alike)."""

@@ -983,6 +983,23 @@ def test_a_log_of_another_host_writes_nothing(tmp_path, capsys):
   assert not (tmp_path / "run").exists() and capsys.readouterr().err == ""
 
 
+def test_config_of_a_run_with_resume_continues_that_run(tmp_path, monkeypatch):
+  """`--config runs/x/A/config.json --resume` continues A (config.json names no out_dir
+  since 2026-11-28: this took the newest run of the name instead)."""
+  from train import __main__ as cli
+  monkeypatch.chdir(tmp_path)
+  runs_of = tmp_path / "runs" / "digits-vit"
+  for stamp in ("20250101-000000", "20250102-000000"):
+    (runs_of / stamp / "checkpoints" / "3").mkdir(parents=True)
+    run = config_lib.load_config(None, None, ["steps=3"])
+    (runs_of / stamp / "config.json").write_text(json.dumps(run.record()))
+  seen = []
+  monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or {})
+  older = runs_of / "20250101-000000"
+  cli.main(["--config", str(older / "config.json"), "--resume", "--set", "steps=6"])
+  assert (seen[-1].out_dir, seen[-1].resume, seen[-1].steps) == (str(older), True, 6)
+
+
 def test_set_resume_true_resumes_as_the_resume_flag_does(tmp_path, monkeypatch):
   """`--set resume=true` takes the run's own config.json as `--resume` does (before: the
   command's defaults, and a state that did not fit)."""
@@ -1008,7 +1025,8 @@ def test_out_dir_claims_and_config_file_lists(tmp_path, monkeypatch):
   cfg = config_lib.load_config(overrides=[f"out_dir={tmp_path / 'race'}"])
   runs.prepare(cfg)
   claim = tmp_path / "race" / runs.CLAIM_FILE
-  assert claim.read_text() == f"{socket.gethostname()} {os.getpid()}"
+  assert claim.read_text() == runs._owner()
+  assert runs._owner().startswith(f"{socket.gethostname()} {os.getpid()} ")
   runs.release_claim(tmp_path / "race")  # nothing written: given back
   assert not claim.exists()
   claim.write_text(f"{socket.gethostname()} {os.getppid()}")  # a live command's claim
@@ -1018,13 +1036,31 @@ def test_out_dir_claims_and_config_file_lists(tmp_path, monkeypatch):
   gone.wait()
   claim.write_text(f"{socket.gethostname()} {gone.pid}")  # a killed command's: taken over
   runs.prepare(cfg)
-  assert claim.read_text().endswith(f" {os.getpid()}")
+  assert claim.read_text() == runs._owner()
+  runs.prepare(cfg)  # this process's own claim (an earlier call of it): its own
+  # a live pid that a later process got (a restarted container: pid 1 again)
+  claim.write_text(f"{socket.gethostname()} {os.getppid()} 1")
+  runs.prepare(cfg)
+  assert claim.read_text() == runs._owner()
+  claim.write_text(f"node017 {os.getpid()} 1")  # another host's: cannot be asked
+  with pytest.raises(ValueError, match="taken by another command"):
+    runs.prepare(cfg)
   runs.remove_unstarted(tmp_path / "race")  # a run that never started leaves nothing
   assert not (tmp_path / "race").exists()
   (tmp_path / "made").mkdir()  # a folder made beforehand (mkdir -p $OUT), a failed start:
   monkeypatch.setattr(loop, "_run", lambda *a: (_ for _ in ()).throw(ValueError("bad data")))
   for _ in range(2):  # the folder as it was, so the corrected command is not refused
     with pytest.raises(ValueError, match="bad data"):
+      train(cfg.replace(out_dir=str(tmp_path / "made")))
+    assert list((tmp_path / "made").iterdir()) == []
+
+  def wrote_then_failed(cfg, budget, ctrl_c):  # config.json and a memory event, no step
+    (Path(cfg.out_dir) / "config.json").write_text("{}")
+    (Path(cfg.out_dir) / "metrics.jsonl").write_text('{"event": "memory", "step": 0}\n')
+    raise RuntimeError("out of memory at step 1")
+  monkeypatch.setattr(loop, "_run", wrote_then_failed)
+  for _ in range(2):
+    with pytest.raises(RuntimeError, match="out of memory"):
       train(cfg.replace(out_dir=str(tmp_path / "made")))
     assert list((tmp_path / "made").iterdir()) == []
   with pytest.raises(ValueError, match=r"out_dir='' names no folder"):

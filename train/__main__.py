@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from train.config import add_config_arguments, load_config
@@ -60,6 +61,11 @@ def main(argv=None) -> dict:
     where = load_config(None, None, [o for o in overrides if key(o) in RESUME_WHERE])
     cfg = resumed_config(where, [o for o in overrides if key(o) != "resume"])
   else:
+    if resume and args.config and "out_dir" not in map(key, overrides):
+      from train.runs import holds_run
+      folder = os.path.dirname(os.path.abspath(args.config))
+      if os.path.basename(args.config) == "config.json" and holds_run(folder):
+        overrides.append(f"out_dir={folder}")  # --config <run>/config.json --resume: that run
     cfg = load_config(args.config_name, args.config, overrides)
     from train.config import named_keys
     from train.runs import refuse_named_plan, refuse_named_with_budget, resumed_folder

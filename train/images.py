@@ -212,8 +212,7 @@ def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
   mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
   try:
     with pil.open(f) as im:
-      im.load()
-      ImageOps.exif_transpose(im, in_place=True)  # a phone photo upright, as it is shown
+      im = _upright(im, ImageOps)  # a phone photo upright, as it is shown
       if im.mode in _WIDE_MODES:
         wide = np.asarray(im)
       else:
@@ -227,6 +226,17 @@ def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
                        f"[{wide.min()}, {wide.max()}]")
     wide = wide.astype(np.uint16)
   return _array_image(wide, f, size, channels)
+
+
+def _upright(im, image_ops):
+  """``im`` turned as its EXIF orientation says: in place (Pillow >= 10, no copy of an
+  image that needs no turn), else a turned copy (older Pillow)."""
+  im.load()
+  try:
+    image_ops.exif_transpose(im, in_place=True)
+    return im
+  except TypeError:  # Pillow < 10: no in_place
+    return image_ops.exif_transpose(im)
 
 
 def _load_npy_image(f: Path, size: int, channels: int) -> np.ndarray:

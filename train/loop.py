@@ -44,7 +44,7 @@ from train.trainer import Trainer
 
 def train(cfg: TrainConfig) -> dict:
   """Runs the loop; returns the final metrics."""
-  if cfg.distributed:
+  if cfg.distributed and not jax.distributed.is_initialized():  # once a process
     try:
       jax.distributed.initialize()
     except (ValueError, RuntimeError) as e:  # no cluster found (a resume on one machine)
@@ -64,6 +64,9 @@ def train(cfg: TrainConfig) -> dict:
     if not existed:  # a run that failed before its first step leaves no folder behind
       (runs.remove_if_empty if isinstance(e, KeyboardInterrupt) else runs.remove_unstarted)(
           Path(cfg.out_dir))
+    elif not (cfg.resume or cfg.overwrite or isinstance(e, KeyboardInterrupt)):
+      # a folder made beforehand, and held no run (prepare saw to that): as it was
+      runs.remove_unstarted(Path(cfg.out_dir), keep_folder=True)
     out = Path(cfg.out_dir)
     runs.release_claim(out)  # a folder that existed: as it was, if nothing was written
     if isinstance(e, KeyboardInterrupt) and runs.holds_run(out):
@@ -321,7 +324,11 @@ def export(trainer: Trainer, cfg: TrainConfig, labels=None) -> None:
     return
   params, rest = trainer.state["params"], trainer.state["rest"]
   if jax.process_count() > 1:  # every host gathers the state (a collective); one writes
-    params, rest = trainer.placed((params, rest))
+    from jax.experimental import multihost_utils
+    # a leaf at a time, to host memory: the devices never hold more than one whole leaf
+    gather = lambda x: (np.asarray(multihost_utils.process_allgather(x, tiled=True))
+                        if isinstance(x, jax.Array) and not x.is_fully_addressable else x)
+    params, rest = jax.tree.map(gather, (params, rest))
     if jax.process_index() != 0:
       return
   if cfg.out_dir and export_reads_pretrained(cfg):  # a run's (its record in out_dir)

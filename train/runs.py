@@ -13,8 +13,9 @@ run's own ``config.json`` and the command's ``--set`` on top (:func:`resumed_con
 A folder holds a run when it has checkpoints, ``metrics.jsonl`` or ``config.json``. A
 new run takes an ``out_dir`` by creating :data:`CLAIM_FILE` in it at once (``O_EXCL``),
 so of two commands started together the second is refused; a claim whose process has
-ended (a run killed before it wrote anything) is taken over, and a run that fails before
-its first step gives its claim back.
+ended (a run killed before it wrote anything) is taken over where that process ran on
+this host (one of another host cannot be asked), and a run that fails before its first
+step gives its claim back.
 ``overwrite=true`` deletes only what a run writes there (:data:`ARTIFACTS`), and only once
 the new run's data, labels and model have passed their checks (:func:`delete_previous`,
 called by ``train.loop`` before its first write): a command refused for its input leaves
@@ -37,7 +38,7 @@ from train.config import TrainConfig, load_config, named_keys
 
 RUNS_DIR = Path("runs")  # relative to the current folder
 LABELS_FILE = "labels.json"  # a classifier run's class names, by label id (train.loop)
-# made at once (O_EXCL) by the run that takes a folder, holding "<host> <pid>", so of two
+# made at once (O_EXCL) by the run that takes a folder, naming it (_owner), so of two
 # commands started together on one out_dir the second is refused, not both writing there
 CLAIM_FILE = ".lowmem-run"
 ARTIFACTS = ("checkpoints", "metrics.jsonl", "tensorboard", "config.json", "pretrained.json",
@@ -57,26 +58,55 @@ def holds_run(folder: Path) -> bool:
 
 
 def _owner() -> str:
-  return f"{socket.gethostname()} {os.getpid()}"
+  """``"<host> <pid> <start>"``: this process; its start time (Linux's ``/proc``, else
+  ``-``) tells it from a later process given the same pid (a restarted container's
+  python is pid 1 again)."""
+  return f"{socket.gethostname()} {os.getpid()} {_started(os.getpid())}"
+
+
+def _started(pid: int) -> str:
+  try:  # field 22 of /proc/<pid>/stat, counted after the ")" that ends the command name
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+  except (OSError, IndexError):
+    return "-"
 
 
 def claim(folder: Path) -> None:
   """Takes ``folder`` for this process (:data:`CLAIM_FILE`, made at once), or a
-  ValueError: another live process of this host, or one of another host, holds it."""
+  ValueError: a live process holds it (of this host, or of another, which cannot be
+  asked). A claim of a process of this host that has ended is taken over."""
   path = Path(folder) / CLAIM_FILE
-  for _ in range(2):
+  for _ in range(3):
     try:
       fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
-      if _claim_is_stale(path):
-        path.unlink(missing_ok=True)
+      text = _read_claim(path)
+      if text is not None and _claim_is_stale(text):
+        _take_over(path, text)
         continue
       raise ValueError(f"out_dir {folder} is taken by another command ({path} names "
-                       f"{_read_claim(path) or 'it'}); leave out_dir unset for a new folder, "
-                       "or remove that file if no such command runs") from None
+                       f"{text or 'it'}); leave out_dir unset for a new folder, or remove "
+                       "that file if no such command runs") from None
     with os.fdopen(fd, "w") as f:
       f.write(_owner())
     return
+  raise ValueError(f"out_dir {folder}: other commands keep taking it; leave out_dir unset")
+
+
+def _take_over(path: Path, stale: str) -> None:
+  """Moves the stale claim ``stale`` aside (a rename: of two commands taking it over, one
+  moves it); a fresh claim moved instead (made since it was read) is put back."""
+  aside = path.with_name(f"{CLAIM_FILE}.{os.getpid()}")
+  try:
+    os.rename(path, aside)
+  except FileNotFoundError:
+    return  # another command moved it first
+  if _read_claim(aside) != stale:
+    try:
+      os.link(aside, path)  # put back, unless yet another claim is there now
+    except FileExistsError:
+      pass
+  aside.unlink(missing_ok=True)
 
 
 def release_claim(folder: Path) -> None:
@@ -93,10 +123,13 @@ def _read_claim(path: Path) -> str | None:
     return None
 
 
-def _claim_is_stale(path: Path) -> bool:
-  """Whether the process a claim names is gone: one of this host no longer running (one
-  of another host cannot be asked: not stale)."""
-  host, _, pid = (_read_claim(path) or "").partition(" ")
+def _claim_is_stale(text: str) -> bool:
+  """Whether the process a claim names is gone: this process itself (an earlier run of
+  it), or one of this host no longer running, or whose pid a later process has."""
+  if text == _owner():
+    return True
+  host, _, rest = text.partition(" ")
+  pid, _, start = rest.partition(" ")
   if host != socket.gethostname() or not pid.isdigit():
     return False
   try:
@@ -104,7 +137,8 @@ def _claim_is_stale(path: Path) -> bool:
   except ProcessLookupError:
     return True
   except PermissionError:  # alive, another user's
-    return False
+    pass
+  return start not in ("", "-") and _started(int(pid)) not in (start, "-")
   return False
 
 
@@ -135,12 +169,13 @@ def remove_if_empty(folder: Path) -> None:
     pass
 
 
-def remove_unstarted(folder: Path) -> None:
+def remove_unstarted(folder: Path, *, keep_folder: bool = False) -> None:
   """Removes the folder of a run that failed before its first step (no checkpoint, no
   step in ``metrics.jsonl``, events such as the memory report aside): its own files (:data:`ARTIFACTS`), then the folder if that
   leaves it empty. A refused first step (a check after the folder was made, a memory
   report that could not compile) so leaves nothing that would refuse the corrected
-  command. Call it only for a folder this run made."""
+  command. Call it only for a folder this run made, or (``keep_folder``: then the folder
+  stays) one that held no run before it."""
   from train.metrics import metric_records
   folder = Path(folder)
   if has_checkpoint(folder) or any("event" not in record for _, record in
@@ -152,6 +187,8 @@ def remove_unstarted(folder: Path) -> None:
       shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
       path.unlink(missing_ok=True)
+  if keep_folder:  # made before the run (mkdir -p $OUT): left, emptied of the run's
+    return
   try:
     folder.rmdir()
     print(f"removed the run folder {folder}: the run stopped before its first step",

@@ -33,8 +33,13 @@ def mesh_sizes(spec: str) -> dict[str, int]:
 
 
 def make_mesh(spec: str) -> Mesh | None:
-  """``"data=2,fsdp=4"`` -> a 2x4 Mesh over the first 8 devices; ``""`` -> None."""
+  """``"data=2,fsdp=4"`` -> a 2x4 Mesh over the first 8 devices; ``""`` -> None (one
+  device; a ValueError on a multi-host run, whose hosts would each train alone)."""
   if not spec:
+    if jax.process_count() > 1:
+      raise ValueError(f"a run over {jax.process_count()} hosts needs a mesh over their "
+                       f"{jax.device_count()} devices (mesh=data={jax.device_count()}, or "
+                       "data=N,fsdp=M with N*M of them); without one each host trains alone")
     return None
   sizes = mesh_sizes(spec)
   need = math.prod(sizes.values())
