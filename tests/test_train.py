@@ -996,8 +996,15 @@ def test_config_of_a_run_with_resume_continues_that_run(tmp_path, monkeypatch):
   seen = []
   monkeypatch.setattr(loop, "train", lambda cfg: seen.append(cfg) or {})
   older = runs_of / "20250101-000000"
+  (older / "config.json").write_text(json.dumps(run.replace(export_dir="ex").record()))
   cli.main(["--config", str(older / "config.json"), "--resume", "--set", "steps=6"])
   assert (seen[-1].out_dir, seen[-1].resume, seen[-1].steps) == (str(older), True, 6)
+  assert seen[-1].export_dir is None  # as --out-dir <run> --resume: one-off outputs dropped
+  own = tmp_path / "experiments" / "tiny"  # a user's config.json, in no run's folder
+  own.mkdir(parents=True)
+  (own / "config.json").write_text(json.dumps({"steps": 3}))
+  cli.main(["--config", str(own / "config.json"), "--resume"])
+  assert seen[-1].out_dir is None  # the newest run of its name, found by the run
 
 
 def test_set_resume_true_resumes_as_the_resume_flag_does(tmp_path, monkeypatch):
@@ -1063,6 +1070,16 @@ def test_out_dir_claims_and_config_file_lists(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="out of memory"):
       train(cfg.replace(out_dir=str(tmp_path / "made")))
     assert list((tmp_path / "made").iterdir()) == []
+  for flag in ("overwrite", "resume"):  # either, in a folder that held no run: as it was
+    with pytest.raises(RuntimeError, match="out of memory"):
+      train(cfg.replace(out_dir=str(tmp_path / "made"), **{flag: True}))
+    assert list((tmp_path / "made").iterdir()) == []
+  (tmp_path / "made" / "tensorboard" / "other").mkdir(parents=True)  # the user's own
+  (tmp_path / "made" / "notes.txt").write_text("mine")
+  with pytest.raises(RuntimeError, match="out of memory"):
+    train(cfg.replace(out_dir=str(tmp_path / "made")))
+  assert sorted(p.name for p in (tmp_path / "made").iterdir()) == ["notes.txt", "tensorboard"]
+  assert (tmp_path / "made" / "tensorboard" / "other").is_dir()
   with pytest.raises(ValueError, match=r"out_dir='' names no folder"):
     config_lib.load_config(overrides=["out_dir="])
   file = tmp_path / "lora.json"

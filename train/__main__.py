@@ -54,19 +54,22 @@ def main(argv=None) -> dict:
   key = lambda o: o.partition("=")[0].strip()
   # --set resume=true is --resume (the last --set of it says)
   resume = load_config(None, None, [o for o in overrides if key(o) == "resume"]).resume
-  if resume and args.config_name is None and args.config is None:
+  config = args.config
+  if resume and config and "out_dir" not in map(key, overrides):
+    from train.runs import is_run_folder
+    folder = os.path.dirname(os.path.abspath(config))
+    if os.path.basename(config) == "config.json" and is_run_folder(folder):
+      # --config <run>/config.json --resume: that run, as --out-dir <run> --resume
+      config = None
+      overrides.append(f"out_dir={folder}")
+  if resume and args.config_name is None and config is None:
     # the run's own config.json, the command's settings on top (checked there, not on the
     # default config's): which run from the settings that say so
     from train.runs import RESUME_WHERE, resumed_config
     where = load_config(None, None, [o for o in overrides if key(o) in RESUME_WHERE])
     cfg = resumed_config(where, [o for o in overrides if key(o) != "resume"])
   else:
-    if resume and args.config and "out_dir" not in map(key, overrides):
-      from train.runs import holds_run
-      folder = os.path.dirname(os.path.abspath(args.config))
-      if os.path.basename(args.config) == "config.json" and holds_run(folder):
-        overrides.append(f"out_dir={folder}")  # --config <run>/config.json --resume: that run
-    cfg = load_config(args.config_name, args.config, overrides)
+    cfg = load_config(args.config_name, config, overrides)
     from train.config import named_keys
     from train.runs import refuse_named_plan, refuse_named_with_budget, resumed_folder
     if cfg.resume:  # a planned run keeps its plan: a policy named here would be dropped

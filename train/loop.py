@@ -54,19 +54,25 @@ def train(cfg: TrainConfig) -> dict:
   cache = use_compile_cache(cfg.compile_cache)
   if cache != os.path.expanduser(cfg.compile_cache):  # JAX_COMPILATION_CACHE_DIR's: say so
     cfg = cfg.replace(compile_cache=cache)
-  cfg, budget, existed = on_every_host(lambda: _checked(cfg))
+  budget = on_every_host(lambda: _checked(cfg))
+  # what out_dir held before: a run that fails before its first step leaves it as it was
+  before = None if cfg.out_dir is None or not Path(cfg.out_dir).exists() else (
+      runs.holds_run(cfg.out_dir), {n for n in runs.ARTIFACTS if Path(cfg.out_dir, n).exists()})
+  # the run folder; refuses to write over a run before any work (checked on the first
+  # host, then every host told)
+  cfg = on_every_host(lambda: runs.prepare(cfg, primary=jax.process_index() == 0))
   # Ctrl-C: in the steps saved, then stopped (one host: all would have to stop together)
   ctrl_c = interrupt.InterruptHandler(enabled=jax.process_count() == 1)
   try:
     with ctrl_c:
       return _run(cfg, budget, ctrl_c)
   except BaseException as e:
-    if not existed:  # a run that failed before its first step leaves no folder behind
+    if before is None:  # a run that failed before its first step leaves no folder behind
       (runs.remove_if_empty if isinstance(e, KeyboardInterrupt) else runs.remove_unstarted)(
           Path(cfg.out_dir))
-    elif not (cfg.resume or cfg.overwrite or isinstance(e, KeyboardInterrupt)):
-      # a folder made beforehand, and held no run (prepare saw to that): as it was
-      runs.remove_unstarted(Path(cfg.out_dir), keep_folder=True)
+    elif not (before[0] or isinstance(e, KeyboardInterrupt)):
+      # a folder made beforehand that held no run: its own files kept, the run's removed
+      runs.remove_unstarted(Path(cfg.out_dir), keep=before[1])
     out = Path(cfg.out_dir)
     runs.release_claim(out)  # a folder that existed: as it was, if nothing was written
     if isinstance(e, KeyboardInterrupt) and runs.holds_run(out):
@@ -416,9 +422,8 @@ def _built(cfg: TrainConfig):
     return build_model(cfg)
 
 
-def _checked(cfg: TrainConfig):
-  """The checks before any work, then the run folder (:func:`runs.prepare`): ``(cfg with
-  its out_dir, the planner's budget or None, whether out_dir existed before)``."""
+def _checked(cfg: TrainConfig) -> int | None:
+  """The checks before any work; the planner's budget or None."""
   if cfg.memory_budget is None and cfg.batch_size % cfg.grad_accum:  # else the plan's
     raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                      f"{cfg.grad_accum}")
@@ -429,10 +434,7 @@ def _checked(cfg: TrainConfig):
   if cfg.dtype == "float16":
     print(FLOAT16_WARNING, file=sys.stderr, flush=True)
   # the planner's budget ("auto": the device's memory) checked before any work
-  budget = None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
-  # the run folder; refuses to write over a run before any work
-  existed = cfg.out_dir is not None and Path(cfg.out_dir).exists()
-  return runs.prepare(cfg, primary=jax.process_index() == 0), budget, existed
+  return None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)
 
 
 def on_every_host(check):

@@ -57,6 +57,12 @@ def holds_run(folder: Path) -> bool:
                                        for f in ("metrics.jsonl", "config.json"))
 
 
+def is_run_folder(folder: Path) -> bool:
+  """Whether ``folder`` is a run's: a checkpoint or a metrics.jsonl (a config.json alone
+  may be the user's own)."""
+  return has_checkpoint(folder) or (Path(folder) / "metrics.jsonl").exists()
+
+
 def _owner() -> str:
   """``"<host> <pid> <start>"``: this process; its start time (Linux's ``/proc``, else
   ``-``) tells it from a later process given the same pid (a restarted container's
@@ -169,13 +175,14 @@ def remove_if_empty(folder: Path) -> None:
     pass
 
 
-def remove_unstarted(folder: Path, *, keep_folder: bool = False) -> None:
+def remove_unstarted(folder: Path, *, keep: set[str] | None = None) -> None:
   """Removes the folder of a run that failed before its first step (no checkpoint, no
   step in ``metrics.jsonl``, events such as the memory report aside): its own files (:data:`ARTIFACTS`), then the folder if that
   leaves it empty. A refused first step (a check after the folder was made, a memory
   report that could not compile) so leaves nothing that would refuse the corrected
-  command. Call it only for a folder this run made, or (``keep_folder``: then the folder
-  stays) one that held no run before it."""
+  command. Call it only for a folder this run made, or one that held no run before it,
+  with ``keep``: the names of :data:`ARTIFACTS` that were there before it (the user's
+  own ``tensorboard/``, say), kept, as is the folder."""
   from train.metrics import metric_records
   folder = Path(folder)
   if has_checkpoint(folder) or any("event" not in record for _, record in
@@ -183,11 +190,13 @@ def remove_unstarted(folder: Path, *, keep_folder: bool = False) -> None:
     return  # a step was logged: the run started (its log is kept)
   for name in ARTIFACTS:
     path = folder / name
+    if keep is not None and name in keep:
+      continue
     if path.is_dir():
       shutil.rmtree(path, ignore_errors=True)
     elif path.exists():
       path.unlink(missing_ok=True)
-  if keep_folder:  # made before the run (mkdir -p $OUT): left, emptied of the run's
+  if keep is not None:  # made before the run (mkdir -p $OUT): left
     return
   try:
     folder.rmdir()
