@@ -145,7 +145,6 @@ def _claim_is_stale(text: str) -> bool:
   except PermissionError:  # alive, another user's
     pass
   return start not in ("", "-") and _started(int(pid)) not in (start, "-")
-  return False
 
 
 def new_run_folder(parent: Path, now: float | None = None) -> Path:
