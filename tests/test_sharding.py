@@ -45,9 +45,10 @@ def test_fsdp_splits_the_largest_axis_but_never_the_layer_axis():
 
 
 def test_fsdp_makes_the_optimizer_state_split_and_the_report_says_per_device(tmp_path):
-  """Trainer.create splits the model before it makes AdamW's moments (before: the whole
-  state, moments too, on one device first); the memory report says it is per device; a
-  multi-host mesh over some of the devices is refused (a host outside it hung)."""
+  """Under fsdp AdamW's moments are split over all 8 devices; the memory report says it
+  is per device (before: no word of it); a multi-host mesh over some of the devices is
+  refused (a host outside it hung). (That the state is made split, never whole on one
+  device, no CPU run can tell: every device here is the host's.)"""
   code = textwrap.dedent(f"""
       import jax, pytest
       from train import config as config_lib, sharding

@@ -272,13 +272,19 @@ CONFIGS: dict[str, dict] = {
 PROJECT_DIR = Path(__file__).resolve().parents[1]
 
 
+def _is_local_path(value) -> bool:
+  """Whether a path field's value names a local file or folder (``digits`` and
+  ``pkg:<package>`` do not)."""
+  return isinstance(value, str) and bool(value) and value != "digits" \
+      and not value.startswith("pkg:")
+
+
 def _named(name: str) -> dict:
   """CONFIGS[name] with its relative paths made absolute against PROJECT_DIR."""
   values = dict(CONFIGS[name], name=name)
   for key in INPUT_FIELDS:
     value = values.get(key)
-    if isinstance(value, str) and value != "digits" and not value.startswith("pkg:") \
-        and not Path(value).is_absolute():
+    if _is_local_path(value) and not Path(value).is_absolute():
       values[key] = str(PROJECT_DIR / value)
   return values
 
@@ -422,12 +428,8 @@ BOOKKEEPING = ("name", "out_dir", "resume", "overwrite", "profile_dir", "profile
 def _absolute_paths(values: dict) -> dict:
   """``values`` (config fields) with the local paths of :data:`PATH_FIELDS` absolute
   (``digits`` and ``pkg:<package>`` are no paths)."""
-  out = dict(values)
-  for key in PATH_FIELDS:
-    value = out.get(key)
-    if isinstance(value, str) and value and value != "digits" and not value.startswith("pkg:"):
-      out[key] = os.path.abspath(value)
-  return out
+  return {k: os.path.abspath(v) if k in PATH_FIELDS and _is_local_path(v) else v
+          for k, v in values.items()}
 
 
 def config_diff(saved: dict, cfg: TrainConfig) -> list[str]:

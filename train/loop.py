@@ -56,8 +56,9 @@ def train(cfg: TrainConfig) -> dict:
     cfg = cfg.replace(compile_cache=cache)
   budget = on_every_host(lambda: _checked(cfg))
   # what out_dir held before: a run that fails before its first step leaves it as it was
-  before = None if cfg.out_dir is None or not Path(cfg.out_dir).exists() else (
-      runs.holds_run(cfg.out_dir), {n for n in runs.ARTIFACTS if Path(cfg.out_dir, n).exists()})
+  existed = cfg.out_dir is not None and Path(cfg.out_dir).exists()
+  held_run = existed and runs.holds_run(cfg.out_dir)
+  had = {n for n in runs.ARTIFACTS if existed and Path(cfg.out_dir, n).exists()}
   # the run folder; refuses to write over a run before any work (checked on the first
   # host, then every host told)
   cfg = on_every_host(lambda: runs.prepare(cfg, primary=jax.process_index() == 0))
@@ -67,12 +68,12 @@ def train(cfg: TrainConfig) -> dict:
     with ctrl_c:
       return _run(cfg, budget, ctrl_c)
   except BaseException as e:
-    if before is None:  # a run that failed before its first step leaves no folder behind
+    if not existed:  # a run that failed before its first step leaves no folder behind
       (runs.remove_if_empty if isinstance(e, KeyboardInterrupt) else runs.remove_unstarted)(
           Path(cfg.out_dir))
-    elif not (before[0] or isinstance(e, KeyboardInterrupt)):
+    elif not (held_run or isinstance(e, KeyboardInterrupt)):
       # a folder made beforehand that held no run: its own files kept, the run's removed
-      runs.remove_unstarted(Path(cfg.out_dir), keep=before[1])
+      runs.remove_unstarted(Path(cfg.out_dir), keep=had)
     out = Path(cfg.out_dir)
     runs.release_claim(out)  # a folder that existed: as it was, if nothing was written
     if isinstance(e, KeyboardInterrupt) and runs.holds_run(out):
