@@ -408,9 +408,16 @@ def test_an_export_dir_holding_another_model_s_files_is_refused_before_training(
   assert not run.exists()
 
 
-def test_float16_says_it_runs_without_loss_scaling(tmp_path, capsys):
-  """fp16 gradients of a mean over many tokens underflow, and nothing said so."""
-  train(_cfg(tmp_path, "steps=1", "save_every=0", "dtype=float16"))
+def test_float16_scales_its_loss_and_says_so_where_it_does_not(tmp_path, capsys):
+  """fp16 gradients of a mean over many tokens underflow: a float16 run scales its loss
+  (train.loss_scale) and logs the scale; one with loss_scale=none is warned."""
+  train(_cfg(tmp_path / "a", "steps=2", "log_every=1", "save_every=0", "dtype=float16"))
+  assert loop.FLOAT16_WARNING not in capsys.readouterr().err
+  records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+  logged = [r for r in records if "loss_scale" in r]
+  assert [r["step"] for r in logged] == [1, 2], records
+  assert all(r["loss_scale"] >= 1 and r["skipped_steps"] in (0, 1, 2) for r in logged)
+  train(_cfg(tmp_path / "b", "steps=1", "save_every=0", "dtype=float16", "loss_scale=none"))
   assert loop.FLOAT16_WARNING in capsys.readouterr().err
 
 

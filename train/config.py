@@ -22,6 +22,7 @@ from pathlib import Path
 from lowmem_jax.lm_loss import DEFAULT_CHUNK
 from lowmem_jax.policy import MemoryPolicy
 from lowmem_jax.quantized_weight import FORMATS
+from train import loss_scale
 from train.sharding import mesh_sizes
 
 TASKS = ("image", "text", "lm")
@@ -53,6 +54,7 @@ class TrainConfig:
                                       # checkpoint has (trained for other labels)
   policy: str = "lowmembp"            # a MemoryPolicy spec
   dtype: str = "bfloat16"             # compute dtype; parameters stay fp32
+  loss_scale: str = "auto"            # "auto" (dynamic under float16) | "dynamic" | "none"
   precision: str = "default"          # fp32 matmuls: "default" (JAX's: TF32 on NVIDIA
                                       # GPUs) | "high" | "highest" (true fp32), whole step
   # data
@@ -118,6 +120,7 @@ class TrainConfig:
     choice("schedule", SCHEDULES)
     choice("dtype", ("bfloat16", "float16", "float32"))
     choice("precision", PRECISIONS)
+    choice("loss_scale", loss_scale.MODES)
     for op, low, fields in ((">=", 1, ("max_len", "batch_size", "eval_batch_size", "steps",
                                         "grad_accum", "lora_rank", "log_every")),
                             (">", 0, ("lr",)),  # 0: a run whose parameters never move
@@ -334,6 +337,8 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
     if fields[key].type in ("str", "str | None") and value is not None \
         and not isinstance(value, str):
       value = text.strip()  # a name, path or list that looks like a number stays the text
+    if fields[key].type == "str" and value is None:
+      value = text.strip()  # a field that is never None: "none" is its name (loss_scale)
     kind = type(default)
     if kind in _KIND_NAMES and not (isinstance(value, kind) and
                                     (kind is bool or not isinstance(value, bool))):

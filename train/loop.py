@@ -224,6 +224,9 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
         record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
                   "lr": float(schedule(step - 1)),
                   "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
+        if "loss_scale" in metrics:  # float16: the scale and the steps skipped so far
+          record |= {"loss_scale": float(metrics["loss_scale"]),
+                     "skipped_steps": int(metrics["skipped_steps"])}
         if jax.default_backend() == "gpu":
           stats = jax.local_devices()[0].memory_stats()
           record["peak_bytes_in_use"] = stats.get("peak_bytes_in_use")
@@ -402,12 +405,12 @@ def _same_tokenizer(a: str, b: str) -> bool:
     return False
 
 
-# fp16 has 5 exponent bits and no loss scaling here: a mean loss's cotangents (1/tokens)
+# fp16 has 5 exponent bits: without loss scaling a mean loss's cotangents (1/tokens)
 # underflow as the tokens a step grow (llama-tiny, 16 x 1024 tokens: gradients 20% off
 # fp32's, bf16's 1.5%; the digits ViT's 64 x 17 tokens train as in bf16)
-FLOAT16_WARNING = ("warning: dtype=float16 runs without loss scaling: with many tokens a "
-                   "step its gradients underflow (16k tokens: 20% off fp32's); bfloat16 "
-                   "(the default) has fp32's range")
+FLOAT16_WARNING = ("warning: dtype=float16 with loss_scale=none: with many tokens a step "
+                   "its gradients underflow (16k tokens: 20% off fp32's); leave loss_scale "
+                   "at auto (dynamic under float16), or use bfloat16 (fp32's range)")
 
 
 def _built(cfg: TrainConfig):
@@ -432,7 +435,7 @@ def _checked(cfg: TrainConfig) -> int | None:
   warning = None if cfg.resume else warmup_warning(cfg)  # a resume says its schedule's change
   if warning:
     print(warning, file=sys.stderr, flush=True)
-  if cfg.dtype == "float16":
+  if cfg.dtype == "float16" and cfg.loss_scale == "none":
     print(FLOAT16_WARNING, file=sys.stderr, flush=True)
   # the planner's budget ("auto": the device's memory) checked before any work
   return None if cfg.memory_budget is None else planner.resolve_budget(cfg.memory_budget)

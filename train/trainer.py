@@ -10,6 +10,8 @@ Non-finite steps without a host sync per step: beside the state the step carries
 gradient was not finite (step 0: none yet). That step and every step after it leave the
 whole state as it was (parameters, site state, optimizer counts, step), so the state stays
 the last good one until the host reads ``first_bad`` when it next needs a value anyway.
+Under float16 the loss is scaled (``train.loss_scale``): a step whose gradients overflow
+is skipped and halves the scale; only one that overflows at the smallest scale stops.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from lowmem_jax.memory import StepMemory, compiled_memory
 from lowmem_jax.policy import MemoryPolicy
 from models import sites
 from train import sharding
+from train import loss_scale
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig
 from train.loss import loss_and_metrics
@@ -81,6 +84,8 @@ class Trainer:
       params, rest = placed["params"], placed["rest"]
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "rest": rest,
              "opt": tx.init(params)}
+    if loss_scale.enabled(cfg.loss_scale, cfg.dtype):
+      state["loss_scale"] = loss_scale.init()
     if mesh is not None:
       state = sharding.shard_state(state, mesh)
     trainer = cls(cfg, graphdef, tx, state, mesh)
@@ -108,8 +113,10 @@ class Trainer:
     cfg, graphdef, tx = self.cfg, self.graphdef, self.tx
     trainable = trainable_filter(cfg)
 
-    def grads_of(params, rest, batch):
-      """Loss, metrics, gradients and ``rest`` as the forward left it (site state)."""
+    def grads_of(params, rest, batch, scale):
+      """Loss, metrics, gradients and ``rest`` as the forward left it (site state). With
+      a loss ``scale`` (not None), ``loss * scale`` is differentiated and the gradients
+      (the WTA-CRS caches' squared norms too) divided back."""
       batch = dict(batch)
       ids = batch.pop("example_id", None)
       # WTA-CRS gradient-norm caches: differentiated only to read back, per example,
@@ -124,10 +131,14 @@ class Trainer:
           nnx.update(model, caches)
           sites.set_example_ids(model, ids)
         loss, aux = loss_and_metrics(model, batch, cfg.task, cfg.lm_loss_chunk)
-        return loss, (aux, nnx.split(model, trainable, ...)[2])
+        scaled = loss if scale is None else loss.astype(jnp.float32) * scale
+        return scaled, (loss, aux, nnx.split(model, trainable, ...)[2])
 
-      (loss, (aux, rest)), (grads, cache_grads) = jax.value_and_grad(
+      (_, (loss, aux, rest)), (grads, cache_grads) = jax.value_and_grad(
           loss_fn, argnums=(0, 1), has_aux=True)(params, caches)
+      if scale is not None:
+        grads = jax.tree.map(lambda g: g / scale.astype(g.dtype), grads)
+        cache_grads = jax.tree.map(lambda g: g / (scale * scale).astype(g.dtype), cache_grads)
       if use_caches:
         model = nnx.merge(graphdef, params, rest, copy=True)
         nnx.update(model, jax.tree.map(sites.update_grad_norms, caches, cache_grads))
@@ -137,8 +148,10 @@ class Trainer:
     @matmul_precision(cfg.precision)
     def step(state, first_bad, batch):
       params, rest = state["params"], state["rest"]
+      scaling = state.get("loss_scale")
+      scale = None if scaling is None else scaling["scale"]
       if cfg.grad_accum == 1:
-        loss, aux, grads, rest = grads_of(params, rest, batch)
+        loss, aux, grads, rest = grads_of(params, rest, batch, scale)
       else:  # scan over micro-batches: activations of one micro-batch at a time
         micro = sharding.micro_batches(batch, cfg.grad_accum, self.mesh)
 
@@ -147,7 +160,7 @@ class Trainer:
           # or masked tokens: the sums over the batch, so the step is the whole batch's mean
           # (micro-batches of an LM batch hold different numbers of loss tokens)
           acc, rest = carry
-          loss, aux, grads, rest = grads_of(params, rest, mb)
+          loss, aux, grads, rest = grads_of(params, rest, mb, scale)
           count = aux[2]
           sums = (loss * count, aux, jax.tree.map(lambda g: g * count.astype(g.dtype), grads))
           return (jax.tree.map(jnp.add, acc, sums), rest), None
@@ -161,6 +174,14 @@ class Trainer:
       new = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
              "rest": rest, "opt": opt}  # rest: site state (Mesa ranges, keys) updated
       finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+      metrics = {"loss": loss, "grad_norm": grad_norm, "correct": aux[1], "count": aux[2]}
+      if scaling is not None:  # an overflow: skipped, only the count and the scale move
+        skip = loss_scale.overflowed(scaling, loss, grad_norm)
+        new["loss_scale"] = loss_scale.update(scaling, finite)
+        skipped = {**state, "step": new["step"], "loss_scale": new["loss_scale"]}
+        new = jax.tree.map(lambda s, n: jnp.where(skip, s, n), skipped, new)
+        finite = finite | skip
+        metrics |= {"loss_scale": scale, "skipped_steps": new["loss_scale"]["skipped"]}
       halted = first_bad["step"] > 0
       keep_new, first = finite & ~halted, ~finite & ~halted
       new = jax.tree.map(lambda n, o: jnp.where(keep_new, n, o), new, state)
@@ -169,8 +190,7 @@ class Trainer:
       this = {"step": state["step"] + 1, "loss": loss.astype(jnp.float32),
               "grad_norm": grad_norm.astype(jnp.float32)}
       first_bad = jax.tree.map(lambda n, o: jnp.where(first, n, o), this, first_bad)
-      return new, first_bad, {"loss": loss, "grad_norm": grad_norm,
-                              "correct": aux[1], "count": aux[2]}
+      return new, first_bad, metrics
 
     return jax.jit(step, donate_argnums=(0, 1), compiler_options=self.compiler_options)
 
