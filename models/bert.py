@@ -296,7 +296,7 @@ def classifier_head(cfg: BertConfig) -> tuple[str, ...]:
 # and RobertaModel's pooler (RoBERTa's classification head does not read it). BERT's
 # pooler is read where the checkpoint has one.
 HF_IGNORED_KEYS = ("embeddings.position_ids", "embeddings.token_type_ids", "pooler.dense.",
-                   "lm_head.", "cls.predictions.", "cls.seq_relationship.")
+                   "lm_head.", "cls.predictions.", "cls.seq_relationship.", "qa_outputs.")
 # the classification head (RoBERTa's dense + out_proj), replaced by a fresh one under
 # ``load_pretrained(new_head=True)``; a checkpoint without it keeps the fresh one anyway
 HF_HEAD_KEYS = ("classifier.",)
@@ -424,10 +424,13 @@ def hf_map(cfg: BertConfig, keys=None) -> list:
     prev = ln2
   dense, out = _head_names(cfg, prefix)
   head = (out,) if cfg.model_type == "bert" else (dense, out)
+  # BERT's pooler is read where the checkpoint has one; a BertForMaskedLM's or
+  # BertForTokenClassification's has none, and transformers starts that one fresh too
+  fresh_pooler = cfg.model_type == "bert" and keys is not None and not any(
+      f"{dense}.{w}" in keys for w in ("weight", "bias"))
   if keys is None or any(f"{n}.{w}" in keys for n in head for w in ("weight", "bias")):
-    return entries + [HFLinear(dense, "pooler", norm=prev), HFLinear(out, "classifier")]
-  # no head in the checkpoint: keep the fresh one (BERT's pooler is read where it has one;
-  # a BertForMaskedLM's has none, and transformers starts that one fresh too)
-  has_pooler = any(f"{dense}.{w}" in keys for w in ("weight", "bias"))
+    return entries + [HFLinear(dense, "pooler", norm=prev, keep_weights=fresh_pooler),
+                      HFLinear(out, "classifier")]
+  # no head in the checkpoint: keep the fresh one
   return entries + [HFLinear(dense, "pooler", norm=prev,
-                             keep_weights=cfg.model_type == "roberta" or not has_pooler)]
+                             keep_weights=cfg.model_type == "roberta" or fresh_pooler)]

@@ -52,6 +52,7 @@ import collections
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -85,12 +86,17 @@ class SafetensorsFiles(Mapping):
   def __init__(self, path: str | os.PathLike):
     path = _directory(path)
     index = path / "model.safetensors.index.json"
-    if index.exists():
-      weight_map = _weight_map(index)
-    elif (path / "model.safetensors").exists():
+    if (path / "model.safetensors").exists():  # first, as transformers reads them
       weight_map = None
+      if index.exists():
+        _warn_once(f"warning: {path} holds both model.safetensors and {index.name}; "
+                   "reading model.safetensors, as transformers does (the other is "
+                   "likely left from an earlier save: delete whichever is stale)")
+    elif index.exists():
+      weight_map = _weight_map(index)
     else:
-      raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json")
+      raise CheckpointError(f"{path}: no model.safetensors or model.safetensors.index.json"
+                            + _unread_weights(path))
     files = ["model.safetensors"] if weight_map is None else sorted(set(weight_map.values()))
     self.headers: dict[str, tuple[tuple[int, ...], str]] = {}
     for name in files:
@@ -134,6 +140,39 @@ class SafetensorsFiles(Mapping):
 
   def __contains__(self, key) -> bool:
     return key in self.weight_map
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+  """``message`` on stderr, once per process (a directory is opened more than once)."""
+  if message not in _WARNED:
+    _WARNED.add(message)
+    print(message, file=sys.stderr, flush=True)
+
+
+def _unread_weights(path: Path) -> str:
+  """What a directory without safetensors holds instead, and what to do: ``""`` if
+  nothing we know."""
+  if any(path.glob("pytorch_model*.bin")) or any(path.glob("*.pt")):
+    return ("; it holds PyTorch .bin weights, which are not read (pickle): convert them "
+            "with transformers, AutoModel.from_pretrained(d).save_pretrained(d, "
+            "safe_serialization=True)")
+  if (path / "adapter_config.json").exists():
+    return "; " + _adapter_note(path)
+  return ""
+
+
+def _adapter_note(path: Path) -> str:
+  """A peft adapter folder given as a model: which base it adapts."""
+  try:
+    base = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+  except (OSError, ValueError, AttributeError):
+    base = None
+  return ("it is a peft adapter (adapter_config.json), not a model: give its base model"
+          + (f" ({base})" if base else "") + " as pretrained; merge the adapter into it "
+          "first (peft's merge_and_unload) to start from the adapted weights")
 
 
 def _directory(path: str | os.PathLike) -> Path:
@@ -236,14 +275,24 @@ def _read_config(path: Path, overrides: dict):
   path = _directory(path)
   config_file = path / "config.json"
   if not config_file.exists():
-    raise CheckpointError(f"{path}: no config.json")
+    raise CheckpointError(f"{path}: no config.json" + (
+        "; " + _adapter_note(path) if (path / "adapter_config.json").exists() else ""))
   hf_config = _json(config_file)
   if not isinstance(hf_config, dict):
     raise CheckpointError(f"{config_file}: expected a JSON object, got "
                           f"{type(hf_config).__name__}")
   if "model_type" not in hf_config:
-    raise CheckpointError(f"{config_file}: no model_type; supported: "
+    timm = (f" (a timm checkpoint, architecture {hf_config['architecture']}: not read)"
+            if "architecture" in hf_config else "")
+    raise CheckpointError(f"{config_file}: no model_type{timm}; supported: "
                           f"{', '.join(registry.hf_model_types())}")
+  quantized = hf_config.get("quantization_config")
+  if quantized is not None:
+    method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+    raise CheckpointError(
+        f"{config_file}: a pre-quantized checkpoint (quantization_config, quant_method "
+        f"{method}) is not read; give the unquantized checkpoint (base_dtype=nf4 or int8 "
+        "stores its frozen weights quantized, as QLoRA)")
   try:
     family = registry.hf_family(hf_config["model_type"])
     cfg = family.module.config_from_hf(hf_config)
@@ -374,6 +423,12 @@ def _reader(model, state, entries, source: str, ignore=()) -> StateReader:
     if head and any(k.startswith(head) and k in state and expected[k] is not None
                     and header_of(state, k)[0] != tuple(expected[k]) for k in expected):
       raise CheckpointError(f"{e} (the checkpoint's head is for other labels: load with "
+                            "new_head=True, or train with new_head=true)") from None
+    # only head keys wrong (another task's head: a token classifier's): the same way out
+    wrong = [k for k in expected if k not in state] + reader.unexpected(set(expected))
+    if head and not ignore and wrong and all(
+        any(h in k for h in head) for k in wrong):
+      raise CheckpointError(f"{e} (the checkpoint's head is another task's: load with "
                             "new_head=True, or train with new_head=true)") from None
     raise
   return reader

@@ -85,7 +85,7 @@ class StateReader:
         misshaped.append(f"{key}: checkpoint {list(have)}, model {list(shape)}")
       if dtype not in _FLOAT_DTYPES:
         not_float.append(f"{key}: {dtype}")
-    self._raise(missing, self._unexpected(set(expected)), misshaped, not_float)
+    self._raise(missing, self.unexpected(set(expected)), misshaped, not_float)
 
   def take(self, key: str, shape: Sequence[int] | None = None) -> np.ndarray:
     """The tensor ``key`` as numpy in the checkpoint's dtype (no float64 copy of it in
@@ -103,9 +103,10 @@ class StateReader:
 
   def finish(self) -> None:
     """Raises :class:`CheckpointError` naming every problem found while reading."""
-    self._raise(self.missing, self._unexpected(self.used), self.misshaped, [])
+    self._raise(self.missing, self.unexpected(self.used), self.misshaped, [])
 
-  def _unexpected(self, used) -> list[str]:
+  def unexpected(self, used) -> list[str]:
+    """The checkpoint's keys not in ``used`` and not ignored."""
     return sorted(k for k in self.state if k not in used
                   and not any(s in k for s in self.ignore))
 

@@ -424,10 +424,14 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict:
 def hf_map(cfg: LlamaConfig, keys=None) -> list:
   """HF ``LlamaForCausalLM`` names of our variables (:mod:`models.hf_state`). With tied
   embeddings the final norm's scale is kept as ``head_scale`` when the policy merges it
-  (the head is the embedding: nothing to merge into)."""
-  entries = [Tensor("model.embed_tokens.weight", "embed.embedding")]
+  (the head is the embedding: nothing to merge into). A ``LlamaModel`` save (names
+  without ``model.``, no ``lm_head``: embedding models ship so) loads as transformers'
+  ``LlamaForCausalLM`` does: in full with tied embeddings; untied, ``lm_head`` missing."""
+  m = ("" if keys is not None and "embed_tokens.weight" in keys
+       and "model.embed_tokens.weight" not in keys else "model.")
+  entries = [Tensor(f"{m}embed_tokens.weight", "embed.embedding")]
   for i in range(cfg.num_layers):
-    hf, ours = f"model.layers.{i}", "stack.blocks"
+    hf, ours = f"{m}layers.{i}", "stack.blocks"
     norm1, norm2 = f"{hf}.input_layernorm", f"{hf}.post_attention_layernorm"
     entries += [HFNorm(norm1, f"{ours}.norm1", i, bias=False),
                 HFNorm(norm2, f"{ours}.norm2", i, bias=False)]
@@ -438,9 +442,9 @@ def hf_map(cfg: LlamaConfig, keys=None) -> list:
                 for n in ("gate", "up")]
     entries += [HFLinear(f"{hf}.mlp.down_proj", f"{ours}.mlp.down", i)]
   if not cfg.tie_embeddings:
-    return entries + [HFNorm("model.norm", "norm", bias=False),
-                      HFLinear("lm_head", "lm_head", norm="model.norm")]
+    return entries + [HFNorm(f"{m}norm", "norm", bias=False),
+                      HFLinear("lm_head", "lm_head", norm=f"{m}norm")]
   if keys is not None and "lm_head.weight" in keys:  # some exports write the tied copy too
     entries.append(Tensor("lm_head.weight", "embed.embedding",
-                          copy_of="model.embed_tokens.weight"))
-  return entries + [HFNorm("model.norm", "norm", bias=False, kept=("head_scale", None))]
+                          copy_of=f"{m}embed_tokens.weight"))
+  return entries + [HFNorm(f"{m}norm", "norm", bias=False, kept=("head_scale", None))]

@@ -419,6 +419,14 @@ def test_text_classification_errors(tmp_path, tokenizer):
     text_classification(tmp_path, tokenizer, max_len=8)
   with pytest.raises(ValueError, match="tokenizer file not found"):
     text_classification(missing, tmp_path / "tok.json", max_len=8)
+  slow = tmp_path / "slow"  # a checkpoint with a slow tokenizer's files only: what to do
+  slow.mkdir()
+  (slow / "vocab.txt").write_text("[PAD]\n[UNK]\n")
+  with pytest.raises(ValueError, match=re.escape(
+      f"tokenizer file not found: {slow / 'tokenizer.json'}; {slow} has vocab.txt (a slow "
+      "tokenizer's files), which are not read: write its tokenizer.json with transformers, "
+      "AutoTokenizer.from_pretrained(d).save_pretrained(d)")):
+    text_classification(missing, slow, max_len=8)
   mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a", "label": 0},
                                                 {"text": "b", "label": "x"}])
   with pytest.raises(ValueError, match="mix"):

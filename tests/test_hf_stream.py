@@ -419,3 +419,114 @@ def test_an_unknown_storage_is_refused_before_any_tensor_is_read(monkeypatch):
   assert str(e.value) == ("store: 'nf5' (for stack.blocks.mlp.down) is not a storage; valid: "
                           "float32, bfloat16, int8, nf4, nf4-dq")
   assert reads == []
+
+
+def _resaved(tmp_path, fixture, change):
+  """A copy of ``fixture`` whose tensors ``change(state)`` edits (it may return new ones)."""
+  import shutil
+  from safetensors.numpy import load_file, save_file
+  path = pathlib.Path(shutil.copytree(fx.DATA / fixture, tmp_path / fixture))
+  state = load_file(str(path / "model.safetensors"))
+  state = change(state) or state
+  save_file(state, str(path / "model.safetensors"))
+  return path
+
+
+def test_a_single_file_beside_a_stale_index_is_read_as_transformers_reads_it(tmp_path, capsys):
+  """transformers leaves an old shard index behind when it saves unsharded into the same
+  folder, and reads model.safetensors first. We read the index first: the old weights
+  silently, or an error naming a shard that is gone."""
+  from safetensors.numpy import load_file, save_file
+  path = _copy(tmp_path)
+  state = load_file(str(path / "model.safetensors"))
+  old = {k: v + 1 for k, v in state.items()}  # the stale shards' weights
+  save_file(old, str(path / "model-00001-of-00001.safetensors"))
+  (path / "model.safetensors.index.json").write_text(json.dumps(
+      {"weight_map": {k: "model-00001-of-00001.safetensors" for k in old}}))
+  files = hf.read_safetensors(path)
+  assert set(files.weight_map.values()) == {"model.safetensors"}
+  name = "model.layers.0.mlp.up_proj.weight"
+  np.testing.assert_array_equal(files[name], state[name])
+  hf.read_safetensors(path)
+  err = capsys.readouterr().err
+  assert err.count("warning:") == 1, err  # once, however often the folder is opened
+  assert (f"{path} holds both model.safetensors and model.safetensors.index.json; reading "
+          "model.safetensors, as transformers does") in err
+
+
+def test_folders_of_other_formats_say_what_they_hold(tmp_path):
+  """A folder of PyTorch .bin weights, a peft adapter, a pre-quantized or a timm
+  checkpoint: one line saying what it is and what to do (before: "no model.safetensors",
+  "no config.json", or a list of hundreds of key names)."""
+  path = _copy(tmp_path)
+  (path / "model.safetensors").unlink()
+  (path / "pytorch_model.bin").write_bytes(b"pickle")
+  assert _error(path) == (
+      f"{path}: no model.safetensors or model.safetensors.index.json; it holds PyTorch .bin "
+      "weights, which are not read (pickle): convert them with transformers, "
+      "AutoModel.from_pretrained(d).save_pretrained(d, safe_serialization=True)")
+  adapter = tmp_path / "adapter"
+  adapter.mkdir()
+  (adapter / "adapter_config.json").write_text(json.dumps(
+      {"peft_type": "LORA", "base_model_name_or_path": "meta-llama/Llama-2-7b-hf"}))
+  assert _error(adapter) == (
+      f"{adapter}: no config.json; it is a peft adapter (adapter_config.json), not a model: "
+      "give its base model (meta-llama/Llama-2-7b-hf) as pretrained; merge the adapter into "
+      "it first (peft's merge_and_unload) to start from the adapted weights")
+  path = _copy(tmp_path, "gptq")
+  _edit_config(path, lambda c: c.update(quantization_config={"quant_method": "gptq", "bits": 4}))
+  assert _error(path) == (
+      f"{path / 'config.json'}: a pre-quantized checkpoint (quantization_config, quant_method "
+      "gptq) is not read; give the unquantized checkpoint (base_dtype=nf4 or int8 stores its "
+      "frozen weights quantized, as QLoRA)")
+  _edit_config(path, lambda c: c.clear() or c.update(architecture="vit_tiny_patch16_224"))
+  assert _error(path) == (f"{path / 'config.json'}: no model_type (a timm checkpoint, "
+                          "architecture vit_tiny_patch16_224: not read); supported: vit, "
+                          "llama, bert, roberta")
+
+
+def test_a_llama_model_save_without_the_model_prefix_loads(tmp_path):
+  """HF ``LlamaModel`` saves (embedding models ship so) name tensors without ``model.``
+  and have no lm_head; transformers' LlamaForCausalLM loads a tied one in full. It was a
+  list of 20 missing and 20 unexpected keys."""
+  path = _resaved(tmp_path, "llama_tied", lambda s: {
+      k.removeprefix("model."): v for k, v in s.items() if k != "lm_head.weight"})
+  ours, theirs = hf.load_pretrained(path), hf.load_pretrained(fx.DATA / "llama_tied")
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(ours, nnx.Param),
+               nnx.state(theirs, nnx.Param))
+
+
+def test_bert_bodies_under_another_tasks_head_load_as_transformers_loads_them(tmp_path):
+  """A question-answering BERT (``qa_outputs``) loads its body with a fresh head, a token
+  classifier's (no pooler) with a fresh pooler, as transformers'
+  BertForSequenceClassification does; a RoBERTa token classifier's head (``classifier``
+  where the sequence head has ``classifier.dense``/``out_proj``) says to use new_head."""
+  def qa(state):
+    for k in [k for k in state if k.startswith(("classifier.", "bert.pooler."))]:
+      state.pop(k)
+    state["qa_outputs.weight"] = np.zeros((2, state["bert.embeddings.word_embeddings.weight"]
+                                           .shape[1]), np.float32)
+    state["qa_outputs.bias"] = np.zeros((2,), np.float32)
+  path = _resaved(tmp_path, "bert", qa)
+  body, full = hf.load_pretrained(path), hf.load_pretrained(fx.DATA / "bert")
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(body.stack, nnx.Param),
+               nnx.state(full.stack, nnx.Param))
+  tokens = _resaved(tmp_path / "t", "bert", lambda s: {
+      k: v for k, v in s.items() if not k.startswith("bert.pooler.")})
+  model, fresh = hf.load_pretrained(tokens), hf.load_pretrained(tokens, new_head=True)
+  np.testing.assert_array_equal(model.pooler.kernel[...], fresh.pooler.kernel[...])
+  np.testing.assert_array_equal(np.asarray(model.classifier.kernel[...]).T,
+                                hf.read_safetensors(tokens)["classifier.weight"])
+
+  def token_head(state):
+    for k in [k for k in state if k.startswith("classifier.")]:
+      state.pop(k)
+    state["classifier.weight"] = np.zeros((9, state["roberta.embeddings.word_embeddings.weight"]
+                                           .shape[1]), np.float32)
+    state["classifier.bias"] = np.zeros((9,), np.float32)
+  path = _resaved(tmp_path, "roberta", token_head)
+  assert _error(path) == (
+      f"{path}: checkpoint does not match the model: unexpected keys (2): classifier.bias, "
+      "classifier.weight (the checkpoint's head is another task's: load with new_head=True, "
+      "or train with new_head=true)")
+  hf.load_pretrained(path, new_head=True)

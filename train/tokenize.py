@@ -24,7 +24,7 @@ def load_tokenizer(tokenizer):
     if p.is_dir():
       p = p / "tokenizer.json"
     if not p.is_file():
-      raise MissingFileError(f"tokenizer file not found: {p}")
+      raise MissingFileError(f"tokenizer file not found: {p}" + _slow_tokenizer_note(p.parent))
     try:
       tok = Tokenizer.from_file(str(p))
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception
@@ -41,6 +41,21 @@ def load_tokenizer(tokenizer):
   if pad_id is None:
     pad_id = next((i for i in map(tok.token_to_id, PAD_CANDIDATES) if i is not None), 0)
   return tok, int(pad_id)
+
+
+# a slow (Python) tokenizer's files, which only transformers reads
+SLOW_TOKENIZER_FILES = ("vocab.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
+                        "vocab.json")
+
+
+def _slow_tokenizer_note(folder: Path) -> str:
+  """What a folder without tokenizer.json holds instead, and how to make one."""
+  found = [n for n in SLOW_TOKENIZER_FILES if (folder / n).is_file()]
+  if not found:
+    return ""
+  return (f"; {folder} has {', '.join(found)} (a slow tokenizer's files), which are not "
+          "read: write its tokenizer.json with transformers, "
+          f"AutoTokenizer.from_pretrained(d).save_pretrained(d)")
 
 
 def special_affixes(tok) -> tuple[list[int], list[int]]:
