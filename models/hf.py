@@ -622,6 +622,18 @@ def checkpoint_labels(path: str | os.PathLike, num_labels: int | None = None
   return names if num_labels is None or len(names) == num_labels else None
 
 
+def dropout_fields(path: str | os.PathLike) -> list[str]:
+  """``"field=value"`` for each dropout probability above 0 a HF directory's config.json
+  sets (``hidden_dropout_prob``, ``attention_dropout``, ...): our models have no dropout,
+  so a fine-tune from it trains without what transformers' would use."""
+  try:
+    config = json.loads((Path(path) / "config.json").read_text())
+    return [f"{k}={v}" for k, v in config.items() if "dropout" in k
+            and isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0]
+  except (OSError, ValueError, AttributeError):
+    return []
+
+
 def has_head(path: str | os.PathLike) -> bool:
   """Whether a HF classifier directory's weights hold its classification head (the
   family's ``HF_HEAD_KEYS``; read from the file headers): a ``ViTModel`` saved from a

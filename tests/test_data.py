@@ -476,8 +476,8 @@ def test_labels_beyond_num_labels_name_the_label_and_file(tmp_path, tokenizer):
                                                {"text": "b", "label": "a"},
                                                {"text": "d", "label": "b"}])
   with pytest.raises(ValueError, match=r"strs.jsonl:1: label 'c' is id 2, outside the model's "
-                                       r"num_labels=2 \(3 distinct labels; set "
-                                       r"model.num_labels=3\)"):
+                                       r"num_labels=2 \(3 distinct labels: 'a' 1, 'b' 1, "
+                                       r"'c' 1; set model.num_labels=3\)"):
     text_classification(strs, tokenizer, max_len=8, num_labels=2)
   for name in ("ant", "bee", "cow"):
     (tmp_path / "img" / name).mkdir(parents=True)
@@ -1080,3 +1080,100 @@ def test_a_run_names_a_training_set_smaller_than_a_batch_and_notes_no_eval_set(
   check_for_run(cfg.replace(batch_size=4), train, test)
   assert "note: no eval_data: eval_every=10 evaluates nothing (set eval_data=<file>)" in \
       capsys.readouterr().out
+
+
+# ------------------------------------------------------ text data as users bring it
+def _text_cfg(tmp_path, data, *overrides):
+  from train import config as config_lib
+  return config_lib.load_config("minilm-text", None, [f"data={data}", "eval_data=null",
+                                                      *overrides])
+
+
+def test_glue_style_fields_and_sentence_pairs_come_from_the_config(tmp_path, capsys):
+  """HF datasets' GLUE exports name their fields sentence / sentence1, sentence2 / idx:
+  the missing field's error says which fields to set, and text_key, text_pair_key and
+  label_key do (the loader had them; the config did not pass them)."""
+  from train.datasets import make_datasets
+  rows = [{"sentence1": f"he said {i}", "sentence2": f"she said {i}", "label": i % 2, "idx": i}
+          for i in range(4)]
+  path = write_jsonl(tmp_path / "mrpc.jsonl", rows)
+  with pytest.raises(ValueError, match=re.escape(
+      f"{path}:1: missing key 'text' (has ['idx', 'label', 'sentence1', 'sentence2']); for "
+      "sentence pairs set text_key=sentence1 text_pair_key=sentence2")):
+    make_datasets(_text_cfg(tmp_path, path))
+  train, _ = make_datasets(_text_cfg(tmp_path, path, "text_key=sentence1",
+                                     "text_pair_key=sentence2"))
+  assert train.arrays["types"].max() == 1 and train.arrays["label"].tolist() == [0, 1, 0, 1]
+  assert (f"text: {path}: 4 examples, 2 classes (0: 2, 1: 2), sentence pairs"
+          in capsys.readouterr().out)
+  sst = write_jsonl(tmp_path / "sst2.jsonl", [{"sentence": "good", "label_id": 1, "idx": 0}])
+  with pytest.raises(ValueError, match=re.escape("missing key 'text' (has ['idx', 'label_id', "
+                                                 "'sentence']); set text_key=sentence")):
+    make_datasets(_text_cfg(tmp_path, sst))
+  with pytest.raises(ValueError, match=re.escape("missing key 'label' (has ['idx', "
+                                                 "'label_id', 'sentence']); set label_key=")):
+    make_datasets(_text_cfg(tmp_path, sst, "text_key=sentence"))
+
+
+def test_text_data_says_what_it_read_and_warns_of_cut_and_blank_texts(tmp_path, capsys):
+  """One line per file (examples, classes with their counts), and warnings for texts cut
+  at max_len (silent before: IMDB reviews at max_len=64 lost most of their words) and for
+  blank ones."""
+  from train.datasets import make_datasets
+  rows = [{"text": " ".join(["word"] * 100), "label": "neg"}, {"text": "fine", "label": "pos"},
+          {"text": "  ", "label": "pos"}, {"text": "ok", "label": "pos"}]
+  path = write_jsonl(tmp_path / "reviews.jsonl", rows)
+  make_datasets(_text_cfg(tmp_path, path))
+  out = capsys.readouterr()
+  assert f"text: {path}: 4 examples, 2 classes (neg: 1, pos: 3)\n" in out.out
+  assert (f"warning: {path}: 1 of 4 examples are longer than max_len=64 tokens and were cut "
+          "to it; set a larger max_len to train on more of them" in out.err)
+  assert "(the model takes up to" not in out.err  # said where the model is given
+  assert (f"warning: {path}: 1 example(s) have a blank text (first: {path}:3): they train "
+          "on the special tokens alone" in out.err)
+
+
+def test_labels_as_pandas_writes_them_and_what_is_refused(tmp_path, tokenizer):
+  """Integral float labels (1.0, as pandas writes ints) are ids; other floats (STS-B's
+  regression) and CSV files are refused saying so (before: "must be int or str" and a
+  JSON error on line 1)."""
+  floats = write_jsonl(tmp_path / "f.jsonl", [{"text": "a", "label": 1.0},
+                                              {"text": "b", "label": 0.0}])
+  assert text_classification(floats, tokenizer, max_len=8).arrays["label"].tolist() == [1, 0]
+  scores = write_jsonl(tmp_path / "sts.jsonl", [{"text": "a", "label": 3.8}])
+  with pytest.raises(ValueError, match=re.escape(
+      f"{scores}:1: 'label' is 3.8, not a class: labels are class ids (ints) or names "
+      "(strings); regression is not supported")):
+    text_classification(scores, tokenizer, max_len=8)
+  csv = tmp_path / "train.csv"
+  csv.write_text("text,label\na,1\n")
+  with pytest.raises(ValueError, match=re.escape(f"{csv}: CSV/TSV is not read; write it as "
+                                                 "JSON lines")):
+    text_classification(csv, tokenizer, max_len=8)
+
+
+def test_too_many_labels_name_them_and_the_fix(tmp_path, tokenizer):
+  """The num_labels error lists the labels with their counts (a typo's class shows), says
+  when int labels look 1-based, and adds the caller's head hint (new_head=true)."""
+  typos = write_jsonl(tmp_path / "t.jsonl", [{"text": "a", "label": x} for x in
+                                             ("positive", "negative", "Positive", "positive")])
+  with pytest.raises(ValueError, match=re.escape(
+      "(3 distinct labels: 'Positive' 1, 'negative' 1, 'positive' 2; set model.num_labels=3 "
+      "and new_head=true)")):
+    text_classification(typos, tokenizer, max_len=8, num_labels=2,
+                        head_hint=" and new_head=true")
+  stars = write_jsonl(tmp_path / "s.jsonl", [{"text": "a", "label": x} for x in (1, 2, 3)])
+  with pytest.raises(ValueError, match=re.escape(
+      "label 3 is outside the model's num_labels=3 (ids 0..2); set model.num_labels=4; the "
+      "labels look 1-based (the smallest is 1): ids start at 0, so ids below it would be "
+      "classes never seen")):
+    text_classification(stars, tokenizer, max_len=8, num_labels=3)
+
+
+def test_macro_f1_of_a_confusion_matrix():
+  from train.loss import macro_f1
+  # rows labels, columns predictions: class 0 F1 = 2*3/(6+1+2), class 1 = 2*4/(8+2+1);
+  # class 2 never occurs and is left out
+  confusion = np.array([[3, 2, 0], [1, 4, 0], [0, 0, 0]])
+  assert macro_f1(confusion) == pytest.approx((6 / 9 + 8 / 11) / 2)
+  assert macro_f1(np.zeros((2, 2))) == 0.0

@@ -71,3 +71,26 @@ def test_a_stored_base_exports_the_fp32_base_with_the_adapters_merged(tmp_path):
   name = "model.layers.0.self_attn.q_proj.weight"
   delta = exported[name] - fp32[name]
   assert 1e-6 < np.abs(delta).max() < 1.0, np.abs(delta).max()
+
+
+def test_evaluate_gives_the_macro_f1_of_the_models_predictions():
+  """A classifier's eval adds macro F1 (and, of two classes, class 1's F1) from the same
+  logits as its accuracy, over every batch: checked against the predictions taken here."""
+  from flax import nnx
+  from train.loss import macro_f1
+  cfg = TrainConfig(name="t", task="image", model="vit-digits", policy="baseline",
+                    dtype="float32", precision="highest", batch_size=8, eval_every=0,
+                    compare_baseline=False)
+  trainer = Trainer.create(cfg)
+  rng = np.random.default_rng(0)
+  images = rng.standard_normal((24, 8, 8, 1)).astype(np.float32)
+  labels = rng.integers(0, 10, 24).astype(np.int32)
+  batches = [{"image": images[i:i + 10], "label": labels[i:i + 10]} for i in (0, 10, 20)]
+  out = trainer.evaluate(batches)
+  model = nnx.merge(trainer.graphdef, trainer.state["params"], trainer.state["rest"])
+  guess = np.argmax(np.asarray(model(jnp.asarray(images))), axis=-1)
+  confusion = np.zeros((10, 10))
+  np.add.at(confusion, (labels, guess), 1)
+  assert out["eval_accuracy"] == pytest.approx(np.mean(guess == labels))
+  assert out["eval_f1_macro"] == pytest.approx(macro_f1(confusion))
+  assert "eval_f1" not in out  # ten classes: no positive class

@@ -62,6 +62,9 @@ class TrainConfig:
   eval_data: str | None = None        # None: digits' test split, else a file/folder
   tokenizer: str | None = None        # tokenizer.json (text / lm); default: the pretrained dir's
   max_len: int = 128
+  text_key: str = "text"              # text: the record fields of the text, the label and,
+  label_key: str = "label"            # for sentence pairs (MRPC, QNLI, ...), the second
+  text_pair_key: str | None = None    # text (segment 1, as transformers encodes pairs)
   batch_size: int = 64
   eval_batch_size: int = 256
   # optimisation

@@ -85,15 +85,41 @@ def make_datasets(cfg: TrainConfig, model=None):
                                                         path=cfg.eval_data))
   num_labels = (getattr(model_cfg, "num_labels", None) if model_cfg is not None
                 else cfg.model_overrides.get("num_labels"))
-  load = functools.partial(text_classification, tokenizer=tokenizer,
-                           max_len=cfg.max_len, num_labels=num_labels)
+  load = functools.partial(
+      text_classification, tokenizer=tokenizer, max_len=cfg.max_len, num_labels=num_labels,
+      text_key=cfg.text_key, label_key=cfg.label_key, text_pair_key=cfg.text_pair_key,
+      head_hint=" and new_head=true" if cfg.pretrained and not cfg.new_head else "")
   in_vocab = functools.partial(_in_vocab, model_cfg=model_cfg, tokenizer=tokenizer,
                                pretrained=cfg.pretrained)
   train = in_vocab(load(cfg.data), path=cfg.data)
+  _say_text_data(cfg.data, train, cfg, model_cfg)
   test = None if cfg.eval_data is None else in_vocab(load(
       cfg.eval_data, label_names=train.class_names, label_names_from=cfg.data,
       int_labels=train.class_names is None), path=cfg.eval_data)
+  if test is not None:
+    _say_text_data(cfg.eval_data, test, cfg, model_cfg)
   return _checkpoint_label_ids(train, cfg), _checkpoint_label_ids(test, cfg)
+
+
+def _say_text_data(path, dataset, cfg: TrainConfig, model_cfg) -> None:
+  """One line of what a text file gave (examples, classes and their counts); a warning
+  for texts cut at max_len (silently, before) and for blank ones."""
+  counts = np.bincount(dataset.arrays["label"])
+  names = dataset.class_names or [str(i) for i in range(len(counts))]
+  classes = ", ".join(f"{n}: {c}" for n, c in zip(names, counts) if c)
+  shown = classes if len(classes) <= 200 else classes[:200] + " ..."
+  print(f"text: {path}: {len(dataset)} examples, {int(np.count_nonzero(counts))} classes "
+        f"({shown})" + (", sentence pairs" if "types" in dataset.arrays else ""), flush=True)
+  if dataset.truncated:
+    room = (f" (the model takes up to {model_cfg.max_tokens})"
+            if model_cfg is not None and model_cfg.max_tokens > cfg.max_len else "")
+    print(f"warning: {path}: {dataset.truncated} of {len(dataset)} examples are longer than "
+          f"max_len={cfg.max_len} tokens and were cut to it; set a larger max_len{room} to "
+          "train on more of them", file=sys.stderr, flush=True)
+  if dataset.empty:
+    print(f"warning: {path}: {len(dataset.empty)} example(s) have a blank text (first: "
+          f"{dataset.empty[0]}): they train on the special tokens alone",
+          file=sys.stderr, flush=True)
 
 
 def _checkpoint_label_ids(dataset, cfg: TrainConfig):

@@ -105,6 +105,7 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
     cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, eval_set,
                                                             budget)
     model = build_model(cfg)
+  _say_dropout(cfg)
   ctrl_c.check()
   batches = Batches(train_set, cfg.batch_size, seed=cfg.seed, example_ids=cfg.grad_norm_cache)
   if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
@@ -239,8 +240,10 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
             Batches(eval_set, cfg.eval_batch_size, shuffle=False, drop_last=False)
             .epoch_batches())}
         log.write(final)
+        f1 = (f", macro-F1 {final['eval_f1_macro']:.4f}" if "eval_f1_macro" in final
+              else "")
         sys.stderr.write(f"\n  eval @ {step}: loss {final['eval_loss']:.4f}, "
-                         f"accuracy {final['eval_accuracy']:.4f}\n")
+                         f"accuracy {final['eval_accuracy']:.4f}{f1}\n")
       if save_now:
         trainer.save(ckpt, batches.state())
       paused += time.perf_counter() - t
@@ -424,6 +427,16 @@ def _built(cfg: TrainConfig):
     return build_model(cfg)
   with jax.default_device(host):
     return build_model(cfg)
+
+
+def _say_dropout(cfg: TrainConfig) -> None:
+  """A note where the pretrained config.json asks for dropout, which our models lack."""
+  from models.hf import dropout_fields
+  fields = dropout_fields(resolve_path(cfg.pretrained)) if cfg.pretrained else []
+  if fields:
+    print(f"note: {cfg.pretrained}'s config.json sets {', '.join(fields)}; the models here "
+          "have no dropout: this fine-tune runs without it (transformers' would use it)",
+          flush=True)
 
 
 def _checked(cfg: TrainConfig) -> int | None:

@@ -8,9 +8,39 @@ the loss is taken on the model's logits.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowmem_jax.lm_loss import DEFAULT_CHUNK, logits_cross_entropy
+
+
+def eval_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK):
+  """``(loss_sum, correct, count, confusion)``: :func:`loss_and_metrics`' sums and, for a
+  classifier (image, text), the ``[K, K]`` counts of (label, prediction) pairs, from the
+  same logits (None for lm)."""
+  if task == "lm":
+    return (*loss_and_metrics(model, batch, task, lm_loss_chunk)[1], None)
+  logits = (model(batch["image"]) if task == "image"
+            else model(batch["tokens"], batch["mask"], batch.get("types")))
+  losses, correct = logits_cross_entropy(logits, batch["label"])
+  k = logits.shape[-1]
+  truth = jax.nn.one_hot(batch["label"], k, dtype=jnp.int32)
+  guess = jax.nn.one_hot(jnp.argmax(logits, axis=-1), k, dtype=jnp.int32)
+  confusion = jnp.einsum("bi,bj->ij", truth, guess)
+  return (jnp.sum(losses), jnp.sum(correct.astype(jnp.float32)),
+          jnp.float32(losses.shape[0]), confusion)
+
+
+def macro_f1(confusion) -> float:
+  """The mean over classes of F1 = 2 TP / (2 TP + FP + FN), over the classes that occur
+  as a label or a prediction (rows: labels, columns: predictions)."""
+  confusion = np.asarray(confusion, np.float64)
+  tp = np.diag(confusion)
+  fp, fn = confusion.sum(0) - tp, confusion.sum(1) - tp
+  seen = (tp + fp + fn) > 0
+  return float(np.mean(2 * tp[seen] / (2 * tp[seen] + fp[seen] + fn[seen]))) if seen.any() \
+      else 0.0
 
 
 def loss_and_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import numpy as np
@@ -16,7 +17,7 @@ def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text"
                         label_key: str = "label", text_pair_key: str | None = None,
                         label_names: list[str] | None = None,
                         label_names_from: str | None = None, int_labels: bool | None = None,
-                        num_labels: int | None = None) -> ArrayDataset:
+                        num_labels: int | None = None, head_hint: str = "") -> ArrayDataset:
   """jsonl lines ``{"text": ..., "label": int or str}`` -> ``tokens``, ``mask``, ``label``
   (a file holding one JSON array of such objects works too).
 
@@ -27,20 +28,27 @@ def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text"
   int labels must lie in ``[0, len(label_names))`` when names are given. An eval set passes
   the training set's names (``label_names_from``: its file, for errors) and ``int_labels``
   (the training set's kind: eval labels must be of the same kind). Every id must be below
-  ``num_labels`` (the model's). ``class_names`` on the dataset holds the names when known.
+  ``num_labels`` (the model's; ``head_hint`` is added to the fix it names). Integral float
+  labels (``1.0``, as pandas writes ints) are ids; other floats (regression) are refused.
+  ``class_names`` on the dataset holds the names when known; ``truncated`` counts the
+  examples cut to ``max_len`` and ``empty`` the blank texts' places ("file:line").
   """
   check_max_len(max_len)
   tok, pad_id = load_tokenizer(tokenizer)
   records = read_jsonl(path)
-  texts, raw_labels = [], []
+  _check_keys(records[0], text_key, text_pair_key, label_key)
+  texts, raw_labels, empty = [], [], []
   for where, obj in records:
     text = field(where, obj, text_key)
     if text_pair_key is not None:
       text = (text, field(where, obj, text_pair_key))
+    if not "".join(text if isinstance(text, tuple) else (text,)).strip():
+      empty.append(where)
     texts.append(text)
-    raw_labels.append((where, field(where, obj, label_key, kind=(int, str))))
+    raw_labels.append((where, _label(where, field(where, obj, label_key,
+                                                  kind=(int, str, float)), label_key)))
   labels, class_names = _label_ids(path, raw_labels, label_names, label_names_from, int_labels,
-                                   num_labels)
+                                   num_labels, head_hint)
 
   n_special = tok.num_special_tokens_to_add(text_pair_key is not None)
   if max_len <= n_special:
@@ -65,11 +73,48 @@ def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text"
     arrays["types"] = types
   ds = ArrayDataset(arrays)
   ds.class_names = class_names
+  ds.truncated = sum(bool(enc.overflowing) for enc in encodings)
+  ds.empty = empty
   return ds
 
 
+# field names of common datasets' exports (HF datasets: SST-2 "sentence", MRPC "sentence1"/
+# "sentence2", QNLI "question"/"sentence"), named in the hint of a missing text field
+PAIR_FIELDS = (("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"),
+               ("premise", "hypothesis"))
+
+
+def _check_keys(first: tuple[str, dict], text_key, text_pair_key, label_key) -> None:
+  """The first record has the configured fields, or a ValueError naming the config fields
+  that choose them and, where the record has a known pair of text fields, the pair."""
+  where, obj = first
+  for key, name in ((text_key, "text_key"), (text_pair_key, "text_pair_key"),
+                    (label_key, "label_key")):
+    if key is None or key in obj:
+      continue
+    hint = f"set {name}=<one of its fields>"
+    if name == "text_key":
+      pair = next((p for p in PAIR_FIELDS if set(p) <= set(obj)), None)
+      strings = [k for k, v in obj.items() if isinstance(v, str) and k != label_key]
+      if pair is not None and text_pair_key is None:
+        hint = f"for sentence pairs set text_key={pair[0]} text_pair_key={pair[1]}"
+      elif len(strings) == 1:
+        hint = f"set text_key={strings[0]}"
+    raise ValueError(f"{where}: missing key {key!r} (has {sorted(obj)}); {hint}")
+
+
+def _label(where: str, value, key: str):
+  """A label as read: an int or a str; an integral float as its int."""
+  if isinstance(value, float):
+    if not value.is_integer():
+      raise ValueError(f"{where}: {key!r} is {value}, not a class: labels are class ids "
+                       "(ints) or names (strings); regression is not supported")
+    return int(value)
+  return value
+
+
 def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
-               int_labels=None, num_labels=None) -> tuple[np.ndarray, list | None]:
+               int_labels=None, num_labels=None, head_hint="") -> tuple[np.ndarray, list | None]:
   """int32 label ids and the class names (None for int labels without names)."""
   kinds = {type(v) for _, v in raw}
   if len(kinds) > 1:
@@ -95,9 +140,12 @@ def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
                   else "not in label_names")
         raise ValueError(f"{where}: label {v!r} {source} (labels: {names})")
       if num_labels is not None and index[v] >= num_labels:
+        counts = collections.Counter(u for _, u in raw)
+        listed = ", ".join(f"{n!r} {counts[n]}" for n in names[:8]) + (
+            ", ..." if len(names) > 8 else "")
         raise ValueError(f"{where}: label {v!r} is id {index[v]}, outside the model's "
-                         f"num_labels={num_labels} ({len(names)} distinct labels; set "
-                         f"model.num_labels={len(names)})")
+                         f"num_labels={num_labels} ({len(names)} distinct labels: {listed}; "
+                         f"set model.num_labels={len(names)}{head_hint})")
       ids.append(index[v])
     return np.asarray(ids, np.int32), names
   for where, v in raw:
@@ -109,7 +157,10 @@ def _label_ids(path, raw: list[tuple[str, Any]], label_names, names_from=None,
       raise ValueError(f"{where}: label {v} has no name among the {len(label_names)} "
                        f"label_names (ids 0..{len(label_names) - 1})")
     if num_labels is not None and v >= num_labels:
+      low = min(u for _, u in raw)
+      based = (f"; the labels look {low}-based (the smallest is {low}): ids start at 0, so "
+               "ids below it would be classes never seen" if low > 0 else "")
       raise ValueError(f"{where}: label {v} is outside the model's num_labels={num_labels} "
                        f"(ids 0..{num_labels - 1}); set model.num_labels="
-                       f"{max(u for _, u in raw) + 1}")
+                       f"{max(u for _, u in raw) + 1}{head_hint}{based}")
   return np.asarray([v for _, v in raw], np.int32), label_names

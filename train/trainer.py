@@ -33,7 +33,7 @@ from train import sharding
 from train import loss_scale
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig
-from train.loss import loss_and_metrics
+from train.loss import eval_metrics, loss_and_metrics, macro_f1
 from train.model import build_model, split_trainable, trainable_filter
 from train.optim import make_optimizer
 
@@ -218,8 +218,8 @@ class Trainer:
 
     @matmul_precision(cfg.precision)
     def step(params, rest, batch):
-      return loss_and_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task,
-                              cfg.lm_loss_chunk)[1]
+      return eval_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task,
+                          cfg.lm_loss_chunk)
 
     return jax.jit(step, compiler_options=self.compiler_options)
 
@@ -254,13 +254,21 @@ class Trainer:
 
   def evaluate(self, batches) -> dict:
     loss = correct = count = 0.0
+    confusion = None
     for batch in batches:
       # a last partial batch that the mesh cannot split runs unsharded
       b = (self.put(batch) if self.mesh is None or _divisible(batch, self.mesh)
            else {k: jnp.asarray(v) for k, v in batch.items()})
-      l, c, n = jax.device_get(self.eval_step(self.state["params"], self.state["rest"], b))
+      l, c, n, m = jax.device_get(self.eval_step(self.state["params"], self.state["rest"], b))
       loss, correct, count = loss + float(l), correct + float(c), count + float(n)
-    return {"eval_loss": loss / max(count, 1), "eval_accuracy": correct / max(count, 1)}
+      confusion = m if confusion is None else confusion + m
+    out = {"eval_loss": loss / max(count, 1), "eval_accuracy": correct / max(count, 1)}
+    if confusion is not None:  # a classifier: macro F1 (and, of two classes, class 1's)
+      out["eval_f1_macro"] = macro_f1(confusion)
+      if confusion.shape[0] == 2:
+        tp, fp, fn = confusion[1, 1], confusion[0, 1], confusion[1, 0]
+        out["eval_f1"] = float(2 * tp / max(2 * tp + fp + fn, 1))
+    return out
 
   # checkpoint helpers: the state as a list of leaves, restored into this structure
   def save(self, ckpt: Checkpoints, data_state: dict, extra: dict | None = None) -> None:
