@@ -1268,6 +1268,17 @@ def test_the_policy_is_named_by_its_canonical_spec_and_compared_so():
       "policy 'gone' -> 'lowmem'"]
 
 
+def test_a_field_added_since_the_checkpoint_is_no_change_at_its_default():
+  """A checkpoint written before a config field existed (loss_scale, text_key) resumes
+  without a warning naming that field at its default (it said "loss_scale (unset) ->
+  'auto'"); set to something else, it is named."""
+  cfg = config_lib.TrainConfig()
+  saved = {k: v for k, v in cfg.to_json().items() if k not in ("loss_scale", "text_key")}
+  assert config_lib.config_diff(saved, cfg) == []
+  assert config_lib.config_diff(saved, cfg.replace(loss_scale="none")) == [
+      "loss_scale (unset) -> 'none'"]
+
+
 def test_a_resume_with_new_steps_says_where_the_learning_rate_jumps():
   """A new ``steps`` lays the schedule over the new total: said where the rate the run
   goes on with changes (not in warmup, not for a constant schedule or a finished run)."""

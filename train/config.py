@@ -457,6 +457,10 @@ def config_diff(saved: dict, cfg: TrainConfig) -> list[str]:
       old["policy"] = MemoryPolicy.parse(old["policy"]).spec
     except ValueError:  # a policy this version does not know: shown as saved
       pass
+  # a field added since the checkpoint was written, at its default: no change to name
+  defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+  for k in [k for k in new if k not in old and k in defaults and new[k] == defaults[k]]:
+    new.pop(k)
   show = lambda d, k: repr(d[k]) if k in d else "(unset)"
   return [f"{k} {show(old, k)} -> {show(new, k)}" for k in sorted(set(old) | set(new))
           if k not in old or k not in new or old[k] != new[k]]
