@@ -1177,3 +1177,20 @@ def test_macro_f1_of_a_confusion_matrix():
   confusion = np.array([[3, 2, 0], [1, 4, 0], [0, 0, 0]])
   assert macro_f1(confusion) == pytest.approx((6 / 9 + 8 / 11) / 2)
   assert macro_f1(np.zeros((2, 2))) == 0.0
+
+
+def test_causal_lm_encodes_in_chunks_to_the_same_arrays(tmp_path, tokenizer_path, monkeypatch):
+  """jsonl records are encoded ENCODE_CHUNK at a time and written into the arrays as they
+  come (all Encodings at once peaked at ~75x the file's size): the arrays, the dropped
+  rows and the warnings are those of one chunk."""
+  from train import causal_lm as causal_lm_module
+  rows = [{"text": "hello there " * (i % 7)} if i % 3 else
+          {"instruction": f"say {i}", "input": "", "output": "word " * (i % 5)}
+          for i in range(11)]
+  path = write_jsonl(tmp_path / "lm.jsonl", rows)
+  whole = causal_lm(path, tokenizer_path, max_len=12)
+  monkeypatch.setattr(causal_lm_module, "ENCODE_CHUNK", 2)
+  chunked = causal_lm(path, tokenizer_path, max_len=12)
+  assert len(whole) == len(chunked) < len(rows)  # some rows have nothing to train on
+  for key in whole.arrays:
+    np.testing.assert_array_equal(whole.arrays[key], chunked.arrays[key])

@@ -10,6 +10,7 @@ import numpy as np
 
 from train.dataset import ArrayDataset
 from train.jsonl import field, read_jsonl
+from train.causal_lm import ENCODE_CHUNK
 from train.tokenize import check_max_len, load_tokenizer
 
 
@@ -55,25 +56,28 @@ def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text"
     raise ValueError(f"max_len={max_len} leaves no room for text after the tokenizer's "
                      f"{n_special} special tokens")
   tok.enable_truncation(max_length=int(max_len))
-  try:
-    encodings = tok.encode_batch(texts, add_special_tokens=True)
-  except Exception as e:  # tokenizers raises its own exception type on impossible truncation
-    raise ValueError(f"cannot encode {path} with max_len={max_len}: {e}") from e
-  n = len(encodings)
+  n = len(texts)
   tokens = np.full((n, max_len), pad_id, np.int32)
   types = np.zeros((n, max_len), np.int32)
   mask = np.zeros((n, max_len), bool)
-  for i, enc in enumerate(encodings):
-    ids = enc.ids[:max_len]
-    tokens[i, :len(ids)] = ids
-    types[i, :len(ids)] = enc.type_ids[:max_len]
-    mask[i, :len(ids)] = True
+  truncated = 0
+  for start in range(0, n, ENCODE_CHUNK):  # written as encoded: no Encoding of all at once
+    try:
+      encodings = tok.encode_batch(texts[start:start + ENCODE_CHUNK], add_special_tokens=True)
+    except Exception as e:  # tokenizers raises its own type on impossible truncation
+      raise ValueError(f"cannot encode {path} with max_len={max_len}: {e}") from e
+    for i, enc in enumerate(encodings, start):
+      ids = enc.ids[:max_len]
+      tokens[i, :len(ids)] = ids
+      types[i, :len(ids)] = enc.type_ids[:max_len]
+      mask[i, :len(ids)] = True
+      truncated += bool(enc.overflowing)
   arrays = {"tokens": tokens, "mask": mask, "label": labels}
   if text_pair_key is not None:
     arrays["types"] = types
   ds = ArrayDataset(arrays)
   ds.class_names = class_names
-  ds.truncated = sum(bool(enc.overflowing) for enc in encodings)
+  ds.truncated = truncated
   ds.empty = empty
   return ds
 
