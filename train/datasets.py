@@ -72,8 +72,9 @@ def make_datasets(cfg: TrainConfig, model=None):
     raise ValueError(f"max_len={cfg.max_len} exceeds the {model_cfg.max_tokens} positions "
                      f"of model {cfg.pretrained or cfg.model}; set max_len <= "
                      f"{model_cfg.max_tokens}")
-  tokenizer = cfg.tokenizer or (os.path.join(resolve_path(cfg.pretrained), "tokenizer.json")
-                                if cfg.pretrained else None)
+  tokenizer = (resolve_path(cfg.tokenizer) if cfg.tokenizer else
+               os.path.join(resolve_path(cfg.pretrained), "tokenizer.json")
+               if cfg.pretrained else None)
   if tokenizer is None:
     raise ValueError(f"task={cfg.task!r} needs tokenizer=<tokenizer.json> or pretrained=<dir>")
   if cfg.task == "lm":

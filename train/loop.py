@@ -92,16 +92,17 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
   out = Path(cfg.out_dir)
   # the checkpoint's fingerprint before the model reads it; written with config.json
   record = pretrained_record.take(cfg, out, resuming=cfg.resume and runs.has_checkpoint(out))
-  plan = None
+  plan = kept = None
+  if cfg.memory_budget is not None and cfg.resume and runs.has_checkpoint(out):
+    kept = _checkpoint_plan(cfg, out)
+  # the data first, checked against the model's shapes (a bad line is found before a 7B
+  # checkpoint is read), then the plan, then the model
+  train_set, eval_set = make_datasets(
+      cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
+  check_for_run(cfg, train_set, eval_set)
   if cfg.memory_budget is None:
     model = _built(cfg)
-    train_set, eval_set = make_datasets(cfg, model)
-    check_for_run(cfg, train_set, eval_set)
-  else:  # the data first (checked against the model's shapes), then the plan, then the model
-    kept = _checkpoint_plan(cfg, out) if cfg.resume and runs.has_checkpoint(out) else None
-    train_set, eval_set = make_datasets(
-        cfg, nnx.eval_shape(lambda: build_model(cfg, load_weights=False)))
-    check_for_run(cfg, train_set, eval_set)
+  else:
     cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, eval_set,
                                                             budget)
     model = build_model(cfg)
