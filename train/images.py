@@ -9,6 +9,7 @@ and the digits resized for a model of another size (:func:`resized`), each per b
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -178,19 +179,32 @@ def load_images(scan: ImageFiles, *, image_size: int, channels: int = 3) -> Arra
   # of the size), made [0, 1] per batch: the same values, 4x less memory; in float32 from
   # the first image that is not
   image = np.empty((len(files), image_size, image_size, channels), np.uint8)
-  for i, f in enumerate(files):
+  if len(files) >= SAY_DECODING:
+    print(f"images: decoding {len(files)} files of {scan.root} into "
+          f"{image.nbytes / 2**30:.2f} GiB ({len(files)} x {image_size} x {image_size} x "
+          f"{channels} uint8) on {DECODE_THREADS} threads", flush=True)
+
+  def load(f):
     if f.suffix.lower() == ".npy":
-      a = _load_npy_image(f, image_size, channels)
-    else:
-      a = _load_pil_image(pil, f, image_size, channels)
-    if a.dtype != np.uint8:
-      image = _unit(image)  # a no-op once the folder is float32
-    image[i] = a if image.dtype == np.uint8 else _unit(a)
+      return _load_npy_image(f, image_size, channels)
+    return _load_pil_image(pil, f, image_size, channels)
+
+  # Pillow decodes and resizes without the GIL: threads decode in parallel
+  with concurrent.futures.ThreadPoolExecutor(DECODE_THREADS) as pool:
+    for i, a in enumerate(pool.map(load, files)):
+      if a.dtype != np.uint8:
+        image = _unit(image)  # a no-op once the folder is float32
+      image[i] = a if image.dtype == np.uint8 else _unit(a)
   ds = ArrayDataset({"image": image, "label": np.asarray(scan.labels, np.int32)})
   if image.dtype == np.uint8:
     ds = ds.with_transform(lambda batch: {**batch, "image": _unit(batch["image"])})
   ds.class_names = scan.class_names
   return ds
+
+
+# a folder of at least this many files says what it decodes into, and on how many threads
+SAY_DECODING = 1000
+DECODE_THREADS = min(os.cpu_count() or 1, 16)
 
 
 def _unit(a: np.ndarray) -> np.ndarray:
@@ -212,6 +226,9 @@ def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
   mode = {1: "L", 3: "RGB", 4: "RGBA"}[channels]
   try:
     with pil.open(f) as im:
+      # a JPEG at least 4x the size across: decoded at a power-of-two scale of it, still
+      # twice the size, then resized as any (a 12 MP photo: 3.8x faster; within 2 codes)
+      im.draft(None, (2 * size, 2 * size))
       im = _upright(im, ImageOps)  # a phone photo upright, as it is shown
       if im.mode in _WIDE_MODES:
         wide = np.asarray(im)
