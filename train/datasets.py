@@ -81,9 +81,14 @@ def make_datasets(cfg: TrainConfig, model=None):
     load = functools.partial(causal_lm, tokenizer=tokenizer, max_len=cfg.max_len)
     in_vocab = functools.partial(_in_vocab, model_cfg=model_cfg, tokenizer=tokenizer,
                                  pretrained=cfg.pretrained)
-    return (in_vocab(load(cfg.data), path=cfg.data),
-            None if cfg.eval_data is None else in_vocab(load(cfg.eval_data),
-                                                        path=cfg.eval_data))
+    out = [None if path is None else in_vocab(load(path), path=path)
+           for path in (cfg.data, cfg.eval_data)]
+    for path, dataset in zip((cfg.data, cfg.eval_data), out):
+      if dataset is not None:  # each row is padded to max_len: the share that trains said
+        mask = dataset.arrays["loss_mask"]
+        print(f"lm: {path}: {len(dataset)} rows of max_len={cfg.max_len}, {int(mask.sum())} "
+              f"tokens in the loss ({mask.mean():.0%} of the row slots)", flush=True)
+    return tuple(out)
   num_labels = (getattr(model_cfg, "num_labels", None) if model_cfg is not None
                 else cfg.model_overrides.get("num_labels"))
   load = functools.partial(
