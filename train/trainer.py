@@ -29,8 +29,7 @@ from lowmem_jax import gpu_target
 from lowmem_jax.memory import StepMemory, compiled_memory
 from lowmem_jax.policy import MemoryPolicy
 from models import sites
-from train import sharding
-from train import loss_scale
+from train import loss_scale, sharding
 from train.checkpoint import Checkpoints
 from train.config import TrainConfig
 from train.loss import eval_metrics, loss_and_metrics, macro_f1
