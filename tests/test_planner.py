@@ -296,24 +296,33 @@ def test_train_runs_the_plan(tmp_path, capsys, monkeypatch):
   result = train(_cfg(f"out_dir={tmp_path}", "memory_budget=1TiB", "policy=lowmem",
                       "save_every=0", "steps=2", "resume=true"))
   out = capsys.readouterr().out
-  assert ("planner: resuming the plan the run chose (policy lowmembp, grad_accum 1, "
-          "checkpoint step 1); memory_budget is not planned again") in out
+  assert (f"planner: resuming the plan the run chose (policy lowmembp, grad_accum 1, "
+          f"eval_batch_size {saved['eval_batch_size']}, checkpoint step 1); memory_budget is "
+          "not planned again") in out
   assert "expected speed" not in out and "resumed from step 1" in out and result["step"] == 2
   saved = json.loads((Path(tmp_path) / "config.json").read_text())
   assert (saved["policy"], saved["grad_accum"]) == ("lowmembp", 1)
+  # the eval batch the plan chose is kept too, whatever the command's config says (a
+  # named config's default replaced a halved one: an eval over the budget)
+  from train.loop import _checkpoint_plan
+  other = f"eval_batch_size={3 * saved['eval_batch_size']}"
+  kept = _checkpoint_plan(_cfg("memory_budget=1TiB", other), Path(tmp_path))
+  assert (kept.policy, kept.grad_accum, kept.eval_batch_size) == (
+      "lowmembp", 1, saved["eval_batch_size"])
   # the command's own policy on a planned run is refused (before, silently replaced by
   # the plan's); with the budget turned off it is a resume under another policy
   from train.runs import resumed_config
   where = _cfg(f"out_dir={tmp_path}")
-  with pytest.raises(ValueError, match=r"^policy: the run in .* chose its policy and "
-                     r"grad_accum by memory_budget=1TiB, which a resume keeps; to resume "
-                     r"under another, add --set memory_budget=null$"):
+  with pytest.raises(ValueError, match=r"^policy: the run in .* chose its policy, "
+                     r"grad_accum and eval batch by memory_budget=1TiB, which a resume "
+                     r"keeps; to resume under another, add --set memory_budget=null$"):
     resumed_config(where, ["policy=baseline", "steps=3"])
   assert resumed_config(where, ["policy=baseline", "memory_budget=null"]).policy == "baseline"
   # the same when the command also names a config (before: silently resumed the plan)
   from train.__main__ import main
   with pytest.raises(ValueError, match=r"^grad_accum, policy: the run in .* chose its "
-                     r"policy and grad_accum by memory_budget=1TiB, which a resume keeps"):
+                     r"policy, grad_accum and eval batch by memory_budget=1TiB, which a "
+                     r"resume keeps"):
     main(["--config-name", "digits-vit", "--resume", "--out-dir", str(tmp_path), "--set",
           "memory_budget=1TiB", "--policy", "baseline", "--set", "grad_accum=2"])
   # a run that was not planned is not said to be (the loop refuses the budget itself)

@@ -417,6 +417,12 @@ def test_float16_scales_its_loss_and_says_so_where_it_does_not(tmp_path, capsys)
   logged = [r for r in records if "loss_scale" in r]
   assert [r["step"] for r in logged] == [1, 2], records
   assert all(r["loss_scale"] >= 1 and r["skipped_steps"] in (0, 1, 2) for r in logged)
+  # the learning rate logged is the one applied: skipped steps do not advance the
+  # optimizer's count, which its schedule reads (it was logged by the step number)
+  from train.optim import make_schedule
+  schedule = make_schedule(_cfg(tmp_path / "a", "steps=2"))
+  for r in logged:
+    assert r["lr"] == pytest.approx(float(schedule(r["step"] - 1 - r["skipped_steps"])))
   train(_cfg(tmp_path / "b", "steps=1", "save_every=0", "dtype=float16", "loss_scale=none"))
   assert loop.FLOAT16_WARNING in capsys.readouterr().err
 
@@ -1664,3 +1670,16 @@ def test_lm_data_says_the_share_of_row_slots_that_trains(tmp_path, capsys):
   # [CLS] a b c [SEP]: 4 targets of 16 slots a row
   assert f"lm: {data}: 4 rows of max_len=16, 16 tokens in the loss (25% of the row slots)" \
       in capsys.readouterr().out
+
+
+def test_keep_checkpoints_says_how_many_stay(tmp_path):
+  """The newest ``keep_checkpoints`` checkpoints stay (it was a fixed 3, said nowhere)."""
+  from train.checkpoint import Checkpoints
+  train(_cfg(tmp_path, "steps=5", "save_every=1", "keep_checkpoints=2", "eval_every=0"))
+  ckpt = Checkpoints(tmp_path / "checkpoints")
+  try:
+    assert ckpt.steps() == [4, 5]
+  finally:
+    ckpt.close()
+  with pytest.raises(ValueError, match="keep_checkpoints must be >= 1, got 0"):
+    config_lib.TrainConfig(keep_checkpoints=0)

@@ -95,6 +95,7 @@ class TrainConfig:
   log_every: int = 10                 # also how often the host checks for a non-finite step
   out_dir: str | None = None          # None: a new runs/<name>/<YYYYmmdd-HHMMSS> per run
   save_every: int = 100               # checkpoint period in steps; 0: only at the end
+  keep_checkpoints: int = 3           # the newest checkpoints kept (older ones deleted)
   resume: bool = False                # continue out_dir's run (None: the newest of <name>)
   overwrite: bool = False             # replace the run already in out_dir
   export_dir: str | None = None       # at the end, write HF safetensors (LoRA merged in)
@@ -125,7 +126,8 @@ class TrainConfig:
     choice("precision", PRECISIONS)
     choice("loss_scale", loss_scale.MODES)
     for op, low, fields in ((">=", 1, ("max_len", "batch_size", "eval_batch_size", "steps",
-                                        "grad_accum", "lora_rank", "log_every")),
+                                        "grad_accum", "lora_rank", "log_every",
+                                        "keep_checkpoints")),
                             (">", 0, ("lr",)),  # 0: a run whose parameters never move
                             (">=", 0, ("weight_decay", "grad_clip", "warmup_steps",
                                        "eval_every", "save_every", "seed"))):
@@ -430,7 +432,7 @@ def add_config_arguments(parser) -> None:
 # change them without a warning.
 BOOKKEEPING = ("name", "out_dir", "resume", "overwrite", "profile_dir", "profile_start",
                "profile_stop", "memory_profile", "export_dir", "compare_baseline",
-               "distributed", "compile_cache")
+               "distributed", "compile_cache", "keep_checkpoints")
 
 
 def _absolute_paths(values: dict) -> dict:

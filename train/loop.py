@@ -118,7 +118,8 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
     runs.delete_previous(out)
   # closed however the run ends (orbax's and tensorboard's threads, left running at an
   # interrupt, crashed the interpreter's exit)
-  with contextlib.closing(Checkpoints(out / "checkpoints")) as ckpt:
+  with contextlib.closing(Checkpoints(out / "checkpoints",
+                                      max_to_keep=cfg.keep_checkpoints)) as ckpt:
     return _train_steps(cfg, out, trainer, ckpt, batches, eval_set, plan, record, ctrl_c)
 
 
@@ -224,7 +225,7 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
         loss = float(metrics["loss"])
         dt = time.perf_counter() - t0 - paused
         record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
-                  "lr": float(schedule(step - 1)),
+                  "lr": float(schedule(step - 1 - int(metrics.get("skipped_steps", 0)))),
                   "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
         if "loss_scale" in metrics:  # float16: the scale and the steps skipped so far
           record |= {"loss_scale": float(metrics["loss_scale"]),
@@ -610,8 +611,8 @@ def _plan(cfg: TrainConfig, train_set, eval_set,
 
 
 def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig:
-  """A resumed planned run keeps its plan: ``cfg`` with the policy and grad_accum of the
-  newest checkpoint in ``out`` that records them (said), not planned again (another plan
+  """A resumed planned run keeps its plan: ``cfg`` with the policy, grad_accum and eval
+  batch of the newest checkpoint in ``out`` that records them (said), not planned again (another plan
   could change the state's arrays, and the run's numerics). A run that was not planned
   keeps its own: a ValueError saying so (a budget added at a resume), before any work."""
   ckpt = Checkpoints(out / "checkpoints")
@@ -622,14 +623,17 @@ def _checkpoint_plan(cfg: TrainConfig, out: Path) -> TrainConfig:
   for step, meta in metas:
     saved = meta.get("config", {})
     if saved.get("memory_budget") is not None and "policy" in saved and "grad_accum" in saved:
+      # the eval batch too, where the plan halved it to fit (or it is over the budget)
+      eval_batch = saved.get("eval_batch_size", cfg.eval_batch_size)
       print(f"planner: resuming the plan the run chose (policy {saved['policy']}, grad_accum "
-            f"{saved['grad_accum']}, checkpoint step {step}); memory_budget is not planned "
-            "again (a new run plans afresh)", flush=True)
+            f"{saved['grad_accum']}, eval_batch_size {eval_batch}, checkpoint step {step}); "
+            "memory_budget is not planned again (a new run plans afresh)", flush=True)
       if cfg.batch_size % saved["grad_accum"]:
         raise ValueError(f"batch_size {cfg.batch_size} is not a multiple of grad_accum "
                          f"{saved['grad_accum']}, which the run's plan chose and a resume "
                          "keeps; resume with a batch_size it divides, or plan a new run")
-      return cfg.replace(policy=saved["policy"], grad_accum=saved["grad_accum"])
+      return cfg.replace(policy=saved["policy"], grad_accum=saved["grad_accum"],
+                         eval_batch_size=eval_batch)
   saved = metas[0][1].get("config", {}) if metas else {}
   raise ValueError(
       f"memory_budget={cfg.memory_budget}: the run in {out} was not planned (policy "

@@ -286,8 +286,9 @@ def refuse_named_plan(folder: Path | None, named: set[str], budget) -> None:
   """A resume of a run planned by ``memory_budget`` keeps the policy and grad_accum the
   plan chose (``train.loop``): a command that also names either, with a ``budget`` in
   effect (not ``memory_budget=null``), is a ValueError before any work, where it would be
-  silently replaced. A run that was not planned is left to the loop's own check."""
-  changed = sorted(named & {"policy", "grad_accum"})
+  silently replaced (the eval batch too, which the plan may have halved). A run that was
+  not planned is left to the loop's own check."""
+  changed = sorted(named & {"policy", "grad_accum", "eval_batch_size"})
   saved = None if folder is None else Path(folder) / "config.json"
   if budget is None or not changed or saved is None or not saved.is_file():
     return
@@ -297,9 +298,9 @@ def refuse_named_plan(folder: Path | None, named: set[str], budget) -> None:
     return  # an unreadable config.json is the resume's own error
   if planned is not None:
     raise ValueError(
-        f"{', '.join(changed)}: the run in {folder} chose its policy and grad_accum by "
-        f"memory_budget={planned}, which a resume keeps; to resume under another, add "
-        "--set memory_budget=null")
+        f"{', '.join(changed)}: the run in {folder} chose its policy, grad_accum and eval "
+        f"batch by memory_budget={planned}, which a resume keeps; to resume under another, "
+        "add --set memory_budget=null")
 
 
 def prepare(cfg: TrainConfig, primary: bool = True) -> TrainConfig:
