@@ -347,6 +347,10 @@ def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "ba
   fresh = any(isinstance(e, MapLinear) and e.keep_weights for e in entries)
   model = build() if fresh else nnx.eval_shape(build)
   _read(model, state, entries, store, source=str(path), ignore=ignore)
+  kept = [e.path for e in entries if isinstance(e, MapLinear) and e.keep_weights]
+  if kept and not isinstance(path, Mapping):  # as transformers' "newly initialized" list
+    _warn_once(f"note: {path} has no {', '.join(kept)} for this model: initialised from "
+               f"seed {seed}, trained from there")
   init_unread(model, build)
   return model
 
@@ -426,6 +430,9 @@ def _reader(model, state, entries, source: str, ignore=()) -> StateReader:
                             "new_head=True, or train with new_head=true)") from None
     # only head keys wrong (another task's head: a token classifier's): the same way out
     wrong = [k for k in expected if k not in state] + reader.unexpected(set(expected))
+    if wrong == ["lm_head.weight"]:  # a LlamaModel save of untied embeddings
+      raise CheckpointError(f"{e} (a base-model save without the LM head, whose "
+                            "embeddings are not tied: give the *ForCausalLM checkpoint)") from None
     if head and not ignore and wrong and all(
         any(h in k for h in head) for k in wrong):
       raise CheckpointError(f"{e} (the checkpoint's head is another task's: load with "

@@ -1179,7 +1179,8 @@ def test_macro_f1_of_a_confusion_matrix():
   assert macro_f1(np.zeros((2, 2))) == 0.0
 
 
-def test_causal_lm_encodes_in_chunks_to_the_same_arrays(tmp_path, tokenizer_path, monkeypatch):
+def test_causal_lm_encodes_in_chunks_to_the_same_arrays(tmp_path, tokenizer_path, monkeypatch,
+                                                         capsys):
   """jsonl records are encoded ENCODE_CHUNK at a time and written into the arrays as they
   come (all Encodings at once peaked at ~75x the file's size): the arrays, the dropped
   rows and the warnings are those of one chunk."""
@@ -1189,9 +1190,11 @@ def test_causal_lm_encodes_in_chunks_to_the_same_arrays(tmp_path, tokenizer_path
           for i in range(11)]
   path = write_jsonl(tmp_path / "lm.jsonl", rows)
   whole = causal_lm(path, tokenizer_path, max_len=12)
+  said = capsys.readouterr().err
   monkeypatch.setattr(causal_lm_module, "ENCODE_CHUNK", 2)
   chunked = causal_lm(path, tokenizer_path, max_len=12)
   assert len(whole) == len(chunked) < len(rows)  # some rows have nothing to train on
+  assert "have no token to train on" in said and capsys.readouterr().err == said
   for key in whole.arrays:
     np.testing.assert_array_equal(whole.arrays[key], chunked.arrays[key])
 
@@ -1210,9 +1213,22 @@ def test_large_jpegs_decode_at_a_reduced_scale_on_threads(tmp_path, monkeypatch,
     for i in range(3):
       pil.fromarray(np.roll(smooth, 40 * i, axis=1)).save(tmp_path / c / f"{i}.jpg", quality=95)
   monkeypatch.setattr(images, "SAY_DECODING", 1)
+  monkeypatch.setattr(images, "DECODE_THREADS", 3)
+  from PIL import JpegImagePlugin
+  drafts, threads, draft = [], set(), JpegImagePlugin.JpegImageFile.draft
+
+  def spy(self, mode, size):
+    threads.add(__import__("threading").get_ident())
+    drafts.append(draft(self, mode, size))
+    return drafts[-1]
+  monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", spy)
   ds = images.load_images(images.scan_folder(tmp_path), image_size=32, channels=3)
-  assert f"images: decoding 6 files of {tmp_path} into 0.00 GiB (6 x 32 x 32 x 3 uint8)" in \
-      capsys.readouterr().out
+  assert (f"images: decoding 6 files of {tmp_path} into 0.00 GiB (6 x 32 x 32 x 3 uint8) on "
+          "3 threads") in capsys.readouterr().out
+  # each decoded at 1/8 scale (768 x 512 -> 96 x 64), on threads other than this one
+  assert [box for _, box in drafts] == [(0, 0, 96.0, 64.0)] * 6
+  assert threads and __import__("threading").get_ident() not in threads
+  monkeypatch.setattr(JpegImagePlugin.JpegImageFile, "draft", draft)
   for i, f in enumerate(images.scan_folder(tmp_path).files):
     with pil.open(f) as im:  # the full decode, resized the same way
       full = np.asarray(im.convert("RGB").resize((32, 32), pil.Resampling.BILINEAR))

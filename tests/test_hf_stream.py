@@ -494,9 +494,16 @@ def test_a_llama_model_save_without_the_model_prefix_loads(tmp_path):
   ours, theirs = hf.load_pretrained(path), hf.load_pretrained(fx.DATA / "llama_tied")
   jax.tree.map(np.testing.assert_array_equal, nnx.state(ours, nnx.Param),
                nnx.state(theirs, nnx.Param))
+  untied = _resaved(tmp_path / "u", "llama_untied", lambda s: {
+      k.removeprefix("model."): v for k, v in s.items() if k != "lm_head.weight"})
+  assert _error(untied) == (
+      f"{untied}: checkpoint does not match the model: missing keys (1): lm_head.weight (a "
+      "base-model save without the LM head, whose embeddings are not tied: give the "
+      "*ForCausalLM checkpoint)")
 
 
-def test_bert_bodies_under_another_tasks_head_load_as_transformers_loads_them(tmp_path):
+def test_bert_bodies_under_another_tasks_head_load_as_transformers_loads_them(tmp_path,
+                                                                            capsys):
   """A question-answering BERT (``qa_outputs``) loads its body with a fresh head, a token
   classifier's (no pooler) with a fresh pooler, as transformers'
   BertForSequenceClassification does; a RoBERTa token classifier's head (``classifier``
@@ -514,6 +521,8 @@ def test_bert_bodies_under_another_tasks_head_load_as_transformers_loads_them(tm
   tokens = _resaved(tmp_path / "t", "bert", lambda s: {
       k: v for k, v in s.items() if not k.startswith("bert.pooler.")})
   model, fresh = hf.load_pretrained(tokens), hf.load_pretrained(tokens, new_head=True)
+  assert (f"note: {tokens} has no pooler for this model: initialised from seed 0, trained "
+          "from there") in capsys.readouterr().err  # as transformers' "newly initialized"
   np.testing.assert_array_equal(model.pooler.kernel[...], fresh.pooler.kernel[...])
   np.testing.assert_array_equal(np.asarray(model.classifier.kernel[...]).T,
                                 hf.read_safetensors(tokens)["classifier.weight"])

@@ -1683,3 +1683,12 @@ def test_keep_checkpoints_says_how_many_stay(tmp_path):
     ckpt.close()
   with pytest.raises(ValueError, match="keep_checkpoints must be >= 1, got 0"):
     config_lib.TrainConfig(keep_checkpoints=0)
+
+
+def test_text_fields_are_for_the_text_task():
+  """text_key and its kin set for an lm run were silently ignored (the lm reads "text" or
+  "instruction"/"output"): refused, naming what it reads."""
+  with pytest.raises(ValueError, match=re.escape(
+      "TrainConfig: text_key is for task=text; task='lm' reads its own fields")):
+    config_lib.TrainConfig(task="lm", model="llama-tiny", text_key="content")
+  config_lib.TrainConfig(task="text", text_key="content", text_pair_key="other")

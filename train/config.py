@@ -125,6 +125,13 @@ class TrainConfig:
     choice("dtype", ("bfloat16", "float16", "float32"))
     choice("precision", PRECISIONS)
     choice("loss_scale", loss_scale.MODES)
+    if self.task != "text":  # the lm task reads its own fields ("text", "instruction", ...)
+      for field, default in (("text_key", "text"), ("label_key", "label"),
+                             ("text_pair_key", None)):
+        if getattr(self, field) != default:
+          raise ValueError(f"TrainConfig: {field} is for task=text; task={self.task!r} "
+                           "reads its own fields (lm: 'text', or 'instruction'/'input'/"
+                           "'output')")
     for op, low, fields in ((">=", 1, ("max_len", "batch_size", "eval_batch_size", "steps",
                                         "grad_accum", "lora_rank", "log_every",
                                         "keep_checkpoints")),

@@ -180,9 +180,11 @@ def load_images(scan: ImageFiles, *, image_size: int, channels: int = 3) -> Arra
   # the first image that is not
   image = np.empty((len(files), image_size, image_size, channels), np.uint8)
   if len(files) >= SAY_DECODING:
+    wide = (", or 4x that as float32 if a .npy is not 8-bit"
+            if any(f.suffix.lower() == ".npy" for f in files) else "")
     print(f"images: decoding {len(files)} files of {scan.root} into "
           f"{image.nbytes / 2**30:.2f} GiB ({len(files)} x {image_size} x {image_size} x "
-          f"{channels} uint8) on {DECODE_THREADS} threads", flush=True)
+          f"{channels} uint8{wide}) on {DECODE_THREADS} threads", flush=True)
 
   def load(f):
     if f.suffix.lower() == ".npy":
@@ -227,7 +229,7 @@ def _load_pil_image(pil, f: Path, size: int, channels: int) -> np.ndarray:
   try:
     with pil.open(f) as im:
       # a JPEG at least 4x the size across: decoded at a power-of-two scale of it, still
-      # twice the size, then resized as any (a 12 MP photo: 3.8x faster; within 2 codes)
+      # twice the size, then resized as any (a 12 MP photo: 3.8x faster; within 3 codes)
       im.draft(None, (2 * size, 2 * size))
       im = _upright(im, ImageOps)  # a phone photo upright, as it is shown
       if im.mode in _WIDE_MODES:

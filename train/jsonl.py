@@ -31,7 +31,8 @@ def read_jsonl(path) -> list[tuple[str, dict]]:
     raise MissingFileError(f"data file not found: {p}")
   if p.suffix.lower() in (".csv", ".tsv"):
     raise ValueError(f"{p}: CSV/TSV is not read; write it as JSON lines, one object per "
-                     "row (pandas: pd.read_csv(f).to_json(out, orient='records', lines=True))")
+                     "row (pandas: pd.read_csv(f, sep=',' or '\\t').to_json(out, "
+                     "orient='records', lines=True))")
   text = read_text(p)
   if (p.suffix.lower() == ".json" and text.lstrip().startswith("{")
       and len([line for line in text.split("\n") if line.strip()]) > 1):  # not JSON lines
