@@ -1,5 +1,7 @@
 """train.loss_scale: dynamic loss scaling under float16, in the trainer's step."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -160,3 +162,58 @@ def test_scaling_keeps_the_float16_gradients_of_many_tokens_that_underflow_witho
   assert error["float16", "none"] > 0.05, error
   assert error["float16", "auto"] < 0.005, error
   assert error["float16", "auto"] < error["bfloat16", "none"] / 3, error
+
+
+def _run_cfg(out, *extra):
+  from train import config as config_lib
+  return config_lib.load_config("digits-vit", None, [
+      "model.num_layers=1", "model.dim=32", "model.mlp_dim=64", "batch_size=32",
+      "eval_every=0", "compare_baseline=false", "log_every=1", f"out_dir={out}", *extra])
+
+
+def test_a_resume_across_the_compute_dtype_starts_or_drops_the_scale(tmp_path, capsys):
+  """A bf16 run resumed in float16 (a GPU without bf16), or a float16 run resumed in
+  bf16: the rest of the state restored, the scale started afresh or dropped, said so (it
+  was refused: "67 arrays stored, 70 expected")."""
+  from train.loop import train
+  train(_run_cfg(tmp_path / "a", "steps=2"))
+  result = train(_run_cfg(tmp_path / "a", "steps=4", "dtype=float16", "resume=true"))
+  assert result["step"] == 4
+  assert ("note: checkpoint step 2 was written without a loss scale: float16 scaling starts "
+          "afresh at 65536") in capsys.readouterr().out
+  train(_run_cfg(tmp_path / "b", "steps=2", "dtype=float16"))
+  result = train(_run_cfg(tmp_path / "b", "steps=4", "dtype=bfloat16", "resume=true"))
+  assert result["step"] == 4
+  assert re.search(r"note: checkpoint step 2 was written with a float16 loss scale \(\d+\), "
+                   r"which this run's dtype=bfloat16 does not use: dropped",
+                   capsys.readouterr().out)
+
+
+def test_gradients_that_overflow_at_every_scale_stop_saying_so(tmp_path, monkeypatch):
+  """A backward that overflows whatever the scale: skipped down to the smallest scale,
+  then the run stops naming the float16 overflow and what to do (it read as any NaN);
+  the skipped steps log a null grad_norm (was NaN/Infinity: not JSON)."""
+  import json
+  import train.trainer as trainer_module
+  from train.loop import train
+  original = trainer_module.loss_and_metrics
+
+  @jax.custom_vjp
+  def blowup(x):
+    return x
+  blowup.defvjp(lambda x: (x, None), lambda _, g: (g * jnp.inf,))
+  monkeypatch.setattr(trainer_module, "loss_and_metrics",
+                      lambda *a: (lambda loss, aux: (blowup(loss), aux))(*original(*a)))
+  with pytest.raises(FloatingPointError, match=re.escape(
+      "float16 gradients overflowed at every loss scale down to 1 (16 steps skipped so "
+      "far): train in bfloat16 (the default) or float32")):
+    train(_run_cfg(tmp_path, "steps=40", "dtype=float16", "save_every=0"))
+  records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  logged = [r for r in records if "grad_norm" in r]
+  assert logged and all(r["grad_norm"] is None for r in logged)
+
+
+def test_confusion_counts_on_the_host():
+  from train.loss import confusion_counts
+  counts = confusion_counts([0, 1, 1, 2], [0, 1, 2, 2], 4)
+  assert counts.tolist() == [[1, 0, 0, 0], [0, 1, 1, 0], [0, 0, 1, 0], [0, 0, 0, 0]]

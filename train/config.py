@@ -349,8 +349,8 @@ def apply_overrides(cfg: TrainConfig, items: Sequence[str]) -> TrainConfig:
     if fields[key].type in ("str", "str | None") and value is not None \
         and not isinstance(value, str):
       value = text.strip()  # a name, path or list that looks like a number stays the text
-    if fields[key].type == "str" and value is None:
-      value = text.strip()  # a field that is never None: "none" is its name (loss_scale)
+    if key == "loss_scale" and value is None:
+      value = text.strip()  # "none" is one of its values, not None
     kind = type(default)
     if kind in _KIND_NAMES and not (isinstance(value, kind) and
                                     (kind is bool or not isinstance(value, bool))):

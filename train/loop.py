@@ -27,7 +27,8 @@ from lowmem_jax import cli_checks
 from lowmem_jax.memory import write_json
 from lowmem_jax.policy import MemoryPolicy
 from models import lora, sites
-from train import interrupt, kernel_time, planner, pretrained_record, runs, sharding
+from train import (interrupt, kernel_time, loss_scale, planner, pretrained_record, runs,
+                   sharding)
 from train.batches import Batches, batch_items
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import INPUT_FIELDS, TrainConfig, config_diff
@@ -224,7 +225,9 @@ def _train_steps(cfg: TrainConfig, out: Path, trainer: Trainer, ckpt: Checkpoint
       if log_now:
         loss = float(metrics["loss"])
         dt = time.perf_counter() - t0 - paused
-        record = {"step": step, "loss": loss, "grad_norm": float(metrics["grad_norm"]),
+        grad_norm = float(metrics["grad_norm"])  # a skipped float16 step's: inf, logged null
+        record = {"step": step, "loss": loss,
+                  "grad_norm": grad_norm if math.isfinite(grad_norm) else None,
                   "lr": float(schedule(step - 1 - int(metrics.get("skipped_steps", 0)))),
                   "steps_per_s": (step - last_step) / dt, "items_per_s": t_items / dt}
         if "loss_scale" in metrics:  # float16: the scale and the steps skipped so far
@@ -656,9 +659,16 @@ def _stop_if_non_finite(trainer: Trainer, ckpt: Checkpoints, data_after: dict) -
       trainer.save(ckpt, data_after[good], {"reason": "non-finite"})
   except Exception as e:  # noqa: BLE001 - the NaN is the message, the save a footnote
     saved = f"could not be saved ({type(e).__name__}: {str(e)[:80]})"
+  scaling = jax.device_get(trainer.state.get("loss_scale"))
+  hint = ""
+  if scaling is not None and math.isfinite(bad["loss"]) and \
+      float(scaling["scale"]) <= loss_scale.MIN_SCALE:
+    hint = (f"; float16 gradients overflowed at every loss scale down to "
+            f"{loss_scale.MIN_SCALE:g} ({int(scaling['skipped'])} steps skipped so far): "
+            "train in bfloat16 (the default) or float32")
   raise FloatingPointError(
       f"non-finite loss or gradient at step {bad['step']} (loss {bad['loss']}, "
-      f"grad norm {bad['grad_norm']}); the last good state (step {good}) {saved}")
+      f"grad norm {bad['grad_norm']}); the last good state (step {good}) {saved}{hint}")
 
 
 def _resume(trainer: Trainer, ckpt: Checkpoints, batches, cfg: TrainConfig) -> int:

@@ -8,7 +8,6 @@ the loss is taken on the model's logits.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,20 +15,24 @@ from lowmem_jax.lm_loss import DEFAULT_CHUNK, logits_cross_entropy
 
 
 def eval_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK):
-  """``(loss_sum, correct, count, confusion)``: :func:`loss_and_metrics`' sums and, for a
-  classifier (image, text), the ``[K, K]`` counts of (label, prediction) pairs, from the
-  same logits (None for lm)."""
+  """``(loss_sum, correct, count, predictions, classes)``: :func:`loss_and_metrics`' sums
+  and, for a classifier (image, text), each example's predicted class from the same logits
+  and the number of classes (None, None for lm), which the host counts against the labels
+  (O(batch) out, whatever the classes)."""
   if task == "lm":
-    return (*loss_and_metrics(model, batch, task, lm_loss_chunk)[1], None)
+    return (*loss_and_metrics(model, batch, task, lm_loss_chunk)[1], None, None)
   logits = (model(batch["image"]) if task == "image"
             else model(batch["tokens"], batch["mask"], batch.get("types")))
   losses, correct = logits_cross_entropy(logits, batch["label"])
-  k = logits.shape[-1]
-  truth = jax.nn.one_hot(batch["label"], k, dtype=jnp.int32)
-  guess = jax.nn.one_hot(jnp.argmax(logits, axis=-1), k, dtype=jnp.int32)
-  confusion = jnp.einsum("bi,bj->ij", truth, guess)
   return (jnp.sum(losses), jnp.sum(correct.astype(jnp.float32)),
-          jnp.float32(losses.shape[0]), confusion)
+          jnp.float32(losses.shape[0]), jnp.argmax(logits, axis=-1).astype(jnp.int32),
+          jnp.int32(logits.shape[-1]))
+
+
+def confusion_counts(labels, predictions, num_classes: int) -> np.ndarray:
+  """``[K, K]`` counts of (label, prediction) pairs (rows: labels), on the host."""
+  flat = np.asarray(labels, np.int64) * num_classes + np.asarray(predictions, np.int64)
+  return np.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, -1)
 
 
 def macro_f1(confusion) -> float:

@@ -22,6 +22,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -30,9 +31,9 @@ from lowmem_jax.memory import StepMemory, compiled_memory
 from lowmem_jax.policy import MemoryPolicy
 from models import sites
 from train import loss_scale, sharding
-from train.checkpoint import Checkpoints
+from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import TrainConfig
-from train.loss import eval_metrics, loss_and_metrics, macro_f1
+from train.loss import confusion_counts, eval_metrics, loss_and_metrics, macro_f1
 from train.model import build_model, split_trainable, trainable_filter
 from train.optim import make_optimizer
 
@@ -253,16 +254,20 @@ class Trainer:
 
   def evaluate(self, batches) -> dict:
     loss = correct = count = 0.0
-    confusion = None
+    labels, guesses = [], []
     for batch in batches:
       # a last partial batch that the mesh cannot split runs unsharded
       b = (self.put(batch) if self.mesh is None or _divisible(batch, self.mesh)
            else {k: jnp.asarray(v) for k, v in batch.items()})
-      l, c, n, m = jax.device_get(self.eval_step(self.state["params"], self.state["rest"], b))
+      l, c, n, guess, k = jax.device_get(self.eval_step(self.state["params"],
+                                                        self.state["rest"], b))
       loss, correct, count = loss + float(l), correct + float(c), count + float(n)
-      confusion = m if confusion is None else confusion + m
+      if guess is not None:
+        labels.append(np.asarray(batch["label"]))
+        guesses.append(guess)
     out = {"eval_loss": loss / max(count, 1), "eval_accuracy": correct / max(count, 1)}
-    if confusion is not None:  # a classifier: macro F1 (and, of two classes, class 1's)
+    if guesses:  # a classifier: macro F1 (and, of two classes, class 1's)
+      confusion = confusion_counts(np.concatenate(labels), np.concatenate(guesses), int(k))
       out["eval_f1_macro"] = macro_f1(confusion)
       if confusion.shape[0] == 2:
         tp, fp, fn = confusion[1, 1], confusion[0, 1], confusion[1, 0]
@@ -278,16 +283,44 @@ class Trainer:
     ckpt.save(step, {"leaves": jax.tree.leaves(self.state)}, {**meta, **(extra or {})})
 
   def restore(self, ckpt: Checkpoints, batches) -> dict:
-    """Loads the newest intact checkpoint into the state and ``batches``; its metadata."""
-    leaves, treedef = jax.tree.flatten(self.state)
-    restored, meta = ckpt.restore({"leaves": leaves}, names=_leaf_names(self.state))
-    self.state = jax.tree.unflatten(treedef, restored["leaves"])
+    """Loads the newest intact checkpoint into the state and ``batches``; its metadata.
+    A checkpoint with a float16 loss scale where this run has none, or none where this
+    run scales (the compute dtype changed, or a float16 run written before scaling),
+    restores the rest: the scale dropped, or started afresh (as a PyTorch checkpoint
+    without ``scaler.pt`` starts a new GradScaler), said so."""
+    try:
+      state, meta = self._restored(ckpt, self.state)
+    except StateMismatchError as mismatch:
+      if "loss_scale" in self.state:  # written without a scale: the rest, a fresh one
+        other = {k: v for k, v in self.state.items() if k != "loss_scale"}
+      else:  # written with one: read with it, then dropped
+        other = {**self.state, "loss_scale": self.placed(loss_scale.init())}
+      try:
+        state, meta = self._restored(ckpt, other)
+      except StateMismatchError:
+        raise mismatch from None  # not the scale's: the first error says what differs
+      scale = state.pop("loss_scale", None)
+      if scale is None:
+        state["loss_scale"] = self.state["loss_scale"]
+      print(f"note: checkpoint step {meta['step']} was written "
+            + ("without a loss scale: float16 scaling starts afresh at "
+               f"{loss_scale.INIT_SCALE:g}" if scale is None else
+               f"with a float16 loss scale ({float(scale['scale']):g}), which this run's "
+               f"dtype={self.cfg.dtype} does not use: dropped"), flush=True)
+    self.state = state
     self.compiled_step = None  # compiled for the state it replaced
     if self.mesh is not None:
       self.state = sharding.shard_state(self.state, self.mesh)
     self.first_bad = self.placed(no_bad_step())
     batches.restore(meta["data"])
     return meta
+
+
+  def _restored(self, ckpt: Checkpoints, like: dict) -> tuple[dict, dict]:
+    """``(state, meta)`` of the newest intact checkpoint, read into ``like``'s structure."""
+    leaves, treedef = jax.tree.flatten(like)
+    restored, meta = ckpt.restore({"leaves": leaves}, names=_leaf_names(like))
+    return jax.tree.unflatten(treedef, restored["leaves"]), meta
 
 
 def _leaf_names(state) -> list[str]:
