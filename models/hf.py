@@ -156,7 +156,7 @@ def _unread_weights(path: Path) -> str:
   """What a directory without safetensors holds instead, and what to do: ``""`` if
   nothing we know."""
   if any(path.glob("pytorch_model*.bin")) or any(path.glob("*.pt")):
-    return ("; it holds PyTorch .bin weights, which are not read (pickle): convert them "
+    return ("; it holds PyTorch weights (.bin/.pt), which are not read (pickle): convert them "
             "with transformers, AutoModel.from_pretrained(d).save_pretrained(d, "
             "safe_serialization=True)")
   if (path / "adapter_config.json").exists():

@@ -462,8 +462,8 @@ def test_folders_of_other_formats_say_what_they_hold(tmp_path):
   (path / "model.safetensors").unlink()
   (path / "pytorch_model.bin").write_bytes(b"pickle")
   assert _error(path) == (
-      f"{path}: no model.safetensors or model.safetensors.index.json; it holds PyTorch .bin "
-      "weights, which are not read (pickle): convert them with transformers, "
+      f"{path}: no model.safetensors or model.safetensors.index.json; it holds PyTorch "
+      "weights (.bin/.pt), which are not read (pickle): convert them with transformers, "
       "AutoModel.from_pretrained(d).save_pretrained(d, safe_serialization=True)")
   adapter = tmp_path / "adapter"
   adapter.mkdir()
