@@ -18,7 +18,7 @@ import pytest
 from conftest import CPU_TEST_XLA_FLAGS, TINY_TRAIN, set_args, stderr_lines, with_test_xla_flags
 from models import hf
 from train import config as config_lib
-from train import loop
+from train import loop, loss_scale
 from train import model as model_lib
 from train.loop import train
 from train.trainer import Trainer
@@ -416,7 +416,9 @@ def test_float16_scales_its_loss_and_says_so_where_it_does_not(tmp_path, capsys)
   records = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
   logged = [r for r in records if "loss_scale" in r]
   assert [r["step"] for r in logged] == [1, 2], records
-  assert all(r["loss_scale"] >= 1 and r["skipped_steps"] in (0, 1, 2) for r in logged)
+  # step 1 runs at the first scale; the digits ViT's fp16 gradients overflow there
+  # (measured: steps 1 and 2 skipped), so the count of skipped steps is logged too
+  assert logged[0]["loss_scale"] == loss_scale.INIT_SCALE and logged[0]["skipped_steps"] >= 1
   # the learning rate logged is the one applied: skipped steps do not advance the
   # optimizer's count, which its schedule reads (it was logged by the step number)
   from train.optim import make_schedule

@@ -10,8 +10,8 @@ import numpy as np
 
 from train.dataset import ArrayDataset, MissingFileError
 from train.jsonl import field, read_jsonl, read_text
-from train.tokenize import (EOS_CANDIDATES, check_max_len, configured_eos, eos_ids,
-                            load_tokenizer, special_affixes)
+from train.tokenize import (ENCODE_CHUNK, EOS_CANDIDATES, check_max_len, configured_eos,
+                            eos_ids, load_tokenizer, special_affixes)
 
 # Alpaca's two prompts (github.com/tatsu-lab/stanford_alpaca, train.py PROMPT_DICT). The model
 # is trained on the tokens of `output` (and the end token) that follow the formatted prompt.
@@ -125,11 +125,6 @@ def causal_lm(path, tokenizer, *, max_len: int,
                        "loss_mask": loss_mask[kept]})
 
 
-# records a tokenizers ``encode_batch`` call takes (in parallel): holding every record's
-# Encoding at once peaked at ~75x a jsonl file's size (100 MB: 7.6 GB; 2.3 GB chunked)
-ENCODE_CHUNK = 4096
-
-
 def _causal_rows(p: Path, tok, prefix, eos, template):
   """The number of jsonl records and an iterator of (token ids, per-token in-loss flags
   or None for all, "file:line") for each, encoded :data:`ENCODE_CHUNK` at a time."""
@@ -162,8 +157,8 @@ def _causal_rows(p: Path, tok, prefix, eos, template):
   def rows():
     for start in range(0, len(texts), ENCODE_CHUNK):
       chunk = tok.encode_batch(texts[start:start + ENCODE_CHUNK], add_special_tokens=False)
-      end = start + ENCODE_CHUNK
-      for encoding, prompt_chars, where in zip(chunk, kinds[start:end], wheres[start:end]):
+      stop = start + ENCODE_CHUNK
+      for encoding, prompt_chars, where in zip(chunk, kinds[start:stop], wheres[start:stop]):
         head, tail = _affixes(encoding.ids, prefix, eos)
         ids = head + encoding.ids + tail  # whole: the caller cuts at max_len + 1, says so
         if prompt_chars is None:  # a plain text: every token

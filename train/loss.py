@@ -21,8 +21,7 @@ def eval_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHU
   (O(batch) out, whatever the classes)."""
   if task == "lm":
     return (*loss_and_metrics(model, batch, task, lm_loss_chunk)[1], None, None)
-  logits = (model(batch["image"]) if task == "image"
-            else model(batch["tokens"], batch["mask"], batch.get("types")))
+  logits = _class_logits(model, batch, task)
   losses, correct = logits_cross_entropy(logits, batch["label"])
   return (jnp.sum(losses), jnp.sum(correct.astype(jnp.float32)),
           jnp.float32(losses.shape[0]), jnp.argmax(logits, axis=-1).astype(jnp.int32),
@@ -35,28 +34,36 @@ def confusion_counts(labels, predictions, num_classes: int) -> np.ndarray:
   return np.bincount(flat, minlength=num_classes * num_classes).reshape(num_classes, -1)
 
 
-def macro_f1(confusion) -> float:
-  """The mean over classes of F1 = 2 TP / (2 TP + FP + FN), over the classes that occur
-  as a label or a prediction (rows: labels, columns: predictions)."""
+def class_f1(confusion) -> tuple[np.ndarray, np.ndarray]:
+  """Each class's F1 = 2 TP / (2 TP + FP + FN) (0 where it never occurs) and whether it
+  occurs as a label or a prediction (rows: labels, columns: predictions)."""
   confusion = np.asarray(confusion, np.float64)
   tp = np.diag(confusion)
-  fp, fn = confusion.sum(0) - tp, confusion.sum(1) - tp
-  seen = (tp + fp + fn) > 0
-  return float(np.mean(2 * tp[seen] / (2 * tp[seen] + fp[seen] + fn[seen]))) if seen.any() \
-      else 0.0
+  denominator = 2 * tp + (confusion.sum(0) - tp) + (confusion.sum(1) - tp)
+  seen = denominator > 0
+  return np.where(seen, 2 * tp / np.maximum(denominator, 1), 0.0), seen
+
+
+def macro_f1(confusion) -> float:
+  """The mean of :func:`class_f1` over the classes that occur (0 where none does)."""
+  f1, seen = class_f1(confusion)
+  return float(np.mean(f1[seen])) if seen.any() else 0.0
+
+
+def _class_logits(model, batch: dict, task: str):
+  """A classifier's logits (image, text). Text pairs carry segment ids (types): the
+  second text is segment 1, as HF embeds it."""
+  if task == "image":
+    return model(batch["image"])
+  return model(batch["tokens"], batch["mask"], batch.get("types"))
 
 
 def loss_and_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK):
   """Mean loss over the counted examples/tokens and (loss_sum, correct, count).
   ``lm_loss_chunk``: tokens per chunk of the fused LM head and loss (task "lm"), 0 for
   the loss on the full logits."""
-  if task == "image":
-    losses, correct = logits_cross_entropy(model(batch["image"]), batch["label"])
-    weights = jnp.ones(losses.shape, jnp.float32)
-  elif task == "text":
-    # text pairs carry segment ids (types): the second text is segment 1, as HF embeds it
-    logits = model(batch["tokens"], batch["mask"], batch.get("types"))
-    losses, correct = logits_cross_entropy(logits, batch["label"])
+  if task in ("image", "text"):
+    losses, correct = logits_cross_entropy(_class_logits(model, batch, task), batch["label"])
     weights = jnp.ones(losses.shape, jnp.float32)
   else:
     tokens, targets = batch["tokens"], batch["targets"]

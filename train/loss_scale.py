@@ -6,10 +6,10 @@ differentiates ``loss * scale`` instead and divides the gradients by ``scale`` (
 two: exact). A step whose loss is finite but whose gradients are not overflowed: it is
 skipped (parameters, optimizer and site state as they were; only its step count and the
 scale move: the optimizer's own count, which its schedule reads, does not, as in PyTorch
-where ``optimizer.step`` is not called) and halves the scale. ``GROWTH_INTERVAL`` finite steps in a row double it. At
-``MIN_SCALE`` there is nothing left to back off: a step that overflows there is non-finite,
-and the trainer stops the run as for any other. A non-finite loss is never skipped: the
-forward itself overflowed, which no scale fixes.
+where ``optimizer.step`` is not called) and halves the scale. ``GROWTH_INTERVAL`` finite
+steps in a row double it. At ``MIN_SCALE`` there is nothing left to back off: a step
+that overflows there is non-finite, and the trainer stops the run as for any other. A
+non-finite loss is never skipped: the forward itself overflowed, which no scale fixes.
 
 The state lives in the train state under ``"loss_scale"`` (so a checkpoint holds it and a
 resume goes on with the scale the run reached), on runs that scale only:

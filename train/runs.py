@@ -176,8 +176,8 @@ def remove_if_empty(folder: Path) -> None:
 
 def remove_unstarted(folder: Path, *, keep: set[str] | None = None) -> None:
   """Removes the folder of a run that failed before its first step (no checkpoint, no
-  step in ``metrics.jsonl``, events such as the memory report aside): its own files (:data:`ARTIFACTS`), then the folder if that
-  leaves it empty. A refused first step (a check after the folder was made, a memory
+  step in ``metrics.jsonl``, events such as the memory report aside): its own files
+  (:data:`ARTIFACTS`), then the folder if that leaves it empty. A refused first step (a check after the folder was made, a memory
   report that could not compile) so leaves nothing that would refuse the corrected
   command. Call it only for a folder this run made, or one that held no run before it,
   with ``keep``: the names of :data:`ARTIFACTS` that were there before it (the user's

@@ -10,8 +10,7 @@ import numpy as np
 
 from train.dataset import ArrayDataset
 from train.jsonl import field, read_jsonl
-from train.causal_lm import ENCODE_CHUNK
-from train.tokenize import check_max_len, load_tokenizer
+from train.tokenize import ENCODE_CHUNK, check_max_len, load_tokenizer
 
 
 def text_classification(path, tokenizer, *, max_len: int, text_key: str = "text",

@@ -33,7 +33,7 @@ from models import sites
 from train import loss_scale, sharding
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import TrainConfig
-from train.loss import confusion_counts, eval_metrics, loss_and_metrics, macro_f1
+from train.loss import class_f1, confusion_counts, eval_metrics, loss_and_metrics, macro_f1
 from train.model import build_model, split_trainable, trainable_filter
 from train.optim import make_optimizer
 
@@ -269,9 +269,8 @@ class Trainer:
     if guesses:  # a classifier: macro F1 (and, of two classes, class 1's)
       confusion = confusion_counts(np.concatenate(labels), np.concatenate(guesses), int(k))
       out["eval_f1_macro"] = macro_f1(confusion)
-      if confusion.shape[0] == 2:
-        tp, fp, fn = confusion[1, 1], confusion[0, 1], confusion[1, 0]
-        out["eval_f1"] = float(2 * tp / max(2 * tp + fp + fn, 1))
+      if int(k) == 2:
+        out["eval_f1"] = float(class_f1(confusion)[0][1])
     return out
 
   # checkpoint helpers: the state as a list of leaves, restored into this structure
@@ -314,7 +313,6 @@ class Trainer:
     self.first_bad = self.placed(no_bad_step())
     batches.restore(meta["data"])
     return meta
-
 
   def _restored(self, ckpt: Checkpoints, like: dict) -> tuple[dict, dict]:
     """``(state, meta)`` of the newest intact checkpoint, read into ``like``'s structure."""
