@@ -147,9 +147,9 @@ def saved_residuals(fn: Callable, *args, **kwargs) -> SavedResiduals:
     if source.startswith(("from the argument", "from a constant", "from a literal")):
       continue
     shape = tuple(int(d) for d in aval.shape)
-    dtype = np.dtype(aval.dtype)
-    items.append(Residual(shape=shape, dtype=str(dtype),
-                          nbytes=math.prod(shape) * dtype.itemsize, source=source))
+    # a typed PRNG key (dtype key<fry>) is held as its key data: itemsize counts it
+    items.append(Residual(shape=shape, dtype=str(aval.dtype),
+                          nbytes=math.prod(shape) * aval.dtype.itemsize, source=source))
   return SavedResiduals(tuple(items))
 
 

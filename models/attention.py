@@ -10,6 +10,10 @@ A ``qkv`` strategy that recomputes (``qkv=recompute``, :mod:`lowmem_jax.qkv_reco
 gets the projections and the attention as one pure function of ``(x, params, consts)``
 (the modules split into their parameters and the rest); its output then passes a shared
 site of its own (``shared_output``: under Mesa, the out-projection keeps its code).
+
+``dropout`` > 0 drops attention probabilities (HF BERT's ``attention_probs_dropout_prob``):
+the attention draws the mask from a key this module counts (:class:`models.dropout.Dropout`)
+and, in its ``"flash"`` form, draws it again in backward rather than keeping it.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax.policy import MemoryPolicy
+from models.dropout import Dropout
 from models.linear import LinearGeneral
 from models.rope import apply_rope
 from models.sites import Site
@@ -31,7 +36,7 @@ class SelfAttention(nnx.Module):
   def __init__(self, dim: int, num_heads: int, *, num_kv_heads: int | None = None,
                head_dim: int | None = None, qkv_bias: bool = True, out_bias: bool = True,
                causal: bool = False, policy: MemoryPolicy | str = "baseline",
-               dtype=None, rngs: nnx.Rngs):
+               dtype=None, dropout: float = 0.0, rngs: nnx.Rngs):
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     head_dim = dim // num_heads if head_dim is None else head_dim
     if num_heads % num_kv_heads:
@@ -51,6 +56,7 @@ class SelfAttention(nnx.Module):
     self.qkv = Site(policy.qkv_strategy(num_heads, num_kv_heads, causal=causal))
     if self.qkv.strategy.recomputes:
       self.shared_output = Site(policy.shared_strategy(num_heads, axis=2))
+    self.probs_dropout = Dropout(dropout, what="attention dropout")
 
   def __call__(self, x, *, mask: jax.Array | None = None,
                rope: tuple[jax.Array, jax.Array] | None = None):
@@ -59,26 +65,29 @@ class SelfAttention(nnx.Module):
     position embeddings (:func:`models.rope.rope_tables`) applied to q and k."""
     x = self.shared_input(x)
     parts = (self.query, self.key, self.value, self.attend)
+    key = self.probs_dropout.next_key()
+    drop = {} if key is None else dict(dropout_rate=self.probs_dropout.rate, dropout_key=key)
     if self.qkv.strategy.recomputes:
       graphdef, params, rest = nnx.split(parts, nnx.Param, ...)
-      o = self.qkv(functools.partial(_run, graphdef), x, params, (rest, mask, rope))
+      o = self.qkv(functools.partial(_run, graphdef), x, params, (rest, mask, rope, drop))
       o = self.shared_output(o)
     else:
-      o = _attend(*parts, x, mask, rope)
+      o = _attend(*parts, x, mask, rope, drop)
     return checkpoint_name(self.out(o), "attn_proj")
 
 
-def _attend(query, key, value, attend, x, mask, rope):
-  """``attend(q, k, v, mask)`` on the projections of ``x`` (RoPE applied to q and k)."""
+def _attend(query, key, value, attend, x, mask, rope, drop):
+  """``attend(q, k, v, mask, **drop)`` on the projections of ``x`` (RoPE applied to q and
+  k; ``drop``: the probabilities' dropout rate and key, or nothing)."""
   q = checkpoint_name(query(x), "qkv_proj")
   k = checkpoint_name(key(x), "qkv_proj")
   v = checkpoint_name(value(x), "qkv_proj")
   if rope is not None:
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-  return attend(q, k, v, mask)
+  return attend(q, k, v, mask, **drop)
 
 
 def _run(graphdef, x, params, consts):
   """:func:`_attend` as a pure function of the split modules (for the ``qkv`` site)."""
-  rest, mask, rope = consts
-  return _attend(*nnx.merge(graphdef, params, rest), x, mask, rope)
+  rest, mask, rope, drop = consts
+  return _attend(*nnx.merge(graphdef, params, rest), x, mask, rope, drop)

@@ -33,8 +33,17 @@ exactly representable by HF BERT: the export (:func:`hf_map`, ``kept``) writes t
 the LayerNorm and un-merges each merged linear with them (``W = W' / gamma``,
 ``b = b' - beta @ W``).
 
-Not modelled: dropout (fine-tuning here runs without it), relative position embeddings,
-decoder / cross-attention variants, activations other than exact GELU.
+Dropout where HF BERT has it (``hidden_dropout``: after the embeddings, the attention's
+out-projection and ``fc2``; ``attention_dropout``: on the attention probabilities;
+``classifier_dropout``, default ``hidden_dropout``: before the classifier, and for RoBERTa
+also before its head's dense), each keeping only its key for backward
+(:mod:`models.dropout`); ``model.eval()`` turns it off. The presets have none;
+:func:`config_from_hf` reads the checkpoint's rates. One difference under MS norms: RoBERTa's
+dropout before its head's dense (our ``pooler``, which holds the last LN2's affine merged)
+drops the normalized feature before that affine, not after it.
+
+Not modelled: relative position embeddings, decoder / cross-attention variants,
+activations other than exact GELU.
 """
 
 from __future__ import annotations
@@ -46,9 +55,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lowmem_jax.dropout import check_rate
 from lowmem_jax.methods import read
 from lowmem_jax.policy import MemoryPolicy
 from models.attention import SelfAttention
+from models.dropout import Dropout
 from models.config import check_positive, hf_value, init_model, make_config, replace_fields, \
     token_ids
 from models.embedding import Embed
@@ -70,6 +81,8 @@ class BertConfig:
   ``max_positions`` is the size of the position table (RoBERTa's is 514 for 512 tokens:
   positions start at ``pad_token_id + 1``). ``eps`` is HF's ``layer_norm_eps``.
   ``initializer_range`` is the std of embeddings and of a freshly initialised head.
+  Dropout rates (HF's ``hidden_dropout_prob``, ``attention_probs_dropout_prob``,
+  ``classifier_dropout``; None: ``hidden_dropout``) are 0 in the presets.
   """
   vocab_size: int = 30522
   dim: int = 768
@@ -83,6 +96,9 @@ class BertConfig:
   pad_token_id: int = 0
   model_type: str = "bert"
   initializer_range: float = 0.02
+  hidden_dropout: float = 0.0
+  attention_dropout: float = 0.0
+  classifier_dropout: float | None = None
 
   def __post_init__(self):
     check_positive(self, ints=("vocab_size", "dim", "num_layers", "num_heads", "mlp_dim",
@@ -91,6 +107,9 @@ class BertConfig:
     if self.model_type not in MODEL_TYPES:
       raise ValueError(f"BertConfig: unknown model_type {self.model_type!r}; valid: "
                        f"{', '.join(map(repr, MODEL_TYPES))}")
+    for name in ("hidden_dropout", "attention_dropout", "classifier_dropout"):
+      if name != "classifier_dropout" or self.classifier_dropout is not None:
+        check_rate(getattr(self, name), f"BertConfig: {name}")
     if self.dim % self.num_heads:
       raise ValueError(f"BertConfig: dim {self.dim} is not a multiple of num_heads "
                        f"{self.num_heads}")
@@ -107,6 +126,11 @@ class BertConfig:
   @property
   def head_dim(self) -> int:
     return self.dim // self.num_heads
+
+  @property
+  def head_dropout(self) -> float:
+    """The classifier's dropout rate (HF: ``classifier_dropout`` or else the hidden one)."""
+    return self.hidden_dropout if self.classifier_dropout is None else self.classifier_dropout
 
   @property
   def max_tokens(self) -> int:
@@ -169,11 +193,12 @@ class BertEmbeddings(nnx.Module):
     # The standard LayerNorm with its affine whatever the policy (DESIGN.md: the
     # embeddings LN is left as is).
     self.norm = Norm(cfg.dim, kind="layer", eps=cfg.eps, policy=MemoryPolicy())
+    self.dropout = Dropout(cfg.hidden_dropout)
     self.dtype = dtype
 
   def __call__(self, tokens, positions, token_types):
     x = self.word(tokens) + self.position(positions) + self.token_type(token_types)
-    return self.norm(x.astype(self.dtype))
+    return self.dropout(self.norm(x.astype(self.dtype)))
 
 
 class BertLayer(nnx.Module):
@@ -182,10 +207,12 @@ class BertLayer(nnx.Module):
 
   def __init__(self, cfg: BertConfig, policy: MemoryPolicy, *, dtype, rngs: nnx.Rngs):
     self.attention = SelfAttention(cfg.dim, cfg.num_heads, policy=policy, dtype=dtype,
-                                   rngs=rngs)
+                                   dropout=cfg.attention_dropout, rngs=rngs)
+    self.attention_dropout = Dropout(cfg.hidden_dropout)  # on the out-projection's output
     self.attention_norm = Norm(cfg.dim, kind="layer", eps=cfg.eps, policy=policy)
     self.mlp = Mlp(cfg.dim, cfg.mlp_dim, activation="gelu", policy=policy, dtype=dtype,
                    rngs=rngs)
+    self.output_dropout = Dropout(cfg.hidden_dropout)  # on fc2's output
     self.output_norm = Norm(cfg.dim, kind="layer", eps=cfg.eps, policy=policy)
     merged = policy.merges_norm_affine
     self.attention_affine = ResidualAffine(cfg.dim) if merged else None
@@ -197,9 +224,9 @@ class BertLayer(nnx.Module):
     norm keeps its affine). Returns this layer's ``(LN2 output, its affine)``."""
     y, affine = carry
     h = as_array(y) if affine is None else residual_affine(y, *affine)
-    y1 = self.attention_norm(h + self.attention(y, mask=mask))
+    y1 = self.attention_norm(h + self.attention_dropout(self.attention(y, mask=mask)))
     h1 = as_array(y1) if self.attention_affine is None else self.attention_affine(y1)
-    y2 = self.output_norm(h1 + self.mlp(y1))
+    y2 = self.output_norm(h1 + self.output_dropout(self.mlp(y1)))
     out = self.output_affine
     return y2, None if out is None else (out.scale[...], out.bias[...])
 
@@ -227,6 +254,7 @@ class Bert(nnx.Module):
     # Under MS norms the last LN2's affine is merged into ``pooler``.
     self.pooler = Linear(cfg.dim, cfg.dim, policy=self.policy, reads_norm=True, **head)
     self.classifier = Linear(cfg.dim, cfg.num_labels, policy=self.policy, **head)
+    self.head_dropout = Dropout(cfg.head_dropout)
     seed_sites(self, rngs)
 
   # -------------------------------------------------------------------------- inputs
@@ -265,8 +293,11 @@ class Bert(nnx.Module):
     return self.stack((y, identity), mask[:, None, None, :])
 
   def _logits(self, y):
-    pooled = jnp.tanh(self.pooler(as_array(y)[:, 0]))
-    return self.classifier(pooled).astype(jnp.float32)
+    first = as_array(y)[:, 0]
+    if self.cfg.model_type == "roberta":  # RobertaClassificationHead drops before its dense
+      first = self.head_dropout(first)
+    pooled = jnp.tanh(self.pooler(first))
+    return self.classifier(self.head_dropout(pooled)).astype(jnp.float32)
 
   def forward(self, tokens, mask=None, token_types=None):
     """``(hidden [B, T, D], logits [B, num_labels])``, both fp32, from one pass."""
@@ -343,7 +374,11 @@ def config_from_hf(hf: Mapping[str, object], **overrides) -> BertConfig:
   num_labels = hf_value(hf, "num_labels", int, None)
   if num_labels is None:
     num_labels = len(hf["id2label"]) if hf.get("id2label") else 2
-  fields.update(num_labels=num_labels, model_type=model_type)
+  fields.update(num_labels=num_labels, model_type=model_type,
+                # HF's defaults where config.json leaves them out
+                hidden_dropout=hf_value(hf, "hidden_dropout_prob", float, 0.1),
+                attention_dropout=hf_value(hf, "attention_probs_dropout_prob", float, 0.1),
+                classifier_dropout=hf_value(hf, "classifier_dropout", float, None))
   return replace_fields(BertConfig(**fields), overrides)
 
 
@@ -359,9 +394,9 @@ def config_to_hf(cfg: BertConfig) -> dict:
       "num_attention_heads": cfg.num_heads,
       "intermediate_size": cfg.mlp_dim,
       "hidden_act": "gelu",
-      "hidden_dropout_prob": 0.1,
-      "attention_probs_dropout_prob": 0.1,
-      "classifier_dropout": None,
+      "hidden_dropout_prob": cfg.hidden_dropout,
+      "attention_probs_dropout_prob": cfg.attention_dropout,
+      "classifier_dropout": cfg.classifier_dropout,
       "max_position_embeddings": cfg.max_positions,
       "type_vocab_size": cfg.type_vocab_size,
       "initializer_range": cfg.initializer_range,

@@ -64,6 +64,7 @@ from lowmem_jax.cli_checks import folder_problem
 from lowmem_jax.memory import write_json
 from lowmem_jax.policy import MemoryPolicy
 from models import registry
+from models.dropout import Dropout
 from models.hf_state import (CheckpointError, OutTensor, StateReader, check_store,
                              expected_tensors, header_of, init_unread, merged_tensors,
                              read_state, write_state)
@@ -334,7 +335,11 @@ def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "ba
   an embedding's table. Stacked variables fill device buffers row by row (donated
   updates). Variables the checkpoint does not fill (policy state, a fresh head) are
   initialised by one jitted build that returns only them. Host memory: one tensor in
-  flight beyond what the device holds (module docstring: measured)."""
+  flight beyond what the device holds (module docstring: measured).
+
+  Dropout (where the model has it and config.json sets rates) is off in the model returned,
+  as in transformers' ``from_pretrained``: ``model.train()`` turns it on (the trainer does),
+  ``model.eval()`` off again."""
   family, cfg = _read_config(path, overrides)
   policy = MemoryPolicy.parse(policy)
 
@@ -352,6 +357,7 @@ def load_pretrained(path: str | os.PathLike, *, policy: MemoryPolicy | str = "ba
     _warn_once(f"note: {path} has no {', '.join(kept)} for this model: initialised from "
                f"seed {seed}, trained from there")
   init_unread(model, build)
+  model.set_attributes(Dropout, deterministic=True, raise_if_not_found=False)
   return model
 
 

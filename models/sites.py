@@ -93,6 +93,11 @@ class Site(nnx.Module):
     for name, state in states.items():
       setattr(self, name, _HOLDERS.get(type(state), StateSite)(state))
 
+  @property
+  def updates_state(self) -> bool:
+    """Whether a forward writes state here (stateful and not deterministic)."""
+    return bool(self.state_names) and not self.deterministic
+
   def __call__(self, *args, **kwargs):
     if not self.state_names:
       return self.strategy(*args, **kwargs)

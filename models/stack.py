@@ -74,8 +74,8 @@ class BlockStack(nnx.Module):
 
     run_layers = self.policy.layers_strategy()  # lax.scan, or its unrolled twin
     carry, new_rest = run_layers(self.policy.remat_block(layer), carry, (params, rest))
-    if jax.tree.leaves(rest):
-      nnx.update(self.blocks, new_rest)
+    if any(getattr(m, "updates_state", False) for _, m in nnx.iter_graph(self.blocks)):
+      nnx.update(self.blocks, new_rest)  # not where nothing writes (eval mode, no state)
     return carry
 
   def layer(self, i: int) -> nnx.Module:

@@ -107,7 +107,7 @@ def _run(cfg: TrainConfig, budget: int | None, ctrl_c: interrupt.InterruptHandle
     cfg, plan = (kept, None) if kept is not None else _plan(cfg, train_set, eval_set,
                                                             budget)
     model = build_model(cfg)
-  _say_dropout(cfg)
+  _say_dropout(cfg, model)
   ctrl_c.check()
   batches = Batches(train_set, cfg.batch_size, seed=cfg.seed, example_ids=cfg.grad_norm_cache)
   if cfg.grad_norm_cache and not sites.attach_grad_norm_caches(
@@ -434,9 +434,19 @@ def _built(cfg: TrainConfig):
     return build_model(cfg)
 
 
-def _say_dropout(cfg: TrainConfig) -> None:
-  """A note where the pretrained config.json asks for dropout, which our models lack."""
+def _say_dropout(cfg: TrainConfig, model) -> None:
+  """The model's dropout rates (BERT/RoBERTa: the checkpoint's, as transformers uses them),
+  or a note where the pretrained config.json asks for dropout that the model lacks."""
   from models.hf import dropout_fields
+  model_cfg = getattr(model, "cfg", None)
+  if hasattr(model_cfg, "hidden_dropout"):
+    rates = dict(hidden_dropout=model_cfg.hidden_dropout,
+                 attention_dropout=model_cfg.attention_dropout,
+                 classifier_dropout=model_cfg.head_dropout)
+    if any(rates.values()):
+      print(f"dropout: {', '.join(f'{k} {v:g}' for k, v in rates.items())} (backward keeps "
+            "its keys, not its masks; --set model.<field>=0 turns one off)", flush=True)
+    return
   fields = dropout_fields(resolve_path(cfg.pretrained)) if cfg.pretrained else []
   if fields:
     print(f"note: {cfg.pretrained}'s config.json sets {', '.join(fields)}; the models here "

@@ -71,6 +71,7 @@ def build_model(cfg: TrainConfig, policy: MemoryPolicy | None = None, *,
     lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=targets,
                     seed=cfg.seed)
   store_frozen_kernels(model, cfg)
+  model.train()  # dropout on where the model has it (a loaded checkpoint comes without)
   return model
 
 

@@ -218,8 +218,9 @@ class Trainer:
 
     @matmul_precision(cfg.precision)
     def step(params, rest, batch):
-      return eval_metrics(nnx.merge(graphdef, params, rest), batch, cfg.task,
-                          cfg.lm_loss_chunk)
+      model = nnx.merge(graphdef, params, rest)
+      model.eval()  # no dropout; sites leave their state as it was
+      return eval_metrics(model, batch, cfg.task, cfg.lm_loss_chunk)
 
     return jax.jit(step, compiler_options=self.compiler_options)
 
