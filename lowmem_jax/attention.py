@@ -22,6 +22,16 @@ query head ``h`` reads kv head ``h // (H // K)``, as in ``jax.nn.dot_product_att
 ``[B, 1, 1, M]`` costs ``B * M``. ``causal`` is top-left aligned (query i sees keys
 j <= i). A query row with no visible key returns zeros in ``"flash"`` (the XLA path
 returns the mean of v there); mask such rows out of the loss.
+
+Attention dropout (``dropout_rate`` > 0, HF BERT's ``attention_probs_dropout_prob``):
+``o = dropout(softmax(s)) @ v``, the kept probabilities scaled by ``1 / (1 - rate)``; the
+softmax normalizer is that of the undropped probabilities. The keep-mask is a function of
+``dropout_key`` and the shapes (:func:`dropout_keep_mask`): ``"flash"`` draws key block
+``j``'s part from ``fold_in(dropout_key, j)`` in forward and draws it again in backward,
+so it saves nothing more (q, k, v, o, lse and the key). ``"xla"`` is the plain reference
+(softmax, the same mask, matmul; autodiff keeps the ``N x M`` probabilities and the mask).
+cuDNN's dropout is not reachable through ``jax.nn.dot_product_attention``: ``"cudnn"`` and
+``"cudnn_padded"`` refuse a rate > 0 and ``"auto"`` runs ``"flash"``.
 """
 
 from __future__ import annotations
@@ -75,19 +85,32 @@ def _validate(q, k, v, mask):
 
 def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str = "auto",
               scale: float | None = None, block_k: int | None = None,
-              name: str | None = None):
+              name: str | None = None, dropout_rate: float = 0.0,
+              dropout_key: jax.Array | None = None):
   """Scaled dot-product attention; returns ``[B, N, H, D]`` in q's dtype.
 
   ``name`` tags the output with ``checkpoint_name``; in ``"flash"`` it is tagged inside
   the rule, so the saved ``o`` and the output stay one array. ``block_k`` (``"flash"``;
   default :data:`DEFAULT_BLOCK_K`): the most keys per block; the blocks are made equal
   (:func:`key_block`), so ``M`` is padded by less than one block's worth of keys.
+  ``dropout_rate`` (a Python float in [0, 1); 0: no dropout, the same program as without
+  it) drops attention probabilities with the mask :func:`dropout_keep_mask` draws from
+  ``dropout_key`` (one PRNG key) in blocks of ``key_block(M, block_k)`` keys.
   """
   block_k = DEFAULT_BLOCK_K if block_k is None else block_k
   _validate(q, k, v, mask)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"unknown attention implementation {implementation!r}; valid: {', '.join(IMPLEMENTATIONS)}")
+  rate = _dropout_rate(dropout_rate)
+  if rate:
+    _check_dropout_key(dropout_key, rate)
+    if implementation in ("cudnn", "cudnn_padded"):
+      raise ValueError(
+          f"attention(implementation={implementation!r}, dropout_rate={rate}): cuDNN "
+          "attention dropout is not available through jax's API (jax.nn."
+          "dot_product_attention has no dropout); use implementation='flash' (or 'auto', "
+          "which runs it)")
   if block_k < 1:
     raise ValueError(f"attention: block_k must be positive, got {block_k}")
   if not isinstance(causal, (bool, np.bool_)):  # static: it picks the program
@@ -99,7 +122,8 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
   if implementation == "auto":
     implementation = choose_implementation(
         q.shape, k.shape, q.dtype, backend=backend, causal=causal, mask_shape=mask_shape,
-        cudnn_version=version, compute_capability=capability).implementation
+        cudnn_version=version, compute_capability=capability,
+        dropout_rate=rate).implementation
   elif implementation in ("cudnn", "cudnn_padded"):
     padded = implementation == "cudnn_padded"
     reason = cudnn_refusal(q.shape, k.shape, q.dtype, mask_shape=mask_shape, backend=backend,
@@ -111,13 +135,17 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
           f"k{list(k.shape)} {jnp.dtype(q.dtype).name} (causal={causal}, mask="
           f"{None if mask is None else list(mask.shape)}): {reason}. "
           "implementation='auto' picks a path that takes this shape.")
-  if implementation in ("xla", "cudnn"):
+  if implementation == "xla" and rate:
+    out = _xla_dropout(q, k, v, mask, causal, scale, rate, dropout_key,
+                       key_block(k.shape[1], block_k))
+  elif implementation in ("xla", "cudnn"):
     out = jax.nn.dot_product_attention(
         q, k, v, mask=mask, scale=scale, is_causal=causal, implementation=implementation)
   elif implementation == "cudnn_padded":
     out = _padded(q, k, v, mask, causal, scale, "cudnn")
   else:
-    return _flash(q, k, v, mask, causal, scale, key_block(k.shape[1], block_k), name)
+    return _flash(q, k, v, mask, dropout_key if rate else None, causal, scale,
+                  key_block(k.shape[1], block_k), name, rate)
   return out if name is None else checkpoint_name(out, name)
 
 
@@ -209,12 +237,15 @@ def _from_table(kind: str, length: int) -> str:
 def choose_implementation(q_shape, k_shape, dtype, *, backend: str | None = None,
                           causal: bool = False, mask_shape=None,
                           cudnn_version: int | None = None,
-                          compute_capability: tuple[int, int] | None = None) -> Choice:
+                          compute_capability: tuple[int, int] | None = None,
+                          dropout_rate: float = 0.0) -> Choice:
   """What ``implementation="auto"`` runs: a pure function of the shapes, dtype, mask,
   backend and cuDNN/GPU version (:func:`cudnn_version`, :func:`compute_capability`
-  query them). ``backend=None``: this process's (or the compile target's), with its
-  cuDNN version and compute capability. Never ``"xla"``: every choice keeps no ``N x M``
-  array."""
+  query them), and whether there is dropout (then ``"flash"``). ``backend=None``: this
+  process's (or the compile target's), with its cuDNN version and compute capability.
+  Never ``"xla"``: every choice keeps no ``N x M`` array."""
+  if dropout_rate > 0:
+    return Choice("flash", "attention dropout: cuDNN's is not available through jax's API")
   if backend is None:
     backend, cudnn_version, compute_capability = _platform()
   n, m = q_shape[1], k_shape[1]
@@ -304,6 +335,81 @@ def _padded(q, k, v, mask, causal, scale, implementation):
   return out[:, :n]
 
 
+# ----------------------------------------------------------------------------- dropout
+def _dropout_rate(rate) -> float:
+  """``rate`` as a float in [0, 1); static: it picks the program."""
+  if isinstance(rate, (bool, np.bool_)) or not isinstance(
+      rate, (int, float, np.integer, np.floating)) or not 0.0 <= float(rate) < 1.0:
+    raise ValueError(f"attention: dropout_rate must be a Python float in [0, 1), got {rate!r}")
+  return float(rate)
+
+
+def _check_dropout_key(key, rate):
+  if key is None:
+    raise ValueError(f"attention: dropout_rate {rate} needs a dropout_key (a PRNG key: "
+                     "jax.random.key(seed)), got None")
+  dtype, shape = getattr(key, "dtype", None), getattr(key, "shape", None)
+  typed = dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+  if not ((typed and shape == ()) or (not typed and dtype == jnp.uint32 and len(shape) == 1)):
+    raise ValueError("attention: dropout_key must be one PRNG key (jax.random.key(seed) or "
+                     f"jax.random.PRNGKey(seed)), got {dtype}{list(shape or ())}")
+
+
+def dropout_threshold(rate: float) -> int:
+  """A uniform 16-bit draw is dropped where it is below ``round(rate * 2**16)``: dropped
+  with probability ``rate`` to within ``2**-17``."""
+  return min(round(rate * 2 ** 16), 2 ** 16 - 1)
+
+
+def _block_keep(key, j, shape, rate):
+  """The keep-mask of key block ``j``: bool ``shape`` ``[B, H, N, block]``. Each uint32 of
+  ``jax.random.bits(fold_in(key, j), [B, H, N, ceil(block / 2)], uint32)`` gives two
+  16-bit draws, its low half for key ``i`` and its high half for key ``ceil(block / 2) +
+  i``: half the threefry work of a word a draw, no float uniforms. The flash grad's peak
+  (XLA:CPU, fp32, B=2, H=4, N=M=512, D=32, block 128): 18.7 MiB, 16.2 without dropout,
+  24.2 drawing a uint32 a key."""
+  *lead, block = shape
+  words = jax.random.bits(jax.random.fold_in(key, j), (*lead, -(-block // 2)), jnp.uint32)
+  threshold = jnp.uint32(dropout_threshold(rate))
+  keep = jnp.concatenate([(words & 0xFFFF) >= threshold, (words >> 16) >= threshold], -1)
+  return keep[..., :block]
+
+
+def dropout_keep_mask(key, shape_bhnm, rate: float, block: int):
+  """The attention dropout's keep-mask, bool ``[B, H, N, M]`` (True = kept): key block ``j``
+  (keys ``j * block`` to ``(j + 1) * block``, the last padded past ``M``) is
+  :func:`_block_keep` of ``fold_in(key, j)``: 16-bit draws ``>= dropout_threshold(rate)``,
+  two from each uint32 of ``jax.random.bits``; the blocks concatenated along keys, cut to
+  ``M``. A function of the key, the shape, ``rate`` and ``block`` only: ``"flash"`` draws
+  it block by block with ``block = key_block(M, block_k)``; another ``block_k`` gives
+  another mask."""
+  b, h, n, m = shape_bhnm
+  rate = _dropout_rate(rate)
+  nb = -(-m // block)
+  keep = jax.vmap(lambda j: _block_keep(key, j, (b, h, n, block), rate))(jnp.arange(nb))
+  return jnp.moveaxis(keep, 0, 3).reshape(b, h, n, nb * block)[..., :m]
+
+
+def _xla_dropout(q, k, v, mask, causal, scale, rate, key, block):
+  """The reference: softmax, :func:`dropout_keep_mask`, matmul, in plain jnp (what
+  ``jax.nn.dot_product_attention(implementation="xla")`` does, with dropout between).
+  Autodiff keeps the ``N x M`` probabilities and the mask."""
+  b, n, h, d = q.shape
+  m, kh = k.shape[1], k.shape[2]
+  s = jnp.einsum("bnhgd,bmhd->bhgnm", _grouped(q, kh), k,
+                 preferred_element_type=jnp.float32).reshape(b, h, n, m) * scale
+  masked = -0.7 * float(jnp.finfo(jnp.float32).max)  # as jax's: a row seeing no key is uniform
+  if causal:
+    s = jnp.where(jnp.tril(jnp.ones((n, m), bool)), s, masked)
+  if mask is not None:
+    s = jnp.where(mask, s, masked)
+  p = jax.nn.softmax(s, axis=-1)
+  p = jnp.where(dropout_keep_mask(key, (b, h, n, m), rate, block), p / (1.0 - rate), 0.0)
+  out = jnp.einsum("bhgnm,bmhd->bnhgd", p.reshape(b, kh, h // kh, n, m).astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(b, n, h, d).astype(q.dtype)
+
+
 # ----------------------------------------------------------------------------- flash
 def key_block(m: int, block_k: int) -> int:
   """The key block of ``"flash"`` for ``m`` keys: at most ``block_k``, in as few blocks as
@@ -369,7 +475,15 @@ def _scores(qg, kj, scale):
                     preferred_element_type=jnp.float32) * scale
 
 
-def _flash_forward(q, k, v, mask, causal, scale, block):
+def _keep_blocks(key, rate, j, b, kh, g, n, block):
+  """Block ``j`` of :func:`dropout_keep_mask` as ``[B, K, G, N, block]``; None without
+  dropout. Drawn where it is used (forward and backward), never saved."""
+  if key is None:
+    return None
+  return _block_keep(key, j, (b, kh * g, n, block), rate).reshape(b, kh, g, n, block)
+
+
+def _flash_forward(q, k, v, mask, key, causal, scale, block, rate):
   b, n, h, d = q.shape
   m, kh = k.shape[1], k.shape[2]
   nb = -(-m // block)
@@ -387,7 +501,9 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
     safe_max = jnp.where(jnp.isfinite(new_max), new_max, 0.0)
     p = jnp.exp(s - safe_max[..., None])
     alpha = jnp.exp(row_max - safe_max)
-    row_sum = row_sum * alpha + p.sum(-1)
+    row_sum = row_sum * alpha + p.sum(-1)  # the normalizer: of the undropped p
+    keep = _keep_blocks(key, rate, j, b, kh, h // kh, n, block)
+    p = p if keep is None else jnp.where(keep, p, 0.0)  # 1 / (1 - rate): on acc, at the end
     acc = acc * alpha[..., None] + jnp.einsum(
         "bhgnk,bkhd->bhgnd", p.astype(v.dtype), vj, preferred_element_type=jnp.float32)
     return (new_max, row_sum, acc), None
@@ -399,6 +515,7 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
   xs = (jnp.arange(nb), _kv_blocks(k, nb, block), _kv_blocks(v, nb, block), masks,
         _key_bias(nb, block, m))
   (row_max, row_sum, acc), _ = jax.lax.scan(step, init, xs)
+  acc = acc if key is None else acc * (1.0 / (1.0 - rate))
   seen = ~(row_sum <= 0)  # a NaN row counts as seen: NaN propagates, as in softmax
   out = jnp.where(seen[..., None], acc / jnp.where(seen, row_sum, 1.0)[..., None], 0.0)
   # +inf for rows that see no key: exp(s - lse) is then 0 in backward.
@@ -407,21 +524,25 @@ def _flash_forward(q, k, v, mask, causal, scale, block):
   return out, lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
-def _flash(q, k, v, mask, causal, scale, block, name):
-  return _flash_fwd(q, k, v, mask, causal, scale, block, name)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _flash(q, k, v, mask, key, causal, scale, block, name, rate):
+  return _flash_fwd(q, k, v, mask, key, causal, scale, block, name, rate)[0]
 
 
-def _flash_fwd(q, k, v, mask, causal, scale, block, name):
-  out, lse = _flash_forward(q, k, v, mask, causal, scale, block)
+def _flash_fwd(q, k, v, mask, key, causal, scale, block, name, rate):
+  out, lse = _flash_forward(q, k, v, mask, key, causal, scale, block, rate)
   out = out if name is None else checkpoint_name(out, name)
-  # Residuals: q, k, v, o and the fp32 row log-sum-exp; never an N x M array.
-  return out, (q, k, v, mask, out, lse)
+  # Residuals: q, k, v, o and the fp32 row log-sum-exp (and the dropout key: backward
+  # draws the keep-mask again); never an N x M array.
+  return out, (q, k, v, mask, key, out, lse)
 
 
-def _flash_bwd(causal, scale, block, name, res, do):
+def _flash_bwd(causal, scale, block, name, rate, res, do):
+  """With dropout (Z the keep-mask, scaled by 1 / (1 - rate)): o = (P * Z) v, so dv =
+  (P * Z)^T do, dP = Z * (do v^T), and dS = P * (dP - rowsum(P * dP)) with rowsum(P * dP)
+  = rowsum(P * Z * (do v^T)) = rowsum(do * o): the same delta as without dropout."""
   del name
-  q, k, v, mask, out, lse = res
+  q, k, v, mask, key, out, lse = res
   b, n, h, d = q.shape
   m, kh = k.shape[1], k.shape[2]
   nb = -(-m // block)
@@ -437,9 +558,14 @@ def _flash_bwd(causal, scale, block, name, res, do):
     valid = _block_valid(j, block, n, causal, mask_j)
     p = jnp.exp(s - lse[..., None])
     p = p if valid is None else jnp.where(valid, p, 0.0)
-    dv = jnp.einsum("bhgnk,bnhgd->bkhd", p.astype(do.dtype), dog,
+    keep = _keep_blocks(key, rate, j, b, kh, h // kh, n, block)
+    dv = jnp.einsum("bhgnk,bnhgd->bkhd",
+                    (p if keep is None else jnp.where(keep, p, 0.0)).astype(do.dtype), dog,
                     preferred_element_type=jnp.float32)
     dp = jnp.einsum("bnhgd,bkhd->bhgnk", dog, vj, preferred_element_type=jnp.float32)
+    if keep is not None:
+      dv = dv * (1.0 / (1.0 - rate))
+      dp = jnp.where(keep, dp * (1.0 / (1.0 - rate)), 0.0)
     ds = (p * (dp - delta[..., None]) * scale).astype(q.dtype)
     dq = dq + jnp.einsum("bhgnk,bkhd->bnhgd", ds, kj, preferred_element_type=jnp.float32)
     dk = jnp.einsum("bhgnk,bnhgd->bkhd", ds, qg, preferred_element_type=jnp.float32)
@@ -452,7 +578,7 @@ def _flash_bwd(causal, scale, block, name, res, do):
   def unblock(x):
     return jnp.moveaxis(x, 0, 1).reshape(b, nb * block, kh, d)[:, :m]
 
-  return (dq.reshape(b, n, h, d).astype(q.dtype), unblock(dk), unblock(dv), None)
+  return (dq.reshape(b, n, h, d).astype(q.dtype), unblock(dk), unblock(dv), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -186,12 +186,14 @@ class Attention(Strategy):
 
   @property
   def fn(self) -> Callable:
-    """``fn(q, k, v, *, causal, mask, name)`` with this implementation."""
+    """``fn(q, k, v, *, causal, mask, name, dropout_rate, dropout_key)`` with this
+    implementation."""
     return functools.partial(attention_lib.attention, implementation=self.implementation,
                              block_k=self.block_k)
 
-  def __call__(self, q, k, v, mask=None):
-    return self.fn(q, k, v, causal=self.causal, mask=mask, name="attn_out")
+  def __call__(self, q, k, v, mask=None, *, dropout_rate: float = 0.0, dropout_key=None):
+    return self.fn(q, k, v, causal=self.causal, mask=mask, name="attn_out",
+                   dropout_rate=dropout_rate, dropout_key=dropout_key)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -176,9 +176,10 @@ class CodedNorm(NormWrapper):
     return qy, {"input": in_state, "output": out_state}
 
 
-def _attend(causal, implementation, block_k, q, k, v, mask):
+def _attend(causal, implementation, block_k, dropout_rate, q, k, v, mask, dropout_key):
   return attention_lib.attention(q, k, v, causal=causal, mask=mask,
-                                 implementation=implementation, block_k=block_k)
+                                 implementation=implementation, block_k=block_k,
+                                 dropout_rate=dropout_rate, dropout_key=dropout_key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,14 +194,16 @@ class CodedAttention(Wrapper):
     return {"query": self.heads.init(), "key": self.kv_heads.init(),
             "value": self.kv_heads.init(), "output": self.heads.init()}
 
-  def apply(self, states, q, k, v, mask=None):
+  def apply(self, states, q, k, v, mask=None, *, dropout_rate: float = 0.0,
+            dropout_key=None):
     updated = {}
     qq, updated["query"] = self.heads.code(states["query"], q)
     qk, updated["key"] = self.kv_heads.code(states["key"], k)
     qv, updated["value"] = self.kv_heads.code(states["value"], v)
     fn = functools.partial(_attend, self.inner.causal, self.inner.implementation,
-                           self.inner.block_k)
-    o = quant.coded_vjp(fn, [qq, qk, qv], (), (mask,))
+                           self.inner.block_k, dropout_rate)
+    # the dropout key is a constant of the rule: backward draws the same mask again
+    o = quant.coded_vjp(fn, [qq, qk, qv], (), (mask, dropout_key))
     qo, updated["output"] = self.heads.code(states["output"], checkpoint_name(o, "attn_out"))
     return qo, updated
 
