@@ -77,6 +77,16 @@ def test_flash_matches_the_xla_reference_with_the_same_key(causal, heads, kv_hea
     np.testing.assert_allclose(a, r, rtol=1e-5, atol=5e-6)
 
 
+def test_bf16_flash_close_to_the_fp32_reference():
+  q, k, v = _qkv(2, 40, 40, 4, 2, 16)
+  kw = dict(causal=True, block_k=16, dropout_rate=0.2, dropout_key=KEY)
+  ref = attention_jit(q, k, v, implementation="xla", **kw)
+  out = attention_jit(*(t.astype(jnp.bfloat16) for t in (q, k, v)), implementation="flash",
+                      **kw)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=4e-2)
+
+
 def test_a_different_key_or_block_gives_another_result():
   q, k, v = _qkv(1, 20, 20, 2, 2, 8)
   run = lambda key, block_k: attention_jit(q, k, v, implementation="flash", block_k=block_k,
