@@ -65,29 +65,32 @@ class SelfAttention(nnx.Module):
     position embeddings (:func:`models.rope.rope_tables`) applied to q and k."""
     x = self.shared_input(x)
     parts = (self.query, self.key, self.value, self.attend)
-    key = self.probs_dropout.next_key()
-    drop = {} if key is None else dict(dropout_rate=self.probs_dropout.rate, dropout_key=key)
+    key = self.probs_dropout.next_key()  # None: no dropout (rate 0 or eval mode)
+    rate = 0.0 if key is None else self.probs_dropout.rate
     if self.qkv.strategy.recomputes:
       graphdef, params, rest = nnx.split(parts, nnx.Param, ...)
-      o = self.qkv(functools.partial(_run, graphdef), x, params, (rest, mask, rope, drop))
+      # the rate is static (bound), the key an array (among the constants)
+      o = self.qkv(functools.partial(_run, graphdef, rate), x, params, (rest, mask, rope, key))
       o = self.shared_output(o)
     else:
-      o = _attend(*parts, x, mask, rope, drop)
+      o = _attend(*parts, x, mask, rope, rate, key)
     return checkpoint_name(self.out(o), "attn_proj")
 
 
-def _attend(query, key, value, attend, x, mask, rope, drop):
-  """``attend(q, k, v, mask, **drop)`` on the projections of ``x`` (RoPE applied to q and
-  k; ``drop``: the probabilities' dropout rate and key, or nothing)."""
+def _attend(query, key, value, attend, x, mask, rope, rate, dropout_key):
+  """``attend(q, k, v, mask)`` on the projections of ``x`` (RoPE applied to q and k), its
+  probabilities dropped at ``rate`` with ``dropout_key`` when ``rate`` > 0."""
   q = checkpoint_name(query(x), "qkv_proj")
   k = checkpoint_name(key(x), "qkv_proj")
   v = checkpoint_name(value(x), "qkv_proj")
   if rope is not None:
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-  return attend(q, k, v, mask, **drop)
+  if not rate:
+    return attend(q, k, v, mask)
+  return attend(q, k, v, mask, dropout_rate=rate, dropout_key=dropout_key)
 
 
-def _run(graphdef, x, params, consts):
+def _run(graphdef, rate, x, params, consts):
   """:func:`_attend` as a pure function of the split modules (for the ``qkv`` site)."""
-  rest, mask, rope, drop = consts
-  return _attend(*nnx.merge(graphdef, params, rest), x, mask, rope, drop)
+  rest, mask, rope, key = consts
+  return _attend(*nnx.merge(graphdef, params, rest), x, mask, rope, rate, key)
