@@ -46,6 +46,7 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from lowmem_jax import gpu_target
+from lowmem_jax.dropout import check_rate, keep_mask
 
 IMPLEMENTATIONS = ("auto", "flash", "cudnn", "cudnn_padded", "xla")
 DEFAULT_BLOCK_K = 512
@@ -102,7 +103,7 @@ def attention(q, k, v, *, causal: bool = False, mask=None, implementation: str =
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
         f"unknown attention implementation {implementation!r}; valid: {', '.join(IMPLEMENTATIONS)}")
-  rate = _dropout_rate(dropout_rate)
+  rate = check_rate(dropout_rate, "attention: dropout_rate")
   if rate:
     _check_dropout_key(dropout_key, rate)
     if implementation in ("cudnn", "cudnn_padded"):
@@ -336,14 +337,6 @@ def _padded(q, k, v, mask, causal, scale, implementation):
 
 
 # ----------------------------------------------------------------------------- dropout
-def _dropout_rate(rate) -> float:
-  """``rate`` as a float in [0, 1); static: it picks the program."""
-  if isinstance(rate, (bool, np.bool_)) or not isinstance(
-      rate, (int, float, np.integer, np.floating)) or not 0.0 <= float(rate) < 1.0:
-    raise ValueError(f"attention: dropout_rate must be a Python float in [0, 1), got {rate!r}")
-  return float(rate)
-
-
 def _check_dropout_key(key, rate):
   if key is None:
     raise ValueError(f"attention: dropout_rate {rate} needs a dropout_key (a PRNG key: "
@@ -355,36 +348,21 @@ def _check_dropout_key(key, rate):
                      f"jax.random.PRNGKey(seed)), got {dtype}{list(shape or ())}")
 
 
-def dropout_threshold(rate: float) -> int:
-  """A uniform 16-bit draw is dropped where it is below ``round(rate * 2**16)``: dropped
-  with probability ``rate`` to within ``2**-17``."""
-  return min(round(rate * 2 ** 16), 2 ** 16 - 1)
-
-
 def _block_keep(key, j, shape, rate):
-  """The keep-mask of key block ``j``: bool ``shape`` ``[B, H, N, block]``. Each uint32 of
-  ``jax.random.bits(fold_in(key, j), [B, H, N, ceil(block / 2)], uint32)`` gives two
-  16-bit draws, its low half for key ``i`` and its high half for key ``ceil(block / 2) +
-  i``: half the threefry work of a word a draw, no float uniforms. The flash grad's peak
-  (XLA:CPU, fp32, B=2, H=4, N=M=512, D=32, block 128): 18.7 MiB, 16.2 without dropout,
-  24.2 drawing a uint32 a key."""
-  *lead, block = shape
-  words = jax.random.bits(jax.random.fold_in(key, j), (*lead, -(-block // 2)), jnp.uint32)
-  threshold = jnp.uint32(dropout_threshold(rate))
-  keep = jnp.concatenate([(words & 0xFFFF) >= threshold, (words >> 16) >= threshold], -1)
-  return keep[..., :block]
+  """The keep-mask of key block ``j``: bool ``shape`` ``[B, H, N, block]``,
+  :func:`lowmem_jax.dropout.keep_mask` of ``fold_in(key, j)``."""
+  return keep_mask(jax.random.fold_in(key, j), shape, rate)
 
 
 def dropout_keep_mask(key, shape_bhnm, rate: float, block: int):
   """The attention dropout's keep-mask, bool ``[B, H, N, M]`` (True = kept): key block ``j``
   (keys ``j * block`` to ``(j + 1) * block``, the last padded past ``M``) is
-  :func:`_block_keep` of ``fold_in(key, j)``: 16-bit draws ``>= dropout_threshold(rate)``,
-  two from each uint32 of ``jax.random.bits``; the blocks concatenated along keys, cut to
-  ``M``. A function of the key, the shape, ``rate`` and ``block`` only: ``"flash"`` draws
+  :func:`_block_keep` of ``fold_in(key, j)`` (16-bit draws,
+  :func:`lowmem_jax.dropout.keep_mask`); the blocks concatenated along keys, cut to ``M``. A function of the key, the shape, ``rate`` and ``block`` only: ``"flash"`` draws
   it block by block with ``block = key_block(M, block_k)``; another ``block_k`` gives
   another mask."""
   b, h, n, m = shape_bhnm
-  rate = _dropout_rate(rate)
+  rate = check_rate(rate, "attention: dropout_rate")
   nb = -(-m // block)
   keep = jax.vmap(lambda j: _block_keep(key, j, (b, h, n, block), rate))(jnp.arange(nb))
   return jnp.moveaxis(keep, 0, 3).reshape(b, h, n, nb * block)[..., :m]

@@ -20,20 +20,31 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_rate(rate, what: str = "dropout rate") -> float:
-  """``rate`` as a float in [0, 1), or a ValueError naming ``what``."""
-  if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+  """``rate`` as a Python float in [0, 1) (static: it picks the program), or a ValueError
+  naming ``what``."""
+  if isinstance(rate, (bool, np.bool_)) or not isinstance(
+      rate, (int, float, np.integer, np.floating)) or not 0 <= float(rate) < 1:
     raise ValueError(f"{what} must be a number in [0, 1), got {rate!r}")
   return float(rate)
 
 
 def keep_mask(key: jax.Array, shape, rate: float) -> jax.Array:
-  """Bool ``shape``: True where an element is kept, each with probability ``1 - rate``
-  (to 2**-32). Uniform 32-bit integers compared with ``rate * 2**32``: no float draw."""
-  threshold = min(round(check_rate(rate) * 2 ** 32), 2 ** 32 - 1)
-  return jax.random.bits(key, shape, jnp.uint32) >= jnp.uint32(threshold)
+  """Bool ``shape``: True where an element is kept. Each element is a 16-bit uniform draw,
+  kept where ``>= round(rate * 2**16)`` (dropped with probability within 2**-17 of
+  ``rate``): each uint32 of ``jax.random.bits(key, [..., ceil(last / 2)])`` gives two, its
+  low half for position ``i`` of the last axis and its high half for ``ceil(last / 2) + i``.
+  Half the threefry work of a 32-bit draw per element, no float uniforms (the flash
+  attention's grad peak at B=2, H=4, N=M=512, fp32 on CPU: 18.7 MiB, against 24.2 drawing
+  a uint32 per element and 16.2 without dropout)."""
+  threshold = jnp.uint32(min(round(check_rate(rate) * 2 ** 16), 2 ** 16 - 1))
+  *lead, last = shape
+  words = jax.random.bits(key, (*lead, -(-last // 2)), jnp.uint32)
+  keep = jnp.concatenate([(words & 0xFFFF) >= threshold, (words >> 16) >= threshold], -1)
+  return keep[..., :last]
 
 
 def _apply(x, keep, rate):

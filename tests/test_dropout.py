@@ -88,12 +88,13 @@ def test_backward_keeps_no_mask():
   # plain autodiff keeps every layer's bool mask until backward reaches it ...
   ref = peak_buffers(_stack(dropout_reference, layers), x, ws)
   assert ref.find(shape=stacked_mask, dtype=jnp.bool_), ref.table()
-  # ... the key-only rule keeps none (on CPU the random bits of one layer are drawn into
-  # uint32 temporaries; on XLA:GPU the draw fuses: an H100-target compile of this stack at
-  # 8x256x256 bf16 peaked at 34.25 MiB, against 38.25 MiB for plain autodiff and 34.13
-  # without dropout, 2026-11-28)
+  # ... the key-only rule keeps none, and peaks lower (here 16.06 against 16.56 MiB, 15.56
+  # without dropout; on CPU one layer's random bits are drawn into uint32 temporaries, which
+  # XLA:GPU fuses: an H100-target compile of this stack at 8x256x256 bf16 peaked at 34.25
+  # MiB, against 38.25 for plain autodiff and 34.13 without dropout, 2026-11-28)
   ours = peak_buffers(_stack(dropout, layers), x, ws)
   assert not ours.find(dtype=jnp.bool_, shape=stacked_mask), ours.table()
+  assert ours.peak_bytes < ref.peak_bytes, (ours.peak_bytes, ref.peak_bytes)
   residuals = saved_residuals(lambda x: jnp.sum(dropout(2 * x, 0.5, jax.random.key(0))),
                               jnp.ones((64, 64)))
   assert [r.dtype for r in residuals.items] == ["key<fry>"], residuals.table()  # the key alone
@@ -167,12 +168,11 @@ def test_bert_drops_in_train_mode_only(model_type):
 
 
 def test_bert_train_step_keeps_no_dropout_mask():
-  """The compiled grad of a 4-layer BERT with dropout keeps no mask per layer: with hidden
-  dropout no bool array that the model without dropout lacks; with attention dropout too,
-  only the one key block's mask the flash attention draws while it runs, nothing stacked
-  over the layers (kept masks would be: the stack scans its layers). Peaks on CPU (random
-  bits drawn into uint32 temporaries, which XLA:GPU fuses): 9.34 MiB without dropout,
-  10.21 hidden, 11.08 with attention dropout too (2026-11-28)."""
+  """The compiled grad of a 4-layer BERT with hidden and attention dropout keeps no mask:
+  no bool array is live at its peak, as without dropout (kept masks would be, stacked over
+  the scanned layers). Peaks on CPU, where the random bits are drawn into uint32
+  temporaries that XLA:GPU fuses: 9.34 MiB without dropout, 9.84 hidden, 10.59 with
+  attention dropout too (2026-11-28)."""
   from models import bert
 
   def live(**rates):
@@ -188,12 +188,8 @@ def test_bert_train_step_keeps_no_dropout_mask():
 
     return peak_buffers(grad, params, rest)
 
-  bools = lambda pb: [b.shape for b in pb.buffers if b.dtype == "bool"]
-  plain, hidden = live(), live(hidden_dropout=0.1)
-  assert bools(hidden) == bools(plain), hidden.table()
-  both = live(hidden_dropout=0.1, attention_dropout=0.1)
-  # [key blocks, B, kv heads, groups, N, block]: one layer's, while its attention runs
-  assert bools(both) == [(1, 8, 4, 1, 64, 64)], both.table()
+  for pb in (live(), live(hidden_dropout=0.1), live(hidden_dropout=0.1, attention_dropout=0.1)):
+    assert not [b for b in pb.buffers if b.dtype == "bool"], pb.table()
 
 
 @pytest.mark.parametrize("policy", ["lowmembp+qkv=recompute", "mesa8", "lowmembp+remat"])
