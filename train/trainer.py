@@ -77,7 +77,7 @@ class Trainer:
   # (batch signature, executable) of the step compiled by compiled_memory, which step()
   # runs on batches of that signature: the step compiles once, not twice
   compiled_step: tuple | None = None
-  # the model's input for each 8-bit image code ([256, channels] f32, code_values): the
+  # the model's input for each 8-bit image code ([256, channels or 1] f32, code_values): the
   # pretrained processor's normalization, made part of the steps
   pixel_values: np.ndarray | None = None
 
