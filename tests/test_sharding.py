@@ -206,3 +206,46 @@ def _run_on_8_cpu_devices(code: str) -> str:
                         env=env, timeout=300)
   assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
   return proc.stdout
+
+
+def test_8_bit_image_codes_split_over_the_mesh_and_train_as_their_floats(tmp_path):
+  """uint8 image codes on a data mesh with grad_accum: the batch goes split as codes (a
+  quarter of float32's bytes per device), each micro-batch is made floats where it lies
+  (no all-gather), and the steps train and evaluate (a last batch the mesh cannot split
+  included) as on the host's normalized floats."""
+  code = textwrap.dedent(f"""
+      import dataclasses
+      import jax, numpy as np
+      from train import config as config_lib
+      from train.dataset import ArrayDataset
+      from train.images import code_values, normalized
+      from train.trainer import Trainer
+      stats = (np.array([0.485, 0.456, 0.406], np.float32),
+               np.array([0.229, 0.224, 0.225], np.float32))
+      cfg = config_lib.load_config("digits-vit", None, {TINY_TRAIN!r} + [
+          "out_dir={tmp_path}", "mesh=data=2", "precision=highest", "batch_size=8",
+          "grad_accum=2", "model.channels=3", "optimizer=sgd", "lr=0.1", "warmup_steps=0"])
+      rng = np.random.default_rng(0)
+      codes = rng.integers(0, 256, (9, 8, 8, 3), dtype=np.uint8)
+      labels = rng.integers(0, 10, 9).astype(np.int32)
+      host = normalized(ArrayDataset({{"image": codes}}), *stats).take(np.arange(9))["image"]
+      out = {{}}
+      for name, images in (("codes", codes), ("floats", host)):
+        trainer = dataclasses.replace(Trainer.create(cfg), pixel_values=code_values(stats))
+        batch = trainer.put({{"image": images[:8], "label": labels[:8]}})
+        shard = batch["image"].addressable_shards[0].data
+        assert shard.shape == (4, 8, 8, 3) and shard.dtype == images.dtype, shard
+        text = trainer.compile(batch).as_text()
+        assert "all-gather" not in text and "all-reduce" in text, name
+        for _ in range(2):
+          trainer.step(batch)
+        evaluated = trainer.evaluate([{{"image": images[i:i + 8], "label": labels[i:i + 8]}}
+                                      for i in (0, 8)])
+        out[name] = evaluated, jax.device_get(trainer.state["params"])
+      for key, value in out["floats"][0].items():
+        assert abs(out["codes"][0][key] - value) <= 1e-6 * abs(value), (key, out)
+      for a, b in zip(jax.tree.leaves(out["codes"][1]), jax.tree.leaves(out["floats"][1])):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+      print("ok")
+  """)
+  _run_on_8_cpu_devices(code)

@@ -1694,3 +1694,38 @@ def test_text_fields_are_for_the_text_task():
       "TrainConfig: text_key is for task=text; task='lm' reads its own fields")):
     config_lib.TrainConfig(task="lm", model="llama-tiny", text_key="content")
   config_lib.TrainConfig(task="text", text_key="content", text_pair_key="other")
+
+
+@pytest.mark.slow
+def test_an_8_bit_folder_trains_as_its_floats_and_resumes_bit_for_bit(tmp_path):
+  """A pretrained ViT (its processor: ImageNet's mean and std) on a folder of 8-bit
+  images: the batches carry uint8 codes, which the steps normalize (2026-11-28), and the
+  run trains and evaluates (grad_accum 2, a last partial eval batch) as on the same images
+  stored as float .npy, which the host normalizes as it normalized every image before;
+  resumed from its step-2 checkpoint it goes on bit for bit."""
+  model = Path(shutil.copytree(ROOT / "tests/data/hf/vit", tmp_path / "vit"))
+  (model / "preprocessor_config.json").write_text(json.dumps({
+      "do_normalize": True, "image_mean": [0.485, 0.456, 0.406],
+      "image_std": [0.229, 0.224, 0.225]}))
+  rng = np.random.default_rng(0)
+  for i, codes in enumerate(rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)):
+    for kind, image in (("codes", codes), ("floats", codes.astype(np.float32) / 255.0)):
+      (tmp_path / kind / "ab"[i % 2]).mkdir(parents=True, exist_ok=True)
+      np.save(tmp_path / kind / "ab"[i % 2] / f"{i}.npy", image)
+  runs = {}
+  for kind in ("codes", "floats"):
+    cfg = config_lib.load_config("digits-vit", None, [
+        f"pretrained={model}", "new_head=true", "model.num_labels=2",
+        f"data={tmp_path / kind}", f"eval_data={tmp_path / kind}", "steps=4",
+        "batch_size=4", "grad_accum=2", "eval_every=4", "eval_batch_size=5", "log_every=1",
+        "save_every=2", "compare_baseline=false", "dtype=float32", "precision=highest",
+        f"out_dir={tmp_path / ('run-' + kind)}"])
+    runs[kind] = cfg, train(cfg), _losses(cfg.out_dir)
+  (cfg, coded, losses), (_, floats, float_losses) = runs["codes"], runs["floats"]
+  assert losses == pytest.approx(float_losses, rel=1e-6)
+  for key in ("eval_loss", "eval_accuracy", "eval_f1_macro"):
+    assert coded[key] == pytest.approx(floats[key], rel=1e-6), key
+  shutil.rmtree(Path(cfg.out_dir) / "checkpoints" / "4")
+  assert train(cfg.replace(resume=True))["step"] == 4
+  resumed = _losses(cfg.out_dir)
+  assert [resumed[s] for s in (3, 4)] == [losses[s] for s in (3, 4)]

@@ -21,7 +21,8 @@ def make_datasets(cfg: TrainConfig, model=None):
   against the model's ``num_labels`` (``model`` given, or the preset's), and, ``model``
   given, ``max_len`` and the token ids against its positions and vocabulary; string labels
   and class folders map to ids from the training set, which the eval set reuses. A
-  pretrained model's images are normalized as its ``preprocessor_config.json`` says."""
+  pretrained model's images are normalized as its ``preprocessor_config.json`` says: 8-bit
+  codes in the train and eval steps (:class:`train.trainer.Trainer`), float images here."""
   model_cfg = getattr(model, "cfg", None)
   if cfg.task == "image":
     if model_cfg is None:  # the image size of the model
@@ -66,8 +67,10 @@ def make_datasets(cfg: TrainConfig, model=None):
       return train, test
     print(f"images: normalized as {cfg.pretrained}'s preprocessor_config.json says: mean "
           f"{stats[0].tolist()}, std {stats[1].tolist()}", flush=True)
-    return (images.normalized(train, *stats),
-            None if test is None else images.normalized(test, *stats))
+    # 8-bit codes go to the device as they are: the steps look up each code's normalized
+    # value (train.images.model_pixels); float images are normalized per batch here
+    return tuple(d if d is None or _image_dtype(d) == np.uint8 else images.normalized(d, *stats)
+                 for d in (train, test))
   if model_cfg is not None and cfg.max_len > model_cfg.max_tokens:
     raise ValueError(f"max_len={cfg.max_len} exceeds the {model_cfg.max_tokens} positions "
                      f"of model {cfg.pretrained or cfg.model}; set max_len <= "
@@ -105,6 +108,11 @@ def make_datasets(cfg: TrainConfig, model=None):
   if test is not None:
     _say_text_data(cfg.eval_data, test, cfg, model_cfg)
   return _checkpoint_label_ids(train, cfg), _checkpoint_label_ids(test, cfg)
+
+
+def _image_dtype(dataset) -> np.dtype:
+  """The dtype of the images a batch of ``dataset`` carries (after its transform)."""
+  return dataset.take(np.arange(1))["image"].dtype
 
 
 def _say_text_data(path, dataset, cfg: TrainConfig, model_cfg) -> None:

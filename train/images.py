@@ -1,10 +1,13 @@
 """Image data: scikit-learn's digits and ImageNet-style class folders.
 
-Both return an ``ArrayDataset`` whose batches have ``image`` f32 [n, H, W, C] in [0, 1] and
-``label`` i32, and the class names by label id on ``class_names``. A folder of 8-bit images
-is held as uint8 codes, made [0, 1] per batch. A pretrained model's pixels are
-normalized as its HF image processor does (:func:`pixel_normalization`, :func:`normalized`),
-and the digits resized for a model of another size (:func:`resized`), each per batch.
+Both return an ``ArrayDataset`` whose batches have ``image`` [n, H, W, C] and ``label`` i32,
+and the class names by label id on ``class_names``. A folder of 8-bit images is held, and
+batched, as uint8 codes: the train and eval steps make them the model's floats on the
+device (:func:`model_pixels`: a quarter of float32's bytes copied, no host work per batch);
+other images are f32 in [0, 1]. A pretrained model's pixels are normalized as its HF image
+processor does (:func:`pixel_normalization`): 8-bit codes in the step, float images per
+batch on the host (:func:`normalized`), to the same values. The digits are resized for a
+model of another size (:func:`resized`), per batch.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import unicodedata
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 
 from train.dataset import ArrayDataset, MissingFileError
@@ -161,7 +165,9 @@ def load_images(scan: ImageFiles, *, image_size: int, channels: int = 3) -> Arra
   ``datasets`` and ``load_image`` do) and ``.npy`` files (an HxWxC or HxW array: uint8 in
   [0, 255], uint16 in [0, 65535] or float in [0, 1]) are resized to ``image_size`` squared
   (bilinear, antialiased, aspect ratio not kept).
-  Returns ``image`` f32 [n, H, W, C] in [0, 1] and ``label`` i32; ``class_names`` on the dataset.
+  Returns ``image`` [n, H, W, C], uint8 codes while every image is 8-bit (the steps make
+  them floats: :func:`model_pixels`), else f32 in [0, 1], and ``label`` i32;
+  ``class_names`` on the dataset.
   """
   if image_size < 1:
     raise ValueError(f"image_size must be >= 1, got {image_size}")
@@ -175,9 +181,9 @@ def load_images(scan: ImageFiles, *, image_size: int, channels: int = 3) -> Arra
     except ImportError as e:
       raise ImportError(f"image_folder needs Pillow to read images in {scan.root}: "
                         "pip install pillow") from e
-  # held as 8-bit codes while every image is one (Pillow resizes in 8 bits; a uint8 .npy
-  # of the size), made [0, 1] per batch: the same values, 4x less memory; in float32 from
-  # the first image that is not
+  # held and batched as 8-bit codes while every image is one (Pillow resizes in 8 bits; a
+  # uint8 .npy of the size), made [0, 1] in the step: the same values, 4x less memory and
+  # 4x fewer bytes to the device; in float32 from the first image that is not
   image = np.empty((len(files), image_size, image_size, channels), np.uint8)
   if len(files) >= SAY_DECODING:
     wide = (", or 4x that as float32 if a .npy is not 8-bit"
@@ -198,8 +204,6 @@ def load_images(scan: ImageFiles, *, image_size: int, channels: int = 3) -> Arra
         image = _unit(image)  # a no-op once the folder is float32
       image[i] = a if image.dtype == np.uint8 else _unit(a)
   ds = ArrayDataset({"image": image, "label": np.asarray(scan.labels, np.int32)})
-  if image.dtype == np.uint8:
-    ds = ds.with_transform(lambda batch: {**batch, "image": _unit(batch["image"])})
   ds.class_names = scan.class_names
   return ds
 
@@ -368,16 +372,20 @@ def resized(ds: ArrayDataset, image_size: int, channels: int) -> ArrayDataset:
   ``channels``, as :func:`image_folder` reads a file (bilinear; grey repeated), class names
   kept: the 8x8 digits for a model pretrained at another size. Done per batch
   (:meth:`ArrayDataset.with_transform`): the host holds the small images and one batch
-  of large ones (the digits for a 224 px ViT: 1.1 GB of float32 otherwise)."""
+  of large ones (the digits for a 224 px ViT: 1.1 GB of float32 otherwise). 8-bit codes
+  are resized as [0, 1] floats."""
   def resize(batch):  # channels last (linear, so it commutes with the resize): 3x less work
-    image = _convert_channels(_resize(batch["image"], image_size), channels, Path("images"))
+    image = _convert_channels(_resize(_unit(batch["image"]), image_size), channels,
+                              Path("images"))
     return {**batch, "image": image.astype(np.float32, copy=False)}
   return ds.with_transform(resize)
 
 
 def normalized(ds: ArrayDataset, mean: np.ndarray, std: np.ndarray) -> ArrayDataset:
   """``ds`` with ``image`` as ``(image - mean) / std`` per channel (class names kept), per
-  batch (:meth:`ArrayDataset.with_transform`: no normalized copy of the images held)."""
+  batch on the host (:meth:`ArrayDataset.with_transform`: no normalized copy of the images
+  held); 8-bit codes are made [0, 1] first. For float images; a run leaves 8-bit codes to
+  the step (:func:`model_pixels`), which gives the same values."""
   channels = ds.take(np.arange(1))["image"].shape[-1]
   if len(mean) not in (1, channels):
     raise ValueError(f"image normalization has {len(mean)} channels, the images {channels}")
@@ -386,10 +394,40 @@ def normalized(ds: ArrayDataset, mean: np.ndarray, std: np.ndarray) -> ArrayData
   def normalize(batch):
     # per example as one row against mean and std laid out as an example: numpy's inner
     # loop then runs over H W C values, not C (5x faster, the same values)
-    image = batch["image"]
+    image = _unit(batch["image"])
     shape, n = image.shape, len(image)
     tiled = [np.broadcast_to(x, shape[1:]).reshape(1, -1) for x in (mean, std)]
     rows = np.subtract(image.reshape(n, -1), tiled[0], dtype=np.float32)
     rows /= tiled[1]
     return {**batch, "image": rows.reshape(shape)}
   return ds.with_transform(normalize)
+
+
+def code_values(stats: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+  """The model's input for each 8-bit code, f32 ``[256, K]``: row ``code`` is
+  ``(code / 255 - mean) / std`` per channel (``stats``: ``(mean, std)``, K channels), or
+  ``code / 255`` without ``stats`` (K = 1), computed as :func:`normalized` computes a
+  float batch: the values the host fed the model before the step took codes."""
+  values = _unit(np.arange(256, dtype=np.uint8))[:, None]
+  if stats is None:
+    return values
+  mean, std = (np.asarray(x, np.float32).reshape(1, -1) for x in stats)
+  return np.subtract(values, mean, dtype=np.float32) / std
+
+
+def model_pixels(image, values: np.ndarray | None = None):
+  """A batch's ``image`` as the model takes it, inside the jitted step: uint8 codes looked
+  up per channel in ``values`` (:func:`code_values`; None: ``code / 255``), a constant of
+  the step; float pixels as they are (made and normalized on the host). A lookup, not
+  ``(x / 255 - mean) / std``: XLA turns a division by a constant into a multiplication by
+  its reciprocal (on the CPU up to 7.2e-7 from the host's values for ImageNet's mean and
+  std); the table gives the host's floats bit for bit on any backend."""
+  if image.dtype != jnp.uint8:
+    return image
+  values = code_values() if values is None else values
+  channels = image.shape[-1]
+  if values.shape[-1] not in (1, channels):
+    raise ValueError(f"image normalization has {values.shape[-1]} channels, the images "
+                     f"{channels}")
+  table = jnp.asarray(np.broadcast_to(values, (256, channels)))
+  return table.at[image.astype(jnp.int32), np.arange(channels)].get(mode="promise_in_bounds")

@@ -3,7 +3,9 @@
 A causal LM that has ``token_losses`` (LLaMA, RevLlama) computes its next-token loss with
 the fused, chunked head (:func:`lowmem_jax.lm_loss.chunked_cross_entropy`: no
 ``[B, T, V]`` fp32 logits) when ``lm_loss_chunk > 0``; otherwise, and for the other tasks,
-the loss is taken on the model's logits.
+the loss is taken on the model's logits. An image batch's uint8 codes become the model's
+floats here, inside the step (:func:`train.images.model_pixels`), for the train and eval
+losses alike.
 """
 
 from __future__ import annotations
@@ -12,16 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowmem_jax.lm_loss import DEFAULT_CHUNK, logits_cross_entropy
+from train.images import model_pixels
 
 
-def eval_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK):
+def eval_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK,
+                 pixel_values=None):
   """``(loss_sum, correct, count, predictions, classes)``: :func:`loss_and_metrics`' sums
   and, for a classifier (image, text), each example's predicted class from the same logits
   and the number of classes (None, None for lm), which the host counts against the labels
   (O(batch) out, whatever the classes)."""
   if task == "lm":
     return (*loss_and_metrics(model, batch, task, lm_loss_chunk)[1], None, None)
-  logits = _class_logits(model, batch, task)
+  logits = _class_logits(model, batch, task, pixel_values)
   losses, correct = logits_cross_entropy(logits, batch["label"])
   return (jnp.sum(losses), jnp.sum(correct.astype(jnp.float32)),
           jnp.float32(losses.shape[0]), jnp.argmax(logits, axis=-1).astype(jnp.int32),
@@ -50,20 +54,24 @@ def macro_f1(confusion) -> float:
   return float(np.mean(f1[seen])) if seen.any() else 0.0
 
 
-def _class_logits(model, batch: dict, task: str):
-  """A classifier's logits (image, text). Text pairs carry segment ids (types): the
-  second text is segment 1, as HF embeds it."""
+def _class_logits(model, batch: dict, task: str, pixel_values=None):
+  """A classifier's logits (image, text). An image's 8-bit codes are made the model's
+  floats from ``pixel_values`` (:func:`train.images.code_values`; None: ``code / 255``).
+  Text pairs carry segment ids (types): the second text is segment 1, as HF embeds it."""
   if task == "image":
-    return model(batch["image"])
+    return model(model_pixels(batch["image"], pixel_values))
   return model(batch["tokens"], batch["mask"], batch.get("types"))
 
 
-def loss_and_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK):
+def loss_and_metrics(model, batch: dict, task: str, lm_loss_chunk: int = DEFAULT_CHUNK,
+                     pixel_values=None):
   """Mean loss over the counted examples/tokens and (loss_sum, correct, count).
   ``lm_loss_chunk``: tokens per chunk of the fused LM head and loss (task "lm"), 0 for
-  the loss on the full logits."""
+  the loss on the full logits; ``pixel_values``: an image's value per 8-bit code
+  (:func:`train.images.code_values`)."""
   if task in ("image", "text"):
-    losses, correct = logits_cross_entropy(_class_logits(model, batch, task), batch["label"])
+    losses, correct = logits_cross_entropy(
+        _class_logits(model, batch, task, pixel_values), batch["label"])
     weights = jnp.ones(losses.shape, jnp.float32)
   else:
     tokens, targets = batch["tokens"], batch["targets"]

@@ -12,6 +12,10 @@ whole state as it was (parameters, site state, optimizer counts, step), so the s
 the last good one until the host reads ``first_bad`` when it next needs a value anyway.
 Under float16 the loss is scaled (``train.loss_scale``): a step whose gradients overflow
 is skipped and halves the scale; only one that overflows at the smallest scale stops.
+
+An image batch may carry uint8 codes: both steps make them the model's floats, normalized
+as a pretrained model's image processor says, from ``pixel_values`` (a constant of the
+steps, :func:`train.images.code_values`), so the host only gathers and copies codes.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ from models import sites
 from train import loss_scale, sharding
 from train.checkpoint import Checkpoints, StateMismatchError
 from train.config import TrainConfig
+from train.images import code_values, pixel_normalization
 from train.loss import class_f1, confusion_counts, eval_metrics, loss_and_metrics, macro_f1
-from train.model import build_model, split_trainable, trainable_filter
+from train.model import build_model, resolve_path, split_trainable, trainable_filter
 from train.optim import make_optimizer
 
 
@@ -72,6 +77,9 @@ class Trainer:
   # (batch signature, executable) of the step compiled by compiled_memory, which step()
   # runs on batches of that signature: the step compiles once, not twice
   compiled_step: tuple | None = None
+  # the model's input for each 8-bit image code ([256, channels or 1] f32, code_values): the
+  # pretrained processor's normalization, made part of the steps
+  pixel_values: np.ndarray | None = None
 
   @classmethod
   def create(cls, cfg: TrainConfig, model=None) -> "Trainer":
@@ -88,7 +96,7 @@ class Trainer:
       state["loss_scale"] = loss_scale.init()
     if mesh is not None:
       state = sharding.shard_state(state, mesh)
-    trainer = cls(cfg, graphdef, tx, state, mesh)
+    trainer = cls(cfg, graphdef, tx, state, mesh, pixel_values=_pixel_values(cfg))
     if mesh is None:
       trainer.state = trainer.placed(state)
     trainer.first_bad = trainer.placed(no_bad_step())
@@ -110,7 +118,7 @@ class Trainer:
   def train_step(self):
     """``(state, first_bad, batch) -> (state, first_bad, metrics)``, jitted, the first two
     donated."""
-    cfg, graphdef, tx = self.cfg, self.graphdef, self.tx
+    cfg, graphdef, tx, pixels = self.cfg, self.graphdef, self.tx, self.pixel_values
     trainable = trainable_filter(cfg)
 
     def grads_of(params, rest, batch, scale):
@@ -130,7 +138,7 @@ class Trainer:
         if use_caches:
           nnx.update(model, caches)
           sites.set_example_ids(model, ids)
-        loss, aux = loss_and_metrics(model, batch, cfg.task, cfg.lm_loss_chunk)
+        loss, aux = loss_and_metrics(model, batch, cfg.task, cfg.lm_loss_chunk, pixels)
         scaled = loss if scale is None else loss.astype(jnp.float32) * scale
         return scaled, (loss, aux, nnx.split(model, trainable, ...)[2])
 
@@ -214,13 +222,13 @@ class Trainer:
 
   @functools.cached_property
   def eval_step(self):
-    cfg, graphdef = self.cfg, self.graphdef
+    cfg, graphdef, pixels = self.cfg, self.graphdef, self.pixel_values
 
     @matmul_precision(cfg.precision)
     def step(params, rest, batch):
       model = nnx.merge(graphdef, params, rest)
       model.eval()  # no dropout; sites leave their state as it was
-      return eval_metrics(model, batch, cfg.task, cfg.lm_loss_chunk)
+      return eval_metrics(model, batch, cfg.task, cfg.lm_loss_chunk, pixels)
 
     return jax.jit(step, compiler_options=self.compiler_options)
 
@@ -320,6 +328,15 @@ class Trainer:
     leaves, treedef = jax.tree.flatten(like)
     restored, meta = ckpt.restore({"leaves": leaves}, names=_leaf_names(like))
     return jax.tree.unflatten(treedef, restored["leaves"]), meta
+
+
+def _pixel_values(cfg: TrainConfig) -> np.ndarray | None:
+  """An image run's value per 8-bit code: ``code / 255``, normalized as a pretrained
+  model's ``preprocessor_config.json`` says (:func:`train.images.pixel_normalization`)."""
+  if cfg.task != "image":
+    return None
+  return code_values(pixel_normalization(resolve_path(cfg.pretrained)) if cfg.pretrained
+                     else None)
 
 
 def _leaf_names(state) -> list[str]:
