@@ -84,6 +84,14 @@ def apply_rope(x, cos, sin):
   """HF's ``x * cos + rotate_half(x) * sin`` on ``x: [B, T, H, D]`` (tables from
   :func:`rope_tables`, in x's dtype).
 
-  Linear in ``x`` with constant tables: backward keeps only the tables (built once per
-  forward and shared by all layers), nothing of x's size."""
-  return x * cos + _rotate_half(x) * sin
+  16-bit ``x``: computed in fp32 and rounded once. A product of two 16-bit numbers is
+  exact in fp32, so the sum is the same whether or not the compiler fuses a multiply and
+  the add into an FMA; in 16 bits it is not: XLA:CPU on an AVX512-FP16 CPU fused one
+  product (unrounded) in some programs and the other in others, and the reversible
+  stack's rebuild (``x = y - F(...)``, exact only if F recomputes bit for bit) lost 5%
+  of the attention's gradient (:mod:`lowmem_jax.reversible`). Linear in ``x`` with
+  constant tables: backward keeps only the tables (built once per forward and shared by
+  all layers; fp32 copies for 16-bit ``x``), nothing of x's size."""
+  wide = jnp.promote_types(x.dtype, jnp.float32)
+  w = lambda a: a.astype(wide)
+  return (w(x) * w(cos) + w(_rotate_half(x)) * w(sin)).astype(x.dtype)

@@ -56,7 +56,9 @@ def test_gradients_exact_with_float64_activations(tokens, policy):
 def test_16_bit_compute_is_as_accurate_as_plain_autodiff(tokens, dtype):
   """bf16, the trainer's default, and fp16 run (RoPE tables in the fp32 stream's dtype
   made q and k fp32 beside a bf16 v); the streams stay fp32, so the rebuild costs nothing
-  beside 16-bit rounding."""
+  beside 16-bit rounding. Measured 0.00174 (fp16) and 0.0143 (bf16) for all three. fp16
+  RoPE in 16-bit arithmetic, fused into FMAs differently in the VJP's program (XLA:CPU,
+  AVX512-FP16), gave "reversible" 0.029 beside 0.0018 (models.rope.apply_rope)."""
   flat = lambda g: np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)])
   ref = flat(_grads(_model("baseline", 2), tokens)[1])
   err = {p: np.linalg.norm(flat(_grads(_model(p, 2, dtype), tokens)[1]) - ref)
