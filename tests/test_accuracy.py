@@ -127,7 +127,8 @@ def test_cli_errors_name_the_bad_argument(fakes, capsys, argv, message):
     accuracy.run_config("nope")
 
 
-BERT_FIELDS = ("dim, eps, initializer_range, max_positions, mlp_dim, model_type, num_heads, "
+BERT_FIELDS = ("attention_dropout, classifier_dropout, dim, eps, hidden_dropout, "
+               "initializer_range, max_positions, mlp_dim, model_type, num_heads, "
                "num_labels, num_layers, pad_token_id, type_vocab_size, vocab_size")
 
 

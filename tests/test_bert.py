@@ -336,11 +336,13 @@ def test_tf_era_layernorm_names_load_as_transformers_reads_them(hf_checkpoint, t
   model = bert.Bert(bert.config_from_hf(json.loads((path / "config.json").read_text())),
                     dtype=jnp.float32)
   hf.load_state(model, tensors)
+  model.eval()  # built here, not by load_pretrained: in train mode, dropout on
   assert_same_outputs(model, functools.partial(hf_reference, ref))
   both = {**tensors, **dict(hf.read_safetensors(path))}  # old and new names: today's read
   model = bert.Bert(bert.config_from_hf(json.loads((path / "config.json").read_text())),
                     dtype=jnp.float32)
   hf.load_state(model, both)
+  model.eval()
   assert_same_outputs(model, functools.partial(hf_reference, ref))
   model = hf.load_pretrained(old, policy="lowmembp")
   from models import lora
