@@ -358,9 +358,10 @@ def dropout_keep_mask(key, shape_bhnm, rate: float, block: int):
   """The attention dropout's keep-mask, bool ``[B, H, N, M]`` (True = kept): key block ``j``
   (keys ``j * block`` to ``(j + 1) * block``, the last padded past ``M``) is
   :func:`_block_keep` of ``fold_in(key, j)`` (16-bit draws,
-  :func:`lowmem_jax.dropout.keep_mask`); the blocks concatenated along keys, cut to ``M``. A function of the key, the shape, ``rate`` and ``block`` only: ``"flash"`` draws
-  it block by block with ``block = key_block(M, block_k)``; another ``block_k`` gives
-  another mask."""
+  :func:`lowmem_jax.dropout.keep_mask`); the blocks concatenated along keys, cut to ``M``.
+  A function of the key, the shape, ``rate`` and ``block`` only: ``"flash"`` draws it
+  block by block with ``block = key_block(M, block_k)``; another ``block_k`` gives another
+  mask."""
   b, h, n, m = shape_bhnm
   rate = check_rate(rate, "attention: dropout_rate")
   nb = -(-m // block)
