@@ -637,8 +637,9 @@ def checkpoint_labels(path: str | os.PathLike, num_labels: int | None = None
 
 def dropout_fields(path: str | os.PathLike) -> list[str]:
   """``"field=value"`` for each dropout probability above 0 a HF directory's config.json
-  sets (``hidden_dropout_prob``, ``attention_dropout``, ...): our models have no dropout,
-  so a fine-tune from it trains without what transformers' would use."""
+  sets (``hidden_dropout_prob``, ``attention_dropout``, ...): for the models without dropout
+  (ViT, LLaMA; BERT/RoBERTa read their rates), whose fine-tune from it trains without what
+  transformers' would use."""
   try:
     config = json.loads((Path(path) / "config.json").read_text())
     return [f"{k}={v}" for k, v in config.items() if "dropout" in k

@@ -259,3 +259,19 @@ def test_a_resumed_bert_run_draws_the_masks_the_uninterrupted_one_drew(tmp_path)
   from train.model import build_model
   drops = [m for _, m in nnx.iter_graph(build_model(cfg)) if isinstance(m, Dropout)]
   assert len(drops) == 5 and all(m.active for m in drops)
+
+
+def test_a_run_says_its_dropout_or_that_the_model_has_none(tmp_path, capsys):
+  from models import bert, vit
+  from train import loop
+  from train.config import TrainConfig
+  model = bert.Bert(bert.config("bert-tiny", hidden_dropout=0.1, attention_dropout=0.2),
+                    rngs=nnx.Rngs(0))
+  loop._say_dropout(TrainConfig(), model)
+  assert capsys.readouterr().out == (
+      "dropout: hidden_dropout 0.1, attention_dropout 0.2, classifier_dropout 0.1 (backward "
+      "keeps its keys, not its masks; --set model.<field>=0 turns one off)\n")
+  (tmp_path / "config.json").write_text('{"hidden_dropout_prob": 0.1, "qkv_bias": true}')
+  loop._say_dropout(TrainConfig(pretrained=str(tmp_path)), vit.ViT("vit-digits", rngs=nnx.Rngs(0)))
+  assert "config.json sets hidden_dropout_prob=0.1; this model has no dropout" in \
+      capsys.readouterr().out

@@ -449,8 +449,8 @@ def _say_dropout(cfg: TrainConfig, model) -> None:
     return
   fields = dropout_fields(resolve_path(cfg.pretrained)) if cfg.pretrained else []
   if fields:
-    print(f"note: {cfg.pretrained}'s config.json sets {', '.join(fields)}; the models here "
-          "have no dropout: this fine-tune runs without it (transformers' would use it)",
+    print(f"note: {cfg.pretrained}'s config.json sets {', '.join(fields)}; this model has "
+          "no dropout: this fine-tune runs without it (transformers' would use it)",
           flush=True)
 
 
